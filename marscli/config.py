@@ -1,0 +1,118 @@
+"""Frozen configuration and request types shared by the library and the CLI.
+
+The CLI parses options into these dataclasses once; everything below the CLI takes them as
+plain values. Nothing here imports torch, so `marscli --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+VerifyMode = Literal["strict", "mars"]
+MarginKind = Literal["logit-ratio", "prob-ratio"]
+
+#: The paper's global threshold (Song et al., arXiv 2601.15498).
+PAPER_THETA = 0.9
+#: theta that makes no position relaxable: MARS degenerates to strict verification.
+STRICT_THETA = math.inf
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_NUM_DRAFT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-record decoding settings. temperature == 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_overrides(self, overrides: dict[str, Any]) -> SamplingParams:
+        """Apply per-record overrides (already validated by marscli.io)."""
+        if not overrides:
+            return self
+        kw = dict(overrides)
+        if "stop" in kw:
+            kw["stop"] = tuple(kw["stop"])
+        return replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """How draft tokens are checked against the target."""
+
+    mode: VerifyMode = "strict"
+    theta: float = STRICT_THETA
+    margin: MarginKind = "logit-ratio"
+
+    @property
+    def effective_theta(self) -> float:
+        """theta as the verifier uses it: strict mode never relaxes."""
+        return STRICT_THETA if self.mode == "strict" else self.theta
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Which drafter proposes tokens and how many.
+
+    kind: "none" (plain autoregressive decoding), "ngram" (prompt lookup) or "model".
+    num_draft_tokens: the most drafts per step (K). With adaptive=True the engine drafts fewer
+    when drafts are unlikely to pass, using a deterministic cost model (see marscli.drafters).
+    """
+
+    kind: Literal["none", "ngram", "model"] = "ngram"
+    model: str | None = None  # path or hub id when kind == "model"
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    ngram_max: int = 3
+    ngram_min: int = 1
+    adaptive: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where and how to load a model."""
+
+    source: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    device_map: str | None = None  # "auto" -> accelerate
+    load_in_8bit: bool = False
+    load_in_4bit: bool = False
+
+
+@dataclass
+class Request:
+    """One validated input record."""
+
+    index: int  # 0-based position among input records (output order)
+    line: int  # 1-based line number in the input file
+    id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    id_key: str = "id"  # "custom_id" for OpenAI batch lines: echoed back under the same key
+
+
+@dataclass
+class RecordError:
+    """An input record that could not be turned into a Request."""
+
+    index: int
+    line: int
+    id: str
+    type: str  # e.g. "invalid_json", "invalid_record"
+    message: str
+    id_key: str = "id"
+
+    def as_error(self) -> dict[str, Any]:
+        return {"type": self.type, "message": self.message, "line": self.line}
