@@ -1,0 +1,301 @@
+"""The speculative decoding loop.
+
+One step: the drafter proposes k tokens; the target scores [pending, d_1 .. d_k] in one
+forward pass over its KV cache (k+1 logit rows); the verifier keeps a prefix of the drafts
+and emits one more token; the target cache is cut back to what was kept. The target cache
+always holds every committed token but the last ("pending") one, so no context is ever
+re-encoded.
+
+Data flow stays one way: Request -> prompt ids -> steps -> GenerationResult. Batching and
+tree drafting plug in at the same seams: verify.* already works on [B, K] rows with
+per-row draft lengths, and drafters work per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from marscli.config import DraftConfig, Request, SamplingParams, VerifyConfig
+from marscli.drafters.base import Proposal
+from marscli.kvcache import new_cache, rollback
+from marscli.verify import verify
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+class RecordFailure(Exception):
+    """A record that cannot be generated (too long, no chat template...): becomes an error
+    result for that record while the run goes on."""
+
+    def __init__(self, type_: str, message: str):
+        super().__init__(message)
+        self.type = type_
+        self.message = message
+
+
+@dataclass
+class SpecStats:
+    """Per-record speculative decoding statistics."""
+
+    k_max: int
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    relaxed: int = 0
+    relaxable: int = 0  # relaxable positions among those decided (accepted + first rejection)
+    decided: int = 0  # draft positions whose fate was decided (accepted or the first rejection)
+    emitted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_hist: list[int] = field(default_factory=list)  # steps by number of accepted drafts
+
+    def __post_init__(self) -> None:
+        k = max(self.k_max, 0)
+        self.accepted_per_position = self.accepted_per_position or [0] * k
+        self.drafted_per_position = self.drafted_per_position or [0] * k
+        self.accepted_hist = self.accepted_hist or [0] * (k + 1)
+
+    def record_step(self, k: int, n: int, relaxed: int, relaxable: int, emitted: int) -> None:
+        self.steps += 1
+        self.drafted += k
+        self.accepted += n
+        self.relaxed += relaxed
+        self.relaxable += relaxable
+        self.decided += min(n + 1, k)
+        self.emitted += emitted
+        for i in range(k):
+            self.drafted_per_position[i] += 1
+        for i in range(n):
+            self.accepted_per_position[i] += 1
+        self.accepted_hist[n] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "relaxed": self.relaxed,
+            "relaxable_positions": self.relaxable,
+            "decided_positions": self.decided,
+            "acceptance_length": round(self.acceptance_length, 4),
+            "accepted_per_position": self.accepted_per_position,
+            "drafted_per_position": self.drafted_per_position,
+            "accepted_per_step_hist": self.accepted_hist,
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # completion tokens as generated (an EOS token included)
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    stats: SpecStats
+    seconds: float
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class _StopChecker:
+    """Finds stop strings in the decoded completion as tokens arrive."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stops = tuple(s for s in stops if s)
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def first_stop(self, tokens: list[int], checked_chars: int) -> tuple[int, str] | None:
+        """(char offset of the stop string, decoded text) if one appears in the text."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        start = max(0, checked_chars - self.longest)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return (min(hits), text) if hits else None
+
+
+class SpecEngine:
+    """Speculative generation for one target with one drafter and one verification rule.
+
+    target: an object with .model, .tokenizer, .device, .eos_token_ids, .context_length
+    (marscli.models.LoadedModel). drafter: see marscli.drafters.base.Drafter.
+    """
+
+    def __init__(self, target, drafter, verify_cfg: VerifyConfig, draft_cfg: DraftConfig):
+        self.target = target
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.device = target.device
+        self.eos = set(int(t) for t in target.eos_token_ids)
+        self.drafter = drafter
+        self.verify_cfg = verify_cfg
+        self.k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
+        self.theta = verify_cfg.effective_theta
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0] \
+            if self.model.get_output_embeddings() is not None else None
+
+    # ------------------------------------------------------------------ prompts
+
+    def encode(self, req: Request) -> list[int]:
+        tok = self.tokenizer
+        if req.messages is not None:
+            if not getattr(tok, "chat_template", None):
+                raise RecordFailure(
+                    "no_chat_template",
+                    "the target has no chat template, so 'messages' cannot be rendered; "
+                    "send 'prompt' with the raw text instead",
+                )
+            text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+            ids = tok(text, add_special_tokens=False).input_ids
+        else:
+            ids = tok(req.prompt).input_ids
+        if not ids:
+            raise RecordFailure("empty_prompt", "the prompt encodes to zero tokens")
+        ctx = self.target.context_length
+        if ctx is not None and len(ids) >= ctx:
+            raise RecordFailure(
+                "prompt_too_long",
+                f"prompt has {len(ids)} tokens; the target's context window is {ctx}",
+            )
+        return ids
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, req: Request, sampling: SamplingParams) -> GenerationResult:
+        return self.generate_ids(self.encode(req), sampling)
+
+    @torch.inference_mode()
+    def generate_ids(self, prompt_ids: list[int], sampling: SamplingParams,
+                     on_step: Callable[[int], None] | None = None) -> GenerationResult:
+        t0 = time.perf_counter()
+        max_new = sampling.max_tokens
+        if self.target.context_length is not None:
+            max_new = min(max_new, self.target.context_length - len(prompt_ids))
+        stats = SpecStats(self.k_max)
+        gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        draft_gen = torch.Generator(device="cpu").manual_seed(sampling.seed + 0x5EED)
+        self.drafter.start(list(prompt_ids), sampling, draft_gen)
+        stopper = _StopChecker(self.tokenizer, sampling.stop) if sampling.stop else None
+
+        cache = new_cache(self.model)
+        seq = list(prompt_ids)
+        if len(seq) > 1:  # prefill all but the pending last token; its logits are not needed
+            self._forward(seq[:-1], cache, logits_to_keep=1)
+        out: list[int] = []
+        finish = FINISH_LENGTH
+        checked_chars = 0
+        text: str | None = None
+
+        while len(out) < max_new:
+            remaining = max_new - len(out)
+            k_cap = min(self.k_max, remaining - 1)
+            proposal = self.drafter.propose(seq, k_cap) if k_cap > 0 else Proposal([])
+            drafts = proposal.tokens[:k_cap]
+            k = len(drafts)
+            base = cache.get_seq_length()
+            logits = self._forward([seq[-1]] + drafts, cache)  # [1, k+1, V]
+            res = self._verify(drafts, logits, proposal, sampling, gen)
+            n = int(res.num_accepted[0])
+            rollback(cache, base + 1 + n)
+            emitted = drafts[:n] + [int(res.next_token[0])]
+
+            # Stopping: EOS ends the sequence after it; max tokens cuts the step short.
+            stop_at = None
+            for i, t in enumerate(emitted):
+                if t in self.eos:
+                    stop_at = i + 1
+                    break
+            if stop_at is not None:
+                emitted = emitted[:stop_at]
+                finish = FINISH_STOP
+            emitted = emitted[:remaining]
+            relaxed = int(res.relaxed[0, :n].sum()) if k else 0
+            decided = min(n + 1, k)
+            relaxable = int(res.relaxable[0, :decided].sum()) if k else 0
+            stats.record_step(k, n, relaxed, relaxable, len(emitted))
+            seq.extend(emitted)
+            out.extend(emitted)
+            self.drafter.accepted(k, n, seq)
+            if on_step is not None:
+                on_step(len(emitted))
+            if stopper is not None:
+                # Check token by token so the completion ends at the token that completes it.
+                hit = None
+                for j in range(len(out) - len(emitted) + 1, len(out) + 1):
+                    hit = stopper.first_stop(out[:j], checked_chars)
+                    if hit is not None:
+                        del out[j:]
+                        break
+                if hit is not None:
+                    text = hit[1][: hit[0]]
+                    finish = FINISH_STOP
+                    break
+                checked_chars = len(self.tokenizer.decode(out, skip_special_tokens=True))
+            if finish == FINISH_STOP:
+                break
+
+        if text is None:
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return GenerationResult(out, text, finish, len(prompt_ids), stats, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ internals
+
+    def _forward(self, ids: list[int], cache, logits_to_keep: int = 0) -> torch.Tensor:
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, past_key_values=cache, use_cache=True,
+                         logits_to_keep=logits_to_keep)
+        return out.logits  # [1, len(ids) or logits_to_keep, V]
+
+    def _verify(self, drafts: list[int], logits: torch.Tensor, proposal: Proposal,
+                sampling: SamplingParams, gen: torch.Generator):
+        k = len(drafts)
+        d = torch.tensor([drafts], dtype=torch.long, device=logits.device).view(1, k)
+        if sampling.greedy:
+            return verify(d, logits, theta=self.theta, margin=self.verify_cfg.margin)
+        # A fixed number of uniforms per step keeps the random stream a function of the
+        # sequence of draft lengths only.
+        u_accept = torch.rand(1, k, generator=gen).to(logits.device)
+        u_sample = torch.rand(1, generator=gen).to(logits.device)
+        q = None if proposal.probs is None else proposal.probs[:k].unsqueeze(0).to(logits.device)
+        if q is not None and q.shape[-1] != logits.shape[-1]:
+            raise RuntimeError(f"draft probs width {q.shape[-1]} != target logits {logits.shape[-1]}")
+        return verify(
+            d, logits, theta=self.theta, margin=self.verify_cfg.margin,
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+            u_accept=u_accept, u_sample=u_sample, draft_probs=q,
+        )
+
+
+def build_drafter(draft_cfg: DraftConfig, target, draft_model=None):
+    """Make the drafter a DraftConfig asks for (draft_model: a LoadedModel for kind 'model')."""
+    from marscli.drafters.base import CostModel
+    from marscli.drafters.model import ModelDrafter
+    from marscli.drafters.ngram import NgramDrafter, NoDrafter
+
+    device_type = target.device.type
+    if draft_cfg.kind == "none":
+        return NoDrafter()
+    if draft_cfg.kind == "ngram":
+        return NgramDrafter(draft_cfg.num_draft_tokens, ngram_max=draft_cfg.ngram_max,
+                            ngram_min=draft_cfg.ngram_min, cost=CostModel.for_device(device_type),
+                            adaptive=draft_cfg.adaptive)
+    if draft_model is None:
+        raise ValueError("a model drafter needs a loaded draft model")
+    t_params = sum(p.numel() for p in target.model.parameters())
+    d_params = sum(p.numel() for p in draft_model.model.parameters())
+    # Decode is memory-bound: a draft step costs roughly its share of the weights.
+    ratio = d_params / max(t_params, 1)
+    cost = CostModel.for_device(device_type, draft_step=ratio if math.isfinite(ratio) else 1.0)
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    return ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, cost=cost,
+                        adaptive=draft_cfg.adaptive, vocab_size=vocab)
