@@ -1,0 +1,228 @@
+"""The speculative loop against independent oracles.
+
+Strict greedy speculative output must equal transformers' own greedy generate() token for
+token; MARS output is replayed through one full target forward pass and every emitted token
+must be the target's top-1, or its top-2 at a relaxable position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.engine import FINISH_LENGTH, FINISH_STOP, SpecEngine, build_drafter
+from marscli.models import load_model
+from marscli.verify import margin_statistic, top2
+
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello marscli; the cat sat on the mat. hello world, hello",
+    "one two three four five six seven eight nine ten one two three",
+    "a margin aware rule",
+    "speculative decoding drafts tokens and the target verifies them in one pass. speculative",
+]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft_dir):
+    return load_model(ModelConfig(str(tiny_draft_dir), dtype="float32", device="cpu"))
+
+
+def make_engine(target, kind: str, draft_loaded=None, *, k: int = 4, adaptive: bool = False,
+                verify: VerifyConfig = VerifyConfig()) -> SpecEngine:
+    cfg = DraftConfig(kind=kind, num_draft_tokens=k, adaptive=adaptive,
+                      model="x" if kind == "model" else None)
+    return SpecEngine(target, build_drafter(cfg, target, draft_loaded), verify, cfg)
+
+
+def hf_greedy(target, ids: list[int], max_new: int) -> list[int]:
+    out = target.model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False, max_new_tokens=max_new, pad_token_id=target.tokenizer.pad_token_id,
+    )
+    return out[0, len(ids):].tolist()
+
+
+def encode(target, text: str) -> list[int]:
+    return target.tokenizer(text).input_ids
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "model", "self"])
+def test_strict_greedy_matches_transformers_generate(target, draft, kind):
+    drafter_model = {"model": draft, "self": target}.get(kind)
+    engine = make_engine(target, "model" if kind == "self" else kind, drafter_model)
+    total = {"drafted": 0, "accepted": 0}
+    for text in PROMPTS:
+        ids = encode(target, text)
+        res = engine.generate_ids(ids, SamplingParams(max_tokens=40))
+        assert res.token_ids == hf_greedy(target, ids, 40), text
+        total["drafted"] += res.stats.drafted
+        total["accepted"] += res.stats.accepted
+        assert res.stats.emitted == len(res.token_ids)
+    if kind == "self":  # a drafter identical to the target: everything is accepted
+        assert total["drafted"] > 0 and total["accepted"] == total["drafted"]
+    if kind == "model":  # a random drafter: drafts are tried and mostly rejected
+        assert total["drafted"] > 0 and total["accepted"] < total["drafted"] / 2
+    if kind == "ngram":
+        assert total["drafted"] > 0 and total["accepted"] > 0
+
+
+def test_adaptive_draft_length_is_exact_and_deterministic(target):
+    engine = make_engine(target, "ngram", adaptive=True, k=8)
+    for text in PROMPTS:
+        ids = encode(target, text)
+        a = engine.generate_ids(ids, SamplingParams(max_tokens=48))
+        b = engine.generate_ids(ids, SamplingParams(max_tokens=48))
+        assert a.token_ids == hf_greedy(target, ids, 48)
+        assert a.stats.to_dict() == b.stats.to_dict()
+
+
+def test_mars_with_infinite_theta_is_strict(target, draft):
+    strict = make_engine(target, "model", draft)
+    mars = make_engine(target, "model", draft, verify=VerifyConfig("mars", math.inf))
+    for text in PROMPTS:
+        ids = encode(target, text)
+        a = strict.generate_ids(ids, SamplingParams(max_tokens=32))
+        b = mars.generate_ids(ids, SamplingParams(max_tokens=32))
+        assert a.token_ids == b.token_ids
+        assert b.stats.relaxed == 0 and b.stats.relaxable == 0
+
+
+def replay_mars(target, ids: list[int], out: list[int], theta: float, margin: str) -> int:
+    """Check every emitted token by the paper's rule in one full forward; return #top-2 tokens."""
+    with torch.no_grad():
+        logits = target.model(torch.tensor([ids + out])).logits[0, len(ids) - 1: len(ids) + len(out) - 1]
+    z1, z2, t1, t2 = top2(logits)
+    stat = margin_statistic(z1, z2, margin)
+    relaxed = 0
+    for i, tok in enumerate(out):
+        if tok == int(t1[i]):
+            continue
+        # Tiny float differences between a (k+1)-token and a full forward only matter at
+        # exact near-ties; the tiny model has none at these prompts.
+        assert tok == int(t2[i]) and float(stat[i]) > theta, (i, tok, int(t1[i]), int(t2[i]), float(stat[i]))
+        relaxed += 1
+    return relaxed
+
+
+class RunnerUpDrafter:
+    """Test drafter: proposes the target's own greedy path but puts the target's top-2 token
+    first, so every step offers the verifier a runner-up to relax."""
+
+    name = "runner-up"
+
+    def __init__(self, model, k: int):
+        self.model, self.k = model, k
+
+    def start(self, prompt_ids, *_, **__):
+        pass
+
+    def propose(self, seq, k_max):
+        from marscli.drafters.base import Proposal
+
+        k = min(self.k, k_max)
+        out, cur = [], list(seq)
+        with torch.no_grad():
+            for i in range(k):
+                logits = self.model(torch.tensor([cur])).logits[0, -1]
+                _, _, t1, t2 = top2(logits)
+                tok = int(t2 if i == 0 else t1)
+                out.append(tok)
+                cur.append(tok)
+        return Proposal(out)
+
+    def accepted(self, proposed, accepted, seq):
+        pass
+
+
+@pytest.mark.parametrize("margin,theta", [("prob-ratio", 0.3), ("logit-ratio", 0.5)])
+def test_mars_greedy_emits_only_top1_or_relaxable_top2(target, margin, theta):
+    cfg = DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False)
+    engine = SpecEngine(target, RunnerUpDrafter(target.model, 3), VerifyConfig("mars", theta, margin), cfg)
+    relaxed_total = 0
+    for text in PROMPTS:
+        ids = encode(target, text)
+        res = engine.generate_ids(ids, SamplingParams(max_tokens=40))
+        n_top2 = replay_mars(target, ids, res.token_ids, theta, margin)
+        # Relaxed accepts are exactly the emitted tokens that are not the target's top-1
+        # (corrections and bonuses are always top-1), unless an EOS cut the step short.
+        assert n_top2 == res.stats.relaxed
+        relaxed_total += res.stats.relaxed
+    assert relaxed_total > 0, "the test must exercise relaxed acceptances"
+
+
+def test_sampling_is_deterministic_per_seed(target, draft):
+    engine = make_engine(target, "model", draft)
+    ids = encode(target, PROMPTS[0])
+    s = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=7)
+    a = engine.generate_ids(ids, s)
+    b = engine.generate_ids(ids, s)
+    c = engine.generate_ids(ids, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=8))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_max_tokens_and_finish_reason(target):
+    engine = make_engine(target, "ngram", k=6)
+    ids = encode(target, PROMPTS[2])
+    for n in (1, 2, 5, 17):
+        res = engine.generate_ids(ids, SamplingParams(max_tokens=n))
+        ref = hf_greedy(target, ids, n)
+        assert res.token_ids == ref
+        eos = target.tokenizer.eos_token_id
+        expected = FINISH_STOP if ref and ref[-1] == eos else FINISH_LENGTH
+        assert res.finish_reason == expected
+        assert len(res.token_ids) <= n
+
+
+def test_eos_stops_generation(target):
+    engine = make_engine(target, "ngram")
+    eos = target.tokenizer.eos_token_id
+    # Make EOS the most likely token after a few steps by biasing the lm_head bias-free:
+    # instead, look for a prompt whose greedy continuation contains EOS.
+    ids = encode(target, PROMPTS[3])
+    full = hf_greedy(target, ids, 200)
+    res = engine.generate_ids(ids, SamplingParams(max_tokens=200))
+    assert res.token_ids == full
+    if eos in full:
+        assert res.finish_reason == FINISH_STOP and res.token_ids[-1] == eos
+    engine.eos = {full[5]}  # pretend the 6th generated token is an end-of-sequence token
+    res = engine.generate_ids(ids, SamplingParams(max_tokens=200))
+    assert res.token_ids == full[: full.index(full[5]) + 1]
+    assert res.finish_reason == FINISH_STOP
+
+
+def test_stop_string_truncates_text(target):
+    engine = make_engine(target, "ngram")
+    ids = encode(target, PROMPTS[1])
+    full = engine.generate_ids(ids, SamplingParams(max_tokens=40))
+    text = full.text
+    assert len(text) > 12
+    stop = text[8:11]
+    res = engine.generate_ids(ids, SamplingParams(max_tokens=40, stop=(stop,)))
+    assert res.finish_reason == FINISH_STOP
+    assert res.text == text[: text.find(stop)]
+    assert stop not in res.text
+    # The completion ends at the token that completed the stop string.
+    assert res.token_ids == full.token_ids[: len(res.token_ids)]
+    decoded = target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+    assert stop in decoded and stop not in target.tokenizer.decode(res.token_ids[:-1], skip_special_tokens=True)
+
+
+def test_padded_draft_vocabulary(target, tiny_factory, tiny_tokenizer, tmp_path):
+    padded = load_model(ModelConfig(str(tiny_factory(tmp_path / "padded", seed=3, layers=1, vocab_pad=7,
+                                                       tokenizer=tiny_tokenizer)), dtype="float32", device="cpu"))
+    engine = make_engine(target, "model", padded)
+    ids = encode(target, PROMPTS[0])
+    assert engine.generate_ids(ids, SamplingParams(max_tokens=20)).token_ids == hf_greedy(target, ids, 20)
+    # Sampling with draft probabilities of a different width than the target's logits.
+    res = engine.generate_ids(ids, SamplingParams(temperature=0.8, max_tokens=20, seed=1))
+    assert len(res.token_ids) >= 1
