@@ -116,3 +116,19 @@ class RecordError:
 
     def as_error(self) -> dict[str, Any]:
         return {"type": self.type, "message": self.message, "line": self.line}
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Everything `marscli generate` needs, parsed from the command line."""
+
+    input: str
+    output: str | None
+    target: ModelConfig
+    draft: DraftConfig
+    draft_model: ModelConfig | None
+    verify: VerifyConfig
+    sampling: SamplingParams
+    limit: int | None = None
+    timing: bool = True
+    token_ids: bool = False
