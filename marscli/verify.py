@@ -96,7 +96,7 @@ def margin_statistic(z1: torch.Tensor, z2: torch.Tensor, margin: str) -> torch.T
         stat = torch.where(torch.isfinite(z1), stat, torch.zeros_like(stat))
     else:
         raise ValueError(f"unknown margin statistic {margin!r}; expected one of {MARGINS}")
-    return torch.nan_to_num(stat, nan=NOT_RELAXABLE)
+    return torch.nan_to_num(stat, nan=NOT_RELAXABLE, neginf=NOT_RELAXABLE)
 
 
 def _draft_mask(drafts: torch.Tensor, draft_len: torch.Tensor | None) -> torch.Tensor:
@@ -272,7 +272,9 @@ def speculative_sampling(
     else:
         assert draft_probs.shape == (B, K, p.shape[-1]), f"draft_probs {tuple(draft_probs.shape)}"
         q_x = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2).float()
-    strict_ok = u_accept.float() < (p_x / q_x.clamp(min=1e-30)).clamp(max=1.0)
+    # Compare in float64: a float64 uniform just below 1 must not round up to 1 and reject a
+    # certain draft.
+    strict_ok = u_accept.double() < (p_x.double() / q_x.double().clamp(min=1e-30)).clamp(max=1.0)
     strict_ok = strict_ok & (p_x > 0)
     in_top2 = ((drafts == t1) | (drafts == t2)) & (p_x > 0)
     ok = torch.where(relaxable, in_top2, strict_ok) & valid
