@@ -141,8 +141,10 @@ class SpecEngine:
         self.verify_cfg = verify_cfg
         self.k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
         self.theta = verify_cfg.effective_theta
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0] \
-            if self.model.get_output_embeddings() is not None else None
+        if self.device.type == "cpu":
+            from marscli.fastpath import install_cpu_fastpath
+
+            install_cpu_fastpath(self.model)
 
     # ------------------------------------------------------------------ prompts
 
@@ -291,6 +293,10 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None):
                             adaptive=draft_cfg.adaptive)
     if draft_model is None:
         raise ValueError("a model drafter needs a loaded draft model")
+    if draft_model.device.type == "cpu":
+        from marscli.fastpath import install_cpu_fastpath
+
+        install_cpu_fastpath(draft_model.model)
     t_params = sum(p.numel() for p in target.model.parameters())
     d_params = sum(p.numel() for p in draft_model.model.parameters())
     # Decode is memory-bound: a draft step costs roughly its share of the weights.

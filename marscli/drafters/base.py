@@ -1,8 +1,7 @@
 """The drafter interface and the adaptive draft-length policy.
 
 A drafter proposes up to k tokens for one sequence and learns how many of them the target
-accepted. Verifying k drafts is not free (on a CPU a forward pass over 2+ tokens costs ~1.7x
-a 1-token pass), so each drafter chooses k by expected tokens per unit of cost, from an
+accepted. Verifying k drafts is not free (see CostModel), so each drafter chooses k by expected tokens per unit of cost, from an
 estimate of how often its drafts pass. The cost model is a fixed function of the input
 length, never a timing, so the same input always gives the same drafts and the same output.
 """
@@ -19,22 +18,26 @@ import torch
 class CostModel:
     """Relative cost of one target forward pass over n new tokens (n = 1 costs 1).
 
-    c(n) = 1 for n == 1, else base + per_token * (n - 1). Defaults per device type were
-    measured with the embedded model (SmolLM2-135M, float32): on a 2-core AVX2 CPU a forward
-    over 1 token takes ~56 ms, over 2..9 tokens ~95-125 ms.
+    c(n) = table[n - 1] while the table lasts, then grows by per_token a token. The CPU
+    table was measured with the embedded model (SmolLM2-135M, float32, 600-token context,
+    2-core AVX2 CPU) with marscli.fastpath installed: 57, 52, 58, 72, 66, 68, 76, 72 ms for
+    1..8 tokens. Decode is memory-bound, so verifying a few drafts costs about one token.
     """
 
-    base: float = 1.7
-    per_token: float = 0.03
+    table: tuple[float, ...] = (1.0, 0.95, 1.02, 1.26, 1.16, 1.19, 1.3, 1.3)
+    per_token: float = 0.04
     draft_step: float = 0.0  # cost of one drafter step relative to a target forward
 
     def target(self, n: int) -> float:
-        return 1.0 if n <= 1 else self.base + self.per_token * (n - 1)
+        n = max(n, 1)
+        if n <= len(self.table):
+            return self.table[n - 1]
+        return self.table[-1] + self.per_token * (n - len(self.table))
 
     @staticmethod
     def for_device(device_type: str, draft_step: float = 0.0) -> CostModel:
         if device_type == "cuda":  # memory-bound decode: extra tokens are nearly free
-            return CostModel(base=1.02, per_token=0.02, draft_step=draft_step)
+            return CostModel(table=(1.0,), per_token=0.02, draft_step=draft_step)
         return CostModel(draft_step=draft_step)
 
 
