@@ -10,11 +10,9 @@ error; 3 the run finished but some records failed; 130 interrupted (Ctrl-C).
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -36,8 +34,6 @@ from marscli.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_RECORDS_FAILED,
-    EXIT_RUNTIME,
-    EXIT_USAGE,
     MarscliError,
     UsageError,
 )
@@ -271,9 +267,7 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
         log.info(f"{cfg.input}: no records; nothing to do")
         return EXIT_OK
 
-    import torch
-
-    from marscli.engine import RecordFailure, SpecEngine, build_drafter
+    from marscli.engine import SpecEngine, build_drafter
     from marscli.models import check_vocab_compatible, load_model
 
     t_load = time.perf_counter()
@@ -294,7 +288,7 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
     writer = ResultWriter(cfg.output)
     try:
         for item in items:
-            result, seconds = _run_one(engine, item, cfg, RecordFailure, torch)
+            result, seconds = _run_one(engine, item, cfg)
             if result.get("error"):
                 failed += 1
             else:
@@ -306,7 +300,7 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
     except KeyboardInterrupt:
         progress.close()
         writer.close()
-        log.info(f"interrupted: {writer_count(writer)} results written")
+        log.info(f"interrupted: {writer.written} results written")
         return EXIT_INTERRUPTED
     progress.close()
     writer.close()
@@ -315,10 +309,6 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
         return EXIT_OK
     log.info(totals.summary(len(items), failed))
     return EXIT_RECORDS_FAILED if failed else EXIT_OK
-
-
-def writer_count(writer) -> int:
-    return getattr(writer, "written", 0)
 
 
 def _silence_stdout() -> None:
@@ -358,9 +348,12 @@ class _Totals:
         )
 
 
-def _run_one(engine, item, cfg: GenerateConfig, RecordFailure, torch) -> tuple[dict, float]:
+def _run_one(engine, item, cfg: GenerateConfig) -> tuple[dict, float]:
     """One record -> (result line, seconds spent generating)."""
+    import torch
+
     from marscli.config import RecordError
+    from marscli.engine import RecordFailure
 
     id_key = item.id_key
     if isinstance(item, RecordError):

@@ -116,12 +116,12 @@ class _StopChecker:
         self.stops = tuple(s for s in stops if s)
         self.longest = max((len(s) for s in self.stops), default=0)
 
-    def first_stop(self, tokens: list[int], checked_chars: int) -> tuple[int, str] | None:
-        """(char offset of the stop string, decoded text) if one appears in the text."""
+    def first_stop(self, tokens: list[int], checked_chars: int) -> tuple[int | None, str]:
+        """(char offset of the earliest stop string or None, decoded text)."""
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         start = max(0, checked_chars - self.longest)
         hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return (min(hits), text) if hits else None
+        return (min(hits) if hits else None), text
 
 
 class SpecEngine:
@@ -232,17 +232,17 @@ class SpecEngine:
                 on_step(len(emitted))
             if stopper is not None:
                 # Check token by token so the completion ends at the token that completes it.
-                hit = None
+                at, decoded = None, ""
                 for j in range(len(out) - len(emitted) + 1, len(out) + 1):
-                    hit = stopper.first_stop(out[:j], checked_chars)
-                    if hit is not None:
+                    at, decoded = stopper.first_stop(out[:j], checked_chars)
+                    if at is not None:
                         del out[j:]
                         break
-                if hit is not None:
-                    text = hit[1][: hit[0]]
+                if at is not None:
+                    text = decoded[:at]
                     finish = FINISH_STOP
                     break
-                checked_chars = len(self.tokenizer.decode(out, skip_special_tokens=True))
+                checked_chars = len(decoded)  # the loop's last decode was the whole completion
             if finish == FINISH_STOP:
                 break
 
