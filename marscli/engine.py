@@ -124,6 +124,23 @@ class _StopChecker:
         return (min(hits) if hits else None), text
 
 
+@dataclass
+class StepObservation:
+    """What the target saw and decided in one step, for observers such as calibration.
+
+    The drafts beyond the first rejection were scored too (one forward pass covers all k), so
+    an observer can replay the step under another verification rule.
+    """
+
+    drafts: torch.Tensor  # [1, k] long
+    logits: torch.Tensor  # [1, k+1, V] raw target logits
+    result: Any  # VerifyResult
+    sampling: SamplingParams
+    u_accept: torch.Tensor | None  # [1, k] the acceptance uniforms (sampling only)
+    draft_probs: torch.Tensor | None  # [1, k, V] q (sampling with a model drafter only)
+    emitted: int  # tokens this step added to the completion (after stopping rules)
+
+
 class SpecEngine:
     """Speculative generation for one target with one drafter and one verification rule.
 
@@ -173,12 +190,14 @@ class SpecEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, req: Request, sampling: SamplingParams) -> GenerationResult:
-        return self.generate_ids(self.encode(req), sampling)
+    def generate(self, req: Request, sampling: SamplingParams,
+                 observer: Callable[[StepObservation], None] | None = None) -> GenerationResult:
+        return self.generate_ids(self.encode(req), sampling, observer=observer)
 
     @torch.inference_mode()
     def generate_ids(self, prompt_ids: list[int], sampling: SamplingParams,
-                     on_step: Callable[[int], None] | None = None) -> GenerationResult:
+                     on_step: Callable[[int], None] | None = None,
+                     observer: Callable[[StepObservation], None] | None = None) -> GenerationResult:
         t0 = time.perf_counter()
         max_new = sampling.max_tokens
         if self.target.context_length is not None:
@@ -206,7 +225,8 @@ class SpecEngine:
             k = len(drafts)
             base = cache.get_seq_length()
             logits = self._forward([seq[-1]] + drafts, cache)  # [1, k+1, V]
-            res = self._verify(drafts, logits, proposal, sampling, gen)
+            d = torch.tensor([drafts], dtype=torch.long, device=logits.device).view(1, k)
+            res, u_accept, q = self._verify(d, logits, proposal, sampling, gen)
             n = int(res.num_accepted[0])
             rollback(cache, base + 1 + n)
             emitted = drafts[:n] + [int(res.next_token[0])]
@@ -225,6 +245,8 @@ class SpecEngine:
             decided = min(n + 1, k)
             relaxable = int(res.relaxable[0, :decided].sum()) if k else 0
             stats.record_step(k, n, relaxed, relaxable, len(emitted))
+            if observer is not None:
+                observer(StepObservation(d, logits, res, sampling, u_accept, q, len(emitted)))
             seq.extend(emitted)
             out.extend(emitted)
             self.drafter.accepted(k, n, seq)
@@ -258,12 +280,12 @@ class SpecEngine:
                          logits_to_keep=logits_to_keep)
         return out.logits  # [1, len(ids) or logits_to_keep, V]
 
-    def _verify(self, drafts: list[int], logits: torch.Tensor, proposal: Proposal,
+    def _verify(self, d: torch.Tensor, logits: torch.Tensor, proposal: Proposal,
                 sampling: SamplingParams, gen: torch.Generator):
-        k = len(drafts)
-        d = torch.tensor([drafts], dtype=torch.long, device=logits.device).view(1, k)
+        """Verify drafts d [1, k] against logits [1, k+1, V] -> (result, u_accept, q)."""
+        k = d.shape[1]
         if sampling.greedy:
-            return verify(d, logits, theta=self.theta, margin=self.verify_cfg.margin)
+            return verify(d, logits, theta=self.theta, margin=self.verify_cfg.margin), None, None
         # A fixed number of uniforms per step keeps the random stream a function of the
         # sequence of draft lengths only.
         u_accept = torch.rand(1, k, generator=gen).to(logits.device)
@@ -271,11 +293,12 @@ class SpecEngine:
         q = None if proposal.probs is None else proposal.probs[:k].unsqueeze(0).to(logits.device)
         if q is not None and q.shape[-1] != logits.shape[-1]:
             raise RuntimeError(f"draft probs width {q.shape[-1]} != target logits {logits.shape[-1]}")
-        return verify(
+        res = verify(
             d, logits, theta=self.theta, margin=self.verify_cfg.margin,
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
             u_accept=u_accept, u_sample=u_sample, draft_probs=q,
         )
+        return res, u_accept, q
 
 
 def build_drafter(draft_cfg: DraftConfig, target, draft_model=None):

@@ -235,6 +235,28 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor) -> t
     return torch.where(mass > 0, r / mass.clamp(min=1e-30), p)
 
 
+def strict_sampling_accepts(
+    drafts: torch.Tensor,  # [B, K] long
+    p: torch.Tensor,  # [B, K, V] target sampling probabilities at the K draft positions
+    u_accept: torch.Tensor,  # [B, K] uniforms in [0, 1)
+    draft_probs: torch.Tensor | None = None,  # [B, K, V]; None: one-hot q
+) -> torch.Tensor:
+    """[B, K] bool: would strict rejection sampling accept each draft on its own
+    (u < min(1, p(x) / q(x)) and p(x) > 0)? Positions are judged independently: the accepted
+    prefix is the caller's business."""
+    B, K = drafts.shape
+    p_x = p.gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        assert draft_probs.shape == (B, K, p.shape[-1]), f"draft_probs {tuple(draft_probs.shape)}"
+        q_x = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2).float()
+    # Compare in float64: a float64 uniform just below 1 must not round up to 1 and reject a
+    # certain draft.
+    ok = u_accept.double() < (p_x.double() / q_x.double().clamp(min=1e-30)).clamp(max=1.0)
+    return ok & (p_x > 0)
+
+
 def speculative_sampling(
     drafts: torch.Tensor,  # [B, K] long
     logits: torch.Tensor,  # [B, K+1, V] raw target logits
@@ -267,15 +289,7 @@ def speculative_sampling(
     relaxable = relaxable & valid
 
     p_x = p[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        assert draft_probs.shape == (B, K, p.shape[-1]), f"draft_probs {tuple(draft_probs.shape)}"
-        q_x = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2).float()
-    # Compare in float64: a float64 uniform just below 1 must not round up to 1 and reject a
-    # certain draft.
-    strict_ok = u_accept.double() < (p_x.double() / q_x.double().clamp(min=1e-30)).clamp(max=1.0)
-    strict_ok = strict_ok & (p_x > 0)
+    strict_ok = strict_sampling_accepts(drafts, p[:, :K], u_accept, draft_probs)
     in_top2 = ((drafts == t1) | (drafts == t2)) & (p_x > 0)
     ok = torch.where(relaxable, in_top2, strict_ok) & valid
     n = _prefix_len(ok)
