@@ -17,6 +17,7 @@ from marscli.models import (
     cache_root,
     check_vocab_compatible,
     file_sha256,
+    folder_fingerprint,
     load_model,
 )
 
@@ -57,11 +58,13 @@ def test_load_tiny_dir(tiny_model_dir, tiny_tokenizer):
         "source": str(tiny_model_dir.resolve()),
         "kind": "dir",
         "sha256": None,
+        "fingerprint": folder_fingerprint(tiny_model_dir),
         "revision": None,
         "dtype": "float32",
         "quantization": None,
         "device": "cpu",
     }
+    assert lm.identity["fingerprint"].startswith("folder-v1:")
     json.dumps(lm.identity)
     assert lm.device == torch.device("cpu")
     assert lm.eos_token_ids == (tiny_tokenizer.eos_token_id,)
@@ -70,6 +73,15 @@ def test_load_tiny_dir(tiny_model_dir, tiny_tokenizer):
     assert all(not p.requires_grad for p in lm.model.parameters())
     assert next(lm.model.parameters()).dtype == torch.float32
     assert lm.tokenizer.get_vocab() == tiny_tokenizer.get_vocab()
+
+
+def test_folder_fingerprint_tracks_weights_not_location(tiny_model_dir, tiny_factory, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "copy")
+    assert folder_fingerprint(copy) == folder_fingerprint(tiny_model_dir)
+    other = tiny_factory(tmp_path / "other", seed=7)
+    assert folder_fingerprint(other) != folder_fingerprint(tiny_model_dir)
 
 
 def test_eos_ids_union_and_pad_default(tmp_path, tiny_factory, tiny_tokenizer_factory):
