@@ -1,0 +1,609 @@
+"""Calibration profiles: one YAML file per (target, drafter) holding a calibrated theta.
+
+A profile says which weights it was measured on (target identity: sha256 of a GGUF file or a
+fingerprint of a model folder, dtype, quantization, device type), with which drafter, which
+margin statistic and theta were chosen, by which policy, and the evidence (summary figures,
+histogram, trade-off curve, calibration data). `marscli calibrate` writes them;
+`marscli generate` picks one up when its target identity matches the loaded target.
+
+Profiles are untrusted input: the loader refuses YAML aliases and duplicate keys, checks
+every key against the schema below (unknown keys are errors), and names the file and the key
+path of the first problem. Errors are ProfileError (exit code 2).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+from marscli.errors import UsageError
+
+SCHEMA_VERSION = 1
+PROFILE_SUFFIXES = (".yaml", ".yml")
+#: Profiles are small; a bigger file is refused before parsing (untrusted input).
+MAX_PROFILE_BYTES = 8 * 1024 * 1024
+PROFILE_DIR_ENV = "MARSCLI_PROFILE_DIR"
+
+POLICY_MAX_NLL = "max-nll-increase"
+POLICY_RELAX_RATE = "relax-rate"
+POLICY_FIXED = "fixed"
+POLICIES = (POLICY_MAX_NLL, POLICY_RELAX_RATE, POLICY_FIXED)
+RANK_KEYS = ("rank1", "rank2", "other")
+
+
+class ProfileError(UsageError):
+    """A profile that cannot be used: unreadable, malformed, or not found (exit code 2)."""
+
+
+# --------------------------------------------------------------------------- schema
+
+# A schema node is a callable (value, path) -> normalised value that raises _Invalid.
+
+
+class _Invalid(Exception):
+    def __init__(self, path: str, message: str):
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+
+def _describe(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"the boolean {str(v).lower()}"
+    if isinstance(v, str):
+        return f"the string {v!r}"
+    if isinstance(v, (int, float)):
+        return f"the number {v!r}"
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    return type(v).__name__
+
+
+_NUMBER_LIKE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?\.?(inf|nan)$", re.I)
+
+
+def _number(*, lo: float | None = None, hi: float | None = None, finite: bool = True):
+    def check(v: Any, path: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            hint = ""
+            if isinstance(v, str) and _NUMBER_LIKE.match(v.strip()):
+                hint = (f" (YAML 1.1 reads {v!r} as a string: write it with a decimal point "
+                        "and a signed exponent, e.g. 1.0e-3, or as a plain decimal)")
+            raise _Invalid(path, f"expected a number, got {_describe(v)}{hint}")
+        x = float(v)
+        if finite and not math.isfinite(x):
+            raise _Invalid(path, f"expected a finite number, got {v!r}")
+        if lo is not None and x < lo:
+            raise _Invalid(path, f"must be >= {lo:g}, got {x:g}")
+        if hi is not None and x > hi:
+            raise _Invalid(path, f"must be <= {hi:g}, got {x:g}")
+        return x
+
+    return check
+
+
+def _integer(*, lo: int | None = None):
+    def check(v: Any, path: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            hint = " (write it without quotes or decimals)" if isinstance(v, (str, float)) else ""
+            raise _Invalid(path, f"expected an integer, got {_describe(v)}{hint}")
+        if lo is not None and v < lo:
+            raise _Invalid(path, f"must be >= {lo}, got {v}")
+        return v
+
+    return check
+
+
+def _string(v: Any, path: str) -> str:
+    if isinstance(v, str):
+        return v
+    hint = ""
+    if isinstance(v, bool):
+        hint = " (YAML 1.1 reads yes/no/on/off/true/false as booleans: quote the value)"
+    elif isinstance(v, (int, float)):
+        hint = " (quote it to keep it a string)"
+    raise _Invalid(path, f"expected a string, got {_describe(v)}{hint}")
+
+
+def _timestamp(v: Any, path: str) -> str:
+    # An unquoted ISO date is a timestamp to YAML; keep it as the string it was.
+    if isinstance(v, _dt.datetime):
+        return v.isoformat()
+    if isinstance(v, _dt.date):
+        return v.isoformat()
+    return _string(v, path)
+
+
+def _boolean(v: Any, path: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise _Invalid(path, f"expected true or false, got {_describe(v)}")
+
+
+def _choice(*options: str):
+    def check(v: Any, path: str) -> str:
+        s = _string(v, path)
+        if s not in options:
+            raise _Invalid(path, f"must be one of {', '.join(options)}; got {s!r}")
+        return s
+
+    return check
+
+
+def _nullable(inner):
+    def check(v: Any, path: str):
+        return None if v is None else inner(v, path)
+
+    return check
+
+
+def _list(inner, *, min_len: int = 0):
+    def check(v: Any, path: str) -> list:
+        if not isinstance(v, list):
+            raise _Invalid(path, f"expected a list, got {_describe(v)}")
+        if len(v) < min_len:
+            raise _Invalid(path, f"expected at least {min_len} entries, got {len(v)}")
+        return [inner(x, f"{path}[{i}]") for i, x in enumerate(v)]
+
+    return check
+
+
+def _mapping(fields: dict[str, Any], optional: tuple[str, ...] = ()):
+    def check(v: Any, path: str) -> dict:
+        if not isinstance(v, dict):
+            raise _Invalid(path or "(top level)", f"expected a mapping, got {_describe(v)}")
+        out = {}
+        for key in v:
+            if not isinstance(key, str) or key not in fields:
+                where = f"{path}.{key}" if path else str(key)
+                known = ", ".join(fields)
+                raise _Invalid(where, f"unknown key (known keys here: {known})")
+        for key, node in fields.items():
+            where = f"{path}.{key}" if path else key
+            if key not in v:
+                if key in optional:
+                    continue
+                raise _Invalid(where, "missing")
+            out[key] = node(v[key], where)
+        return out
+
+    return check
+
+
+_share = _number(lo=0.0, hi=1.0)
+_count = _integer(lo=0)
+_rank_counts = _mapping({k: _list(_count) for k in RANK_KEYS})
+_IDENTITY = {
+    "name": _string,
+    "source": _nullable(_string),
+    "kind": _string,
+    "sha256": _nullable(_string),
+    "fingerprint": _nullable(_string),
+    "revision": _nullable(_string),
+    "dtype": _string,
+    "quantization": _nullable(_string),
+    "device_type": _string,
+}
+_identity = _mapping(_IDENTITY)
+_curve_row = _mapping({
+    "theta": _number(finite=False),
+    "relaxable_share": _share,
+    "relaxed_share": _share,
+    "tau": _number(lo=0.0),
+    "nll_increase": _number(lo=0.0),
+})
+
+_SCHEMA = _mapping({
+    "schema_version": _integer(),  # checked first, separately, for a clear message
+    "name": _string,
+    "created_at": _timestamp,
+    "marscli_version": _string,
+    "target": _identity,
+    "drafter": _mapping({
+        "kind": _choice("ngram", "model"),
+        "model": _nullable(_identity),
+        "num_draft_tokens": _integer(lo=1),
+        "adaptive": _boolean,
+        "ngram_max": _nullable(_integer(lo=1)),
+        "ngram_min": _nullable(_integer(lo=1)),
+    }),
+    "verification": _mapping({
+        "margin": _choice("logit-ratio", "prob-ratio"),
+        "theta": _number(),
+    }),
+    "policy": _mapping({
+        "name": _choice(*POLICIES),
+        "value": _number(),
+    }),
+    "sampling": _mapping({
+        "temperature": _number(lo=0.0),
+        "top_p": _number(lo=0.0, hi=1.0),
+        "top_k": _integer(lo=0),
+        "max_tokens": _integer(lo=1),
+        "seed": _integer(lo=0),
+    }),
+    "calibration_data": _mapping({
+        "file": _string,
+        "sha256": _nullable(_string),
+        "records": _count,
+        "failed_records": _count,
+        "tokens": _count,
+        "steps": _count,
+        "positions": _count,
+        "seconds": _number(lo=0.0),
+    }),
+    "summary": _mapping({
+        "relaxable_share": _share,
+        "relaxed_share": _share,
+        "tau_strict": _number(lo=0.0),
+        "tau_mars": _number(lo=0.0),
+        "nll_increase": _number(lo=0.0),
+        "measured_tau_strict": _number(lo=0.0),
+        "measured_tokens_per_s": _number(lo=0.0),
+    }),
+    "histogram": _mapping({
+        "statistic": _choice("logit-ratio", "prob-ratio"),
+        "edges": _list(_number(), min_len=2),
+        "below": _mapping({k: _count for k in RANK_KEYS}),
+        "counts": _rank_counts,
+    }),
+    "curve": _list(_curve_row),
+})
+
+
+def _check_histogram(h: dict, path: str) -> None:
+    edges = h["edges"]
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        raise _Invalid(f"{path}.edges", "bin edges must increase")
+    for k in RANK_KEYS:
+        if len(h["counts"][k]) != len(edges) - 1:
+            raise _Invalid(f"{path}.counts.{k}",
+                           f"expected {len(edges) - 1} counts (one per bin), got {len(h['counts'][k])}")
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases (no billion laughs) and duplicate keys."""
+
+    def compose_node(self, parent, index):  # noqa: D401 - PyYAML hook
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(
+                None, None, "YAML aliases are not allowed in profiles", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be a plain value", key_node.start_mark) from None
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key].line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block-style mappings, flow-style lists of scalars (histogram counts on one line)."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list):
+    flow = all(not isinstance(x, (dict, list)) for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def dump_profile(data: dict) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+
+
+# --------------------------------------------------------------------------- Profile
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated profile and where it came from."""
+
+    data: dict[str, Any]
+    path: Path | None
+    sha256: str  # of the file's bytes
+
+    @property
+    def name(self) -> str:
+        return self.data["name"]
+
+    @property
+    def theta(self) -> float:
+        return self.data["verification"]["theta"]
+
+    @property
+    def margin(self) -> str:
+        return self.data["verification"]["margin"]
+
+    @property
+    def short_hash(self) -> str:
+        return self.sha256[:12]
+
+    def describe(self) -> str:
+        where = f" ({self.path})" if self.path is not None else ""
+        return f"{self.name}{where}"
+
+    def reference(self) -> dict[str, str]:
+        """What each result line records about the profile it ran with."""
+        return {"name": self.name, "sha256": self.sha256}
+
+
+def validate_profile(raw: Any, source: str) -> dict[str, Any]:
+    """Check a parsed YAML document against schema 1; return the normalised dict."""
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{source}: expected a mapping at the top level, got {_describe(raw)}")
+    if "schema_version" not in raw:
+        raise ProfileError(f"{source}: schema_version: missing (this marscli reads schema_version {SCHEMA_VERSION})")
+    version = raw["schema_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
+        raise ProfileError(
+            f"{source}: schema_version: unsupported value {version!r} "
+            f"(this marscli reads schema_version {SCHEMA_VERSION})"
+        )
+    try:
+        data = _SCHEMA(raw, "")
+        _check_histogram(data["histogram"], "histogram")
+    except _Invalid as e:
+        raise ProfileError(f"{source}: {e.path}: {e.message}") from None
+    return data
+
+
+def parse_profile(text: bytes | str, source: str, path: Path | None = None) -> Profile:
+    """Parse and validate profile text; raise ProfileError naming ``source`` on any problem."""
+    raw_bytes = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    if len(raw_bytes) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{source}: file too large for a profile ({len(raw_bytes)} bytes)")
+    try:
+        decoded = raw_bytes.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{source}: not valid UTF-8 (byte {e.start})") from None
+    try:
+        raw = yaml.load(decoded, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = e.problem or e.context or "invalid YAML"
+        raise ProfileError(f"{source}: {where}{problem}") from None
+    except (yaml.YAMLError, RecursionError, ValueError, OverflowError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ProfileError(f"{source}: invalid YAML: {msg}") from None
+    data = validate_profile(raw, source)
+    return Profile(data, path, hashlib.sha256(raw_bytes).hexdigest())
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as e:
+        raise ProfileError(f"{p}: cannot read profile: {e.strerror or e}") from None
+    return parse_profile(raw, str(p), p)
+
+
+def save_profile(data: dict[str, Any], path: str | os.PathLike) -> Profile:
+    """Validate ``data`` and write it atomically (temp file in the same folder, then rename)."""
+    from marscli.io import atomic_write_text
+
+    text = dump_profile(data)
+    prof = parse_profile(text, str(path), Path(path))  # what we write must read back
+    atomic_write_text(Path(path), text)
+    return prof
+
+
+# --------------------------------------------------------------------------- where profiles live
+
+
+def user_profile_dir() -> Path:
+    """$MARSCLI_PROFILE_DIR, else ~/.config/marscli/profiles (the platform's config dir)."""
+    env = os.environ.get(PROFILE_DIR_ENV)
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("marscli")) / "profiles"
+
+
+def packaged_profile_dir() -> Path | None:
+    """The profiles shipped with marscli: the checkout's profiles/ or the wheel's copy."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "_profiles", here.parent / "profiles"):
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def profile_dirs() -> list[Path]:
+    """Search order: the user's profiles first, then the packaged ones."""
+    dirs = [user_profile_dir()]
+    packaged = packaged_profile_dir()
+    if packaged is not None:
+        dirs.append(packaged)
+    return dirs
+
+
+def iter_profile_files(dirs: list[Path] | None = None) -> Iterator[Path]:
+    for d in dirs if dirs is not None else profile_dirs():
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            if p.suffix in PROFILE_SUFFIXES and p.is_file():
+                yield p
+
+
+def resolve_profile(name_or_path: str) -> Profile:
+    """A profile by file path, by file stem or by its ``name`` in the profile dirs."""
+    p = Path(name_or_path)
+    if p.suffix in PROFILE_SUFFIXES or os.sep in name_or_path or p.exists():
+        if not p.exists():
+            raise ProfileError(f"{p}: no such profile file")
+        return load_profile(p)
+    files = list(iter_profile_files())
+    for f in files:
+        if f.stem == name_or_path:
+            return load_profile(f)
+    for f in files:
+        try:
+            prof = load_profile(f)
+        except ProfileError:
+            continue
+        if prof.name == name_or_path:
+            return prof
+    where = ", ".join(str(d) for d in profile_dirs())
+    known = sorted({f.stem for f in files})
+    listing = f"; known: {', '.join(known)}" if known else ""
+    raise ProfileError(f"no profile named {name_or_path!r} in {where}{listing}")
+
+
+# --------------------------------------------------------------------------- matching
+
+
+def identity_for_profile(identity: dict[str, Any]) -> dict[str, Any]:
+    """A LoadedModel identity in the profile's target/drafter-model shape."""
+    device = str(identity.get("device") or "cpu")
+    source = identity.get("source")
+    if identity.get("kind") == "embedded" and source:
+        source = Path(source).name  # the packaged file; its folder is machine-specific
+    return {
+        "name": str(identity.get("name")),
+        "source": source,
+        "kind": str(identity.get("kind")),
+        "sha256": identity.get("sha256"),
+        "fingerprint": identity.get("fingerprint"),
+        "revision": identity.get("revision"),
+        "dtype": str(identity.get("dtype")),
+        "quantization": identity.get("quantization"),
+        "device_type": device.split(":")[0],
+    }
+
+
+def same_weights(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Do two identities name the same weights? By sha256, else by folder fingerprint, else
+    by hub revision."""
+    for key in ("sha256", "fingerprint", "revision"):
+        if a.get(key) and b.get(key):
+            return a[key] == b[key]
+    return False
+
+
+def drafter_description(kind: str, draft_identity: dict[str, Any] | None) -> dict[str, Any]:
+    return {"kind": kind, "model": identity_for_profile(draft_identity) if draft_identity else None}
+
+
+def match_problems(profile: Profile, target_identity: dict[str, Any],
+                   drafter: dict[str, Any]) -> list[str] | None:
+    """None when the profile is for other weights or another drafter; otherwise the list of
+    settings that differ (dtype, quantization, device type): [] is a full match."""
+    want = identity_for_profile(target_identity)
+    prof_target = profile.data["target"]
+    if not same_weights(prof_target, want):
+        return None
+    prof_drafter = profile.data["drafter"]
+    if prof_drafter["kind"] != drafter["kind"]:
+        return None
+    if drafter["kind"] == "model":
+        if prof_drafter["model"] is None or drafter["model"] is None:
+            return None
+        if not same_weights(prof_drafter["model"], drafter["model"]):
+            return None
+    problems = []
+    for key in ("dtype", "quantization", "device_type"):
+        if prof_target.get(key) != want.get(key):
+            problems.append(f"{key} {prof_target.get(key)} (loaded: {want.get(key)})")
+    return problems
+
+
+def find_matching_profile(target_identity: dict[str, Any], drafter: dict[str, Any],
+                          note: Callable[[str], None] | None = None) -> Profile | None:
+    """The profile for this target and drafter: user dir first, then packaged; newest first
+    within a dir. Profiles for the same weights calibrated under another dtype, quantization
+    or device type are not used, and ``note`` says why."""
+    note = note or (lambda _msg: None)
+    for d in profile_dirs():
+        candidates = []
+        for f in iter_profile_files([d]):
+            try:
+                prof = load_profile(f)
+            except ProfileError as e:
+                note(f"skipping profile {e}")
+                continue
+            problems = match_problems(prof, target_identity, drafter)
+            if problems is None:
+                continue
+            if problems:
+                note(f"profile {prof.describe()} is for these weights but was calibrated with "
+                     f"{'; '.join(problems)}: not used")
+                continue
+            candidates.append(prof)
+        if candidates:
+            return max(candidates, key=lambda p: str(p.data["created_at"]))
+    return None
+
+
+def default_profile_name(target_name: str, drafter_kind: str, draft_name: str | None,
+                         dtype: str, quantization: str | None) -> str:
+    """A file-name-safe profile name, e.g. smollm2-135m-instruct.ngram.float32."""
+    parts = [target_name, draft_name if drafter_kind == "model" and draft_name else drafter_kind, dtype]
+    if quantization:
+        parts.append(quantization)
+    slug = ".".join(re.sub(r"[^a-z0-9]+", "-", str(x).lower()).strip("-") for x in parts)
+    return slug or "profile"
+
+
+# --------------------------------------------------------------------------- generate's choice
+
+
+def resolve_verification(req, profile: Profile | None, note: Callable[[str], None]):
+    """Command line > profile > defaults. req: config.VerifyRequest -> config.VerifyConfig.
+
+    With a profile, MARS at the profile's theta and margin statistic is the default; without
+    one, strict verification (or the paper's theta for an explicit --verify mars).
+    """
+    from marscli.config import PAPER_THETA, STRICT_THETA, VerifyConfig
+
+    if profile is not None:
+        mode = req.mode or "mars"
+        margin = req.margin or profile.margin
+        theta = req.theta if req.theta is not None else profile.theta
+        if mode == "mars" and req.theta is None and margin != profile.margin:
+            raise ProfileError(
+                f"{profile.describe()}: theta {profile.theta:g} was calibrated for "
+                f"{profile.margin}, not {margin}: give --theta with --margin {margin}"
+            )
+    else:
+        mode = req.mode or "strict"
+        margin = req.margin or "logit-ratio"
+        theta = req.theta
+        if mode == "mars" and theta is None:
+            theta = PAPER_THETA
+            note(f"--verify mars without --theta or a profile: using the paper's theta = {PAPER_THETA}")
+    if mode == "strict" and req.theta is not None:
+        note("--theta has no effect with --verify strict")
+    return VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin)
