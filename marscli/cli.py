@@ -10,6 +10,7 @@ error; 3 the run finished but some records failed; 130 interrupted (Ctrl-C).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -22,13 +23,13 @@ from marscli import __version__
 from marscli.config import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
+    CalibrateConfig,
     PAPER_THETA,
-    STRICT_THETA,
     DraftConfig,
     GenerateConfig,
     ModelConfig,
     SamplingParams,
-    VerifyConfig,
+    VerifyRequest,
 )
 from marscli.errors import (
     EXIT_INTERRUPTED,
@@ -89,10 +90,86 @@ def parse_draft(draft: str) -> tuple[str, str | None]:
     return "model", draft
 
 
+# Options shared by generate and calibrate (and later bench): one definition each.
+TargetOpt = Annotated[
+    Optional[str],
+    typer.Option(help="Target model: local dir, .gguf file or hub id from the local cache. Default: embedded SmolLM2-135M-Instruct (or the --profile's target).", rich_help_panel=PANEL_MODEL),
+]
+DraftOpt = Annotated[
+    Optional[str], typer.Option(help="Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding) or a draft model path / hub id.", rich_help_panel=PANEL_DRAFT)
+]
+NumDraftOpt = Annotated[
+    Optional[int], typer.Option("--num-draft-tokens", "-k", min=1, max=64, help=f"Most draft tokens per step (K); default {DEFAULT_NUM_DRAFT_TOKENS}.", rich_help_panel=PANEL_DRAFT)
+]
+AdaptiveOpt = Annotated[
+    Optional[bool], typer.Option("--adaptive/--fixed-k", help="Adapt the draft length to how often drafts pass (deterministic cost model; default) or always draft K.", rich_help_panel=PANEL_DRAFT, show_default=False)
+]
+NgramMaxOpt = Annotated[Optional[int], typer.Option(min=1, max=16, help="Longest suffix n-gram to match (default 3).", rich_help_panel=PANEL_DRAFT)]
+NgramMinOpt = Annotated[Optional[int], typer.Option(min=1, max=16, help="Shortest suffix n-gram to match (default 1).", rich_help_panel=PANEL_DRAFT)]
+MarginOpt = Annotated[
+    Optional[str], typer.Option(help="Margin statistic: 'logit-ratio' (z2/z1, the paper's; default) or 'prob-ratio' (p2/p1).", rich_help_panel=PANEL_VERIFY)
+]
+TemperatureOpt = Annotated[float, typer.Option(min=0.0, help="0 = greedy.", rich_help_panel=PANEL_SAMPLING)]
+TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel=PANEL_SAMPLING)]
+TopKOpt = Annotated[int, typer.Option(min=0, help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)]
+SeedOpt = Annotated[int, typer.Option(min=0, help="Random seed (per record unless the record sets one).", rich_help_panel=PANEL_SAMPLING)]
+MaxTokensOpt = Annotated[int, typer.Option(min=1, help="Most new tokens per record.", rich_help_panel=PANEL_SAMPLING)]
+StopOpt = Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).", rich_help_panel=PANEL_SAMPLING)]
+DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL)]
+DeviceMapOpt = Annotated[Optional[str], typer.Option(help="'auto' to spread a model over devices with accelerate.", rich_help_panel=PANEL_MODEL)]
+Load8Opt = Annotated[bool, typer.Option(help="8-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)]
+Load4Opt = Annotated[bool, typer.Option(help="4-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)]
+LimitOpt = Annotated[Optional[int], typer.Option(min=1, help="Only the first N records.", rich_help_panel=PANEL_OUTPUT)]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.", rich_help_panel=PANEL_OUTPUT)]
+
+
+def _check_choices(margin: str | None, dtype: str, ngram_min: int | None, ngram_max: int | None) -> None:
+    if margin is not None and margin not in ("logit-ratio", "prob-ratio"):
+        raise _fail(UsageError(f"--margin must be 'logit-ratio' or 'prob-ratio', got {margin!r}"))
+    if (ngram_min or 1) > (ngram_max or 3):
+        raise _fail(UsageError(f"--ngram-min ({ngram_min or 1}) must not exceed --ngram-max ({ngram_max or 3})"))
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise _fail(UsageError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}"))
+
+
+def _draft_config(draft: str | None, k: int | None, adaptive: bool | None, ngram_max: int | None,
+                  ngram_min: int | None, profile_drafter: dict | None = None) -> DraftConfig:
+    """Command line > profile > defaults for the drafter."""
+    pd = profile_drafter or {}
+    if draft is None and pd:
+        draft = pd["kind"] if pd["kind"] != "model" else (pd["model"] or {}).get("source")
+    kind, model = parse_draft(draft or "ngram")
+    from_profile = bool(pd) and pd["kind"] == kind
+
+    def pick(cli, key, default):
+        if cli is not None:
+            return cli
+        if from_profile and pd.get(key) is not None:
+            return pd[key]
+        return default
+
+    return DraftConfig(
+        kind, model,
+        pick(k, "num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS),
+        pick(ngram_max, "ngram_max", 3),
+        pick(ngram_min, "ngram_min", 1),
+        pick(adaptive, "adaptive", True),
+    )
+
+
+def _model_configs(target: str | None, draft: DraftConfig, dtype: str, device: str,
+                   device_map: str | None, load_in_8bit: bool, load_in_4bit: bool):
+    tcfg = ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit)
+    dcfg = ModelConfig(draft.model, dtype, device, device_map, load_in_8bit, load_in_4bit) if draft.model else None
+    return tcfg, dcfg
+
+
 @app.command(
     epilog=(
         "Examples:\n\n"
         "  marscli generate prompts.jsonl > results.jsonl\n\n"
+        "  marscli generate prompts.jsonl --profile smollm2-135m-instruct.ngram.float32\n\n"
         "  marscli generate prompts.jsonl --target ./Llama-3.1-8B-Instruct "
         "--draft ./Llama-3.2-1B-Instruct --verify mars --theta 0.9 -o results.jsonl\n\n"
         "  cat prompts.jsonl | marscli generate - --draft ngram | jq -r .output\n\n"
@@ -104,55 +181,44 @@ def generate(
     output: Annotated[
         Optional[str], typer.Option("-o", "--output", help="Write results here instead of stdout.", rich_help_panel=PANEL_OUTPUT)
     ] = None,
-    target: Annotated[
-        Optional[str],
-        typer.Option(help="Target model: local dir, .gguf file or hub id from the local cache. Default: embedded SmolLM2-135M-Instruct.", rich_help_panel=PANEL_MODEL),
-    ] = None,
-    draft: Annotated[
-        str, typer.Option(help="Drafter: 'ngram' (prompt lookup), 'none' (plain decoding) or a draft model path / hub id.", rich_help_panel=PANEL_DRAFT)
-    ] = "ngram",
-    num_draft_tokens: Annotated[
-        int, typer.Option("--num-draft-tokens", "-k", min=1, max=64, help="Most draft tokens per step (K).", rich_help_panel=PANEL_DRAFT)
-    ] = DEFAULT_NUM_DRAFT_TOKENS,
-    adaptive: Annotated[
-        bool, typer.Option("--adaptive/--fixed-k", help="Adapt the draft length to how often drafts pass (deterministic cost model) or always draft K.", rich_help_panel=PANEL_DRAFT)
-    ] = True,
-    ngram_max: Annotated[int, typer.Option(min=1, max=16, help="Longest suffix n-gram to match.", rich_help_panel=PANEL_DRAFT)] = 3,
-    ngram_min: Annotated[int, typer.Option(min=1, max=16, help="Shortest suffix n-gram to match.", rich_help_panel=PANEL_DRAFT)] = 1,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    num_draft_tokens: NumDraftOpt = None,
+    adaptive: AdaptiveOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
     verify: Annotated[
-        str, typer.Option(help="'strict' (exact) or 'mars' (relax at low-margin positions).", rich_help_panel=PANEL_VERIFY)
-    ] = "strict",
+        Optional[str], typer.Option(help="'strict' (exact) or 'mars' (relax at low-margin positions). Default: mars when a calibrated profile matches the target and drafter, else strict.", rich_help_panel=PANEL_VERIFY)
+    ] = None,
     theta: Annotated[
-        Optional[float], typer.Option(help=f"MARS threshold; default {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)
+        Optional[float], typer.Option(help=f"MARS threshold. Default: the profile's, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)
     ] = None,
-    margin: Annotated[
-        str, typer.Option(help="Margin statistic: 'logit-ratio' (z2/z1) or 'prob-ratio' (p2/p1).", rich_help_panel=PANEL_VERIFY)
-    ] = "logit-ratio",
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.", rich_help_panel=PANEL_SAMPLING)] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel=PANEL_SAMPLING)] = 1.0,
-    top_k: Annotated[int, typer.Option(min=0, help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)] = 0,
-    seed: Annotated[int, typer.Option(min=0, help="Random seed (per record unless the record sets one).", rich_help_panel=PANEL_SAMPLING)] = 0,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens per record.", rich_help_panel=PANEL_SAMPLING)] = DEFAULT_MAX_TOKENS,
-    stop: Annotated[
-        Optional[list[str]], typer.Option(help="Stop string (repeatable).", rich_help_panel=PANEL_SAMPLING)
+    margin: MarginOpt = None,
+    profile: Annotated[
+        Optional[str], typer.Option(help="Calibration profile (name or YAML path) to take theta, margin, target and drafter from. Default: the newest profile matching the loaded target and drafter.", rich_help_panel=PANEL_VERIFY)
     ] = None,
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)] = "auto",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL)] = "auto",
-    device_map: Annotated[
-        Optional[str], typer.Option(help="'auto' to spread a model over devices with accelerate.", rich_help_panel=PANEL_MODEL)
-    ] = None,
-    load_in_8bit: Annotated[bool, typer.Option(help="8-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)] = False,
-    load_in_4bit: Annotated[bool, typer.Option(help="4-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)] = False,
-    limit: Annotated[
-        Optional[int], typer.Option(min=1, help="Only the first N records.", rich_help_panel=PANEL_OUTPUT)
-    ] = None,
+    no_profile: Annotated[
+        bool, typer.Option("--no-profile", help="Do not pick a profile automatically.", rich_help_panel=PANEL_VERIFY)
+    ] = False,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = 0,
+    max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
+    stop: StopOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    load_in_8bit: Load8Opt = False,
+    load_in_4bit: Load4Opt = False,
+    limit: LimitOpt = None,
     timing: Annotated[
         bool, typer.Option("--timing/--no-timing", help="Include wall-clock timing in results (off: byte-identical reruns).", rich_help_panel=PANEL_OUTPUT)
     ] = True,
     token_ids: Annotated[
         bool, typer.Option("--token-ids", help="Include the generated token ids in results.", rich_help_panel=PANEL_OUTPUT)
     ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.", rich_help_panel=PANEL_OUTPUT)] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Generate completions for a JSONL file of prompts with speculative decoding.
 
@@ -161,38 +227,216 @@ def generate(
     Per-line max_tokens, temperature, top_p, top_k, seed and stop override the options.
     One JSON result per input line is written in input order.
     """
-    if verify not in ("strict", "mars"):
+    if verify is not None and verify not in ("strict", "mars"):
         raise _fail(UsageError(f"--verify must be 'strict' or 'mars', got {verify!r}"))
-    if margin not in ("logit-ratio", "prob-ratio"):
-        raise _fail(UsageError(f"--margin must be 'logit-ratio' or 'prob-ratio', got {margin!r}"))
-    if ngram_min > ngram_max:
-        raise _fail(UsageError(f"--ngram-min ({ngram_min}) must not exceed --ngram-max ({ngram_max})"))
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise _fail(UsageError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}"))
+    _check_choices(margin, dtype, ngram_min, ngram_max)
+    if profile is not None and no_profile:
+        raise _fail(UsageError("--profile and --no-profile exclude each other"))
     log = _Log(quiet)
-    if verify == "mars" and theta is None:
-        theta = PAPER_THETA
-        log.info(f"--verify mars without --theta: using the paper's theta = {PAPER_THETA}")
-    if verify == "strict" and theta is not None:
-        log.info("--theta has no effect with --verify strict")
-    kind, draft_model = parse_draft(draft)
+    prof = None
+    if profile is not None:
+        from marscli.profiles import resolve_profile
+
+        try:
+            prof = resolve_profile(profile)
+        except MarscliError as e:
+            raise _fail(e)
+        if target is None and prof.data["target"]["kind"] != "embedded":
+            target = prof.data["target"]["source"]
+    draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min,
+                              prof.data["drafter"] if prof is not None else None)
+    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit)
     cfg = GenerateConfig(
         input=input,
         output=output,
-        target=ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit),
-        draft=DraftConfig(kind, draft_model, num_draft_tokens, ngram_max, ngram_min, adaptive),
-        draft_model=ModelConfig(draft_model, dtype, device, device_map, load_in_8bit, load_in_4bit) if draft_model else None,
-        verify=VerifyConfig(verify, theta if theta is not None else STRICT_THETA, margin),
+        target=target_cfg,
+        draft=draft_cfg,
+        draft_model=draft_model_cfg,
+        verify=VerifyRequest(verify, theta, margin),
         sampling=SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop or ())),
         limit=limit,
         timing=timing,
         token_ids=token_ids,
+        profile=str(prof.path) if prof is not None else None,
+        auto_profile=not no_profile,
     )
     try:
         code = run_generate(cfg, log)
     except MarscliError as e:
         raise _fail(e)
     raise typer.Exit(code)
+
+
+PANEL_POLICY = "Choosing theta (one policy)"
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  marscli calibrate prompts.jsonl                       # embedded model, ngram drafter, "
+        "--max-nll-increase 0.02\n\n"
+        "  marscli calibrate prompts.jsonl --relax-rate 0.10 --plot calib.png\n\n"
+        "  marscli calibrate prompts.jsonl --target ./Qwen3-8B --draft ./Qwen3-0.6B "
+        "--max-nll-increase 0.02 -o profiles/qwen3-8b.yaml\n\n"
+        "Exit codes: 0 profile written; 1 runtime failure; 2 usage, configuration or model error; "
+        "3 profile written but some records failed; 130 interrupted."
+    ),
+)
+def calibrate(
+    input: Annotated[str, typer.Argument(help="JSONL calibration prompts (same formats as generate), or '-'.")],
+    output: Annotated[
+        Optional[str], typer.Option("-o", "--output", help="Profile file to write ('-': stdout). Default: NAME.yaml in the user profile dir, where generate finds it.", rich_help_panel=PANEL_OUTPUT)
+    ] = None,
+    name: Annotated[Optional[str], typer.Option(help="Profile name. Default: target.drafter.dtype.", rich_help_panel=PANEL_OUTPUT)] = None,
+    max_nll_increase: Annotated[
+        Optional[float], typer.Option(min=0.0, help="Policy (default, 0.02): the most relaxing theta whose estimated cost stays within EPS nats of target log-probability per token.", rich_help_panel=PANEL_POLICY)
+    ] = None,
+    relax_rate: Annotated[
+        Optional[float], typer.Option(min=0.0, max=1.0, help="Policy: theta at which this share of verified draft positions is relaxable.", rich_help_panel=PANEL_POLICY)
+    ] = None,
+    theta: Annotated[Optional[float], typer.Option(help="Policy: a fixed theta (e.g. the paper's 0.9), recorded as such.", rich_help_panel=PANEL_POLICY)] = None,
+    margin: MarginOpt = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    num_draft_tokens: NumDraftOpt = None,
+    adaptive: AdaptiveOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = 0,
+    max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
+    stop: StopOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    load_in_8bit: Load8Opt = False,
+    load_in_4bit: Load4Opt = False,
+    limit: LimitOpt = None,
+    plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Measure the target's margins over prompts and write a profile with a calibrated theta.
+
+    Runs the target with the drafter under strict verification, records the margin statistics
+    at every verified draft position, replays each step under MARS for a grid of theta, and
+    picks theta by one policy. generate then finds the profile for this target and drafter.
+    """
+    from marscli.calibrate import DEFAULT_MAX_NLL_INCREASE
+    from marscli.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
+
+    _check_choices(margin, dtype, ngram_min, ngram_max)
+    chosen = [(n, v) for n, v in ((POLICY_MAX_NLL, max_nll_increase), (POLICY_RELAX_RATE, relax_rate),
+                                  (POLICY_FIXED, theta)) if v is not None]
+    if len(chosen) > 1:
+        raise _fail(UsageError("give one policy: --max-nll-increase, --relax-rate or --theta "
+                               f"(got {', '.join('--' + n if n != POLICY_FIXED else '--theta' for n, _ in chosen)})"))
+    policy, value = chosen[0] if chosen else (POLICY_MAX_NLL, DEFAULT_MAX_NLL_INCREASE)
+    if theta is not None and not math.isfinite(theta):
+        raise _fail(UsageError("--theta must be a finite number"))
+    draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min)
+    if draft_cfg.kind == "none":
+        raise _fail(UsageError("calibrate needs a drafter: --draft ngram or a draft model"))
+    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit)
+    cfg = CalibrateConfig(
+        input=input, output=output, name=name, target=target_cfg, draft=draft_cfg,
+        draft_model=draft_model_cfg, margin=margin or "logit-ratio", policy=policy,
+        policy_value=float(value),
+        sampling=SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop or ())),
+        limit=limit, plot=plot,
+    )
+    try:
+        code = run_calibrate(cfg, _Log(quiet))
+    except MarscliError as e:
+        raise _fail(e)
+    raise typer.Exit(code)
+
+
+profile_app = typer.Typer(help="List, show and validate calibration profiles.", no_args_is_help=True)
+app.add_typer(profile_app, name="profile")
+
+
+@profile_app.command("list")
+def profile_list() -> None:
+    """Profiles in the user profile dir and the packaged ones, in search order."""
+    from rich.table import Table
+
+    from marscli.profiles import ProfileError, iter_profile_files, load_profile, profile_dirs
+
+    table = Table(title="search order: " + ", ".join(str(d) for d in profile_dirs()), title_justify="left")
+    for col in ("name", "target", "dtype", "drafter", "margin", "theta", "policy", "file"):
+        table.add_column(col)
+    bad = 0
+    for f in iter_profile_files():
+        try:
+            p = load_profile(f)
+        except ProfileError as e:
+            bad += 1
+            table.add_row(f.stem, f"[red]invalid: {e}[/red]", "", "", "", "", "", str(f))
+            continue
+        d = p.data
+        drafter = d["drafter"]["kind"] if d["drafter"]["kind"] != "model" else d["drafter"]["model"]["name"]
+        quant = d["target"]["quantization"]
+        table.add_row(p.name, d["target"]["name"], d["target"]["dtype"] + (f"/{quant}" if quant else ""),
+                      drafter, p.margin, f"{p.theta:.6g}", f"{d['policy']['name']} {d['policy']['value']:g}", str(f))
+    Console(highlight=False).print(table)
+    raise typer.Exit(2 if bad else 0)
+
+
+@profile_app.command("show")
+def profile_show(
+    name: Annotated[str, typer.Argument(help="Profile name or YAML path.")],
+    plot: Annotated[Optional[str], typer.Option(help="Draw the histogram and curve to this PNG.")] = None,
+) -> None:
+    """A profile's choice, summary, histogram and trade-off curve."""
+    from marscli.profiles import resolve_profile
+
+    try:
+        p = resolve_profile(name)
+        _show_profile(p, Console(highlight=False))
+        if plot:
+            from marscli.calibrate import plot_profile
+
+            plot_profile(p.data, plot)
+    except MarscliError as e:
+        raise _fail(e) from None
+
+
+@profile_app.command("validate")
+def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YAML files.")]) -> None:
+    """Check profile files against the schema; exit 2 naming the file and key of the first problem."""
+    from marscli.profiles import load_profile
+
+    code = 0
+    for f in files:
+        try:
+            p = load_profile(f)
+        except MarscliError as e:
+            _stderr().print(f"marscli: error: {e}", markup=False, soft_wrap=True)
+            code = e.exit_code
+            continue
+        print(f"{f}: ok (profile {p.name}, theta {p.theta:.6g}, sha256 {p.short_hash})")
+    raise typer.Exit(code)
+
+
+def _show_profile(p, con: Console) -> None:
+    from marscli.calibrate import curve_table, histogram_text
+
+    d = p.data
+    s = d["summary"]
+    cd = d["calibration_data"]
+    con.print(f"profile {p.describe()}  sha256 {p.short_hash}", markup=False)
+    con.print(f"target {d['target']['name']} ({d['target']['dtype']}, {d['target']['device_type']}); "
+              f"drafter {d['drafter']['kind']} K<={d['drafter']['num_draft_tokens']}", markup=False)
+    con.print(f"theta {p.theta:.6g} ({p.margin}) by {d['policy']['name']} {d['policy']['value']:g}; "
+              f"calibrated on {cd['file']}: {cd['records']} records, {cd['tokens']} tokens, "
+              f"{cd['positions']} verified draft positions", markup=False)
+    con.print(f"estimated: tau strict {s['tau_strict']:.3f} -> mars {s['tau_mars']:.3f}, relaxable "
+              f"{s['relaxable_share']:.3f}, relaxed {s['relaxed_share']:.3f}/token, NLL +{s['nll_increase']:.4f} nats/token",
+              markup=False)
+    con.print(histogram_text(d["histogram"], p.theta), markup=False, highlight=False)
+    con.print(curve_table(d, "trade-off curve (replayed on the calibration run)"))
 
 
 # --------------------------------------------------------------------------- generate
@@ -215,7 +459,7 @@ class _Progress:
 
     PLAIN_EVERY_S = 10.0
 
-    def __init__(self, log: _Log, total: int):
+    def __init__(self, log: _Log, total: int, label: str = "generating"):
         self.log = log
         self.total = total
         self.done = 0
@@ -227,7 +471,7 @@ class _Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self.bar = Progress(
-                TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 TextColumn("{task.fields[rate]}"), console=log.console, redirect_stdout=False,
                 redirect_stderr=False, transient=True,
             )
@@ -268,19 +512,23 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
         return EXIT_OK
 
     from marscli.engine import SpecEngine, build_drafter
-    from marscli.models import check_vocab_compatible, load_model
 
-    t_load = time.perf_counter()
-    target = load_model(cfg.target, role="target", log=log.info)
-    draft_loaded = None
-    if cfg.draft_model is not None:
-        draft_loaded = load_model(cfg.draft_model, role="draft", log=log.info)
-        check_vocab_compatible(target, draft_loaded)
-    log.info(f"loaded {target.identity.get('name')} on {target.device} in {time.perf_counter() - t_load:.1f} s")
+    target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log)
+    prof = _choose_profile(cfg, target, draft_loaded, log)
+    from marscli.profiles import resolve_verification
+
+    verify_cfg = resolve_verification(cfg.verify, prof, log.info)
     drafter = build_drafter(cfg.draft, target, draft_loaded)
-    engine = SpecEngine(target, drafter, cfg.verify, cfg.draft)
-    vdesc = cfg.verify.mode if cfg.verify.mode == "strict" else f"mars (theta={cfg.verify.theta:g}, {cfg.verify.margin})"
+    engine = SpecEngine(target, drafter, verify_cfg, cfg.draft)
+    vdesc = verify_cfg.mode if verify_cfg.mode == "strict" else f"mars (theta={verify_cfg.theta:g}, {verify_cfg.margin})"
     log.info(f"drafter {cfg.draft.kind}{'' if cfg.draft.kind == 'none' else f' (K<={cfg.draft.num_draft_tokens})'}, verify {vdesc}")
+    spec_meta = {
+        "drafter": cfg.draft.kind,
+        "verify": verify_cfg.mode,
+        "theta": None if verify_cfg.mode == "strict" else verify_cfg.theta,
+        "margin": verify_cfg.margin,
+        "profile": prof.reference() if prof is not None else None,
+    }
 
     failed = 0
     totals = _Totals()
@@ -288,7 +536,7 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
     writer = ResultWriter(cfg.output)
     try:
         for item in items:
-            result, seconds = _run_one(engine, item, cfg)
+            result, seconds = _run_one(engine, item, cfg, spec_meta)
             if result.get("error"):
                 failed += 1
             else:
@@ -309,6 +557,157 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
         return EXIT_OK
     log.info(totals.summary(len(items), failed))
     return EXIT_RECORDS_FAILED if failed else EXIT_OK
+
+
+def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
+    """Collect margins under strict verification, choose theta, write and show the profile."""
+    import hashlib
+    import io as _io
+
+    from marscli.calibrate import MarginCollector, analyse, build_profile, plot_profile
+    from marscli.config import RecordError, VerifyConfig
+    from marscli.engine import RecordFailure, SpecEngine, build_drafter
+    from marscli.errors import InputError
+    from marscli.io import find_duplicate_ids, read_requests
+    from marscli.profiles import default_profile_name, save_profile, user_profile_dir
+
+    raw = _read_input_bytes(cfg.input)
+    items = []
+    for item in read_requests(_io.BytesIO(raw)):
+        if cfg.limit is not None and len(items) >= cfg.limit:
+            break
+        items.append(item)
+    dup = find_duplicate_ids(items)
+    if dup is not None:
+        raise InputError(f"{cfg.input}: duplicate id {dup[0]!r} on lines {dup[1]} and {dup[2]}")
+    if not items:
+        raise InputError(f"{cfg.input}: no records to calibrate on")
+
+    target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log)
+    engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), VerifyConfig(), cfg.draft)
+    collector = MarginCollector()
+    progress = _Progress(log, len(items), label="calibrating")
+    failed = 0
+    t0 = time.perf_counter()
+    try:
+        for item in items:
+            if isinstance(item, RecordError):
+                failed += 1
+                log.info(f"{cfg.input}:{item.line}: skipped: {item.message}")
+                progress.advance(0)
+                continue
+            try:
+                res = engine.generate(item, cfg.sampling.with_overrides(item.overrides), observer=collector)
+            except RecordFailure as e:
+                failed += 1
+                log.info(f"{cfg.input}:{item.line}: skipped: {e.message}")
+                progress.advance(0)
+                continue
+            progress.advance(res.completion_tokens)
+    except KeyboardInterrupt:
+        progress.close()
+        log.info("interrupted: no profile written")
+        return EXIT_INTERRUPTED
+    progress.close()
+    seconds = time.perf_counter() - t0
+    data = collector.data(records=len(items) - failed, failed=failed)
+    if data.positions == 0:
+        raise MarscliError(f"{cfg.input}: the drafter proposed no tokens on these prompts, so there "
+                           "are no margins to calibrate on (more or longer prompts, or another drafter)")
+    cal = analyse(data, cfg.margin, cfg.policy, cfg.policy_value, seconds)
+    ident = target.identity
+    name = cfg.name or default_profile_name(
+        str(ident.get("name")), cfg.draft.kind, draft_loaded.identity.get("name") if draft_loaded else None,
+        str(ident.get("dtype")), ident.get("quantization"))
+    doc = build_profile(
+        name=name, cal=cal, data=data, target_identity=ident, draft_cfg=cfg.draft,
+        draft_identity=draft_loaded.identity if draft_loaded else None, sampling=cfg.sampling,
+        input_name="-" if cfg.input == "-" else os.path.basename(cfg.input),
+        input_sha256=hashlib.sha256(raw).hexdigest(), seconds=seconds,
+    )
+    from marscli.profiles import dump_profile, parse_profile
+
+    if cfg.output == "-":
+        text = dump_profile(doc)
+        prof = parse_profile(text, "<stdout>")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        out = cfg.output or str(user_profile_dir() / f"{name}.yaml")
+        existed = os.path.exists(out)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        prof = save_profile(doc, out)
+        log.info(f"{'replaced' if existed else 'wrote'} profile {out}")
+    if not log.quiet:
+        _show_profile(prof, log.console)
+    if cfg.plot:
+        plot_profile(doc, cfg.plot)
+        log.info(f"wrote plot {cfg.plot}")
+    if failed:
+        log.info(f"{failed} of {len(items)} records failed and were left out")
+    return EXIT_RECORDS_FAILED if failed else EXIT_OK
+
+
+def _read_input_bytes(source: str) -> bytes:
+    """A whole (small) input file, or stdin, as bytes: calibration records its sha256."""
+    from marscli.errors import InputError
+
+    if source == "-":
+        return sys.stdin.buffer.read()
+    try:
+        with open(source, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise InputError(f"input file not found: {source}") from None
+    except IsADirectoryError:
+        raise InputError(f"input is a directory, not a file: {source}") from None
+    except OSError as e:
+        raise InputError(f"cannot read input file {source}: {e.strerror or e}") from None
+
+
+def _load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, log: _Log):
+    """Load the target and (if any) the draft model; check their vocabularies agree."""
+    from marscli.models import check_vocab_compatible, load_model
+
+    t0 = time.perf_counter()
+    target = load_model(target_cfg, role="target", log=log.info)
+    draft = None
+    if draft_cfg is not None:
+        draft = load_model(draft_cfg, role="draft", log=log.info)
+        check_vocab_compatible(target, draft)
+    log.info(f"loaded {target.identity.get('name')} on {target.device} in {time.perf_counter() - t0:.1f} s")
+    return target, draft
+
+
+def _choose_profile(cfg: GenerateConfig, target, draft_loaded, log: _Log):
+    """The profile generate runs with: the one asked for, else the newest matching one."""
+    from marscli.profiles import (
+        drafter_description,
+        find_matching_profile,
+        load_profile,
+        match_problems,
+    )
+
+    drafter = drafter_description(cfg.draft.kind, draft_loaded.identity if draft_loaded else None)
+    if cfg.profile is not None:
+        prof = load_profile(cfg.profile)
+        problems = match_problems(prof, target.identity, drafter)
+        if problems is None:
+            log.info(f"warning: profile {prof.describe()} was calibrated for other weights or another "
+                     "drafter; using it because you asked")
+        elif problems:
+            log.info(f"warning: profile {prof.describe()} was calibrated with {'; '.join(problems)}")
+        log.info(f"using profile {prof.describe()} (sha256 {prof.short_hash})")
+        return prof
+    if not cfg.auto_profile or cfg.draft.kind == "none":
+        return None
+    prof = find_matching_profile(target.identity, drafter, note=log.info)
+    if prof is not None:
+        log.info(f"using profile {prof.describe()} (sha256 {prof.short_hash}), matched to the target")
+    elif cfg.verify.mode is None:
+        log.info("no calibrated profile for this target and drafter: verifying strictly "
+                 "(run `marscli calibrate` to make one)")
+    return prof
 
 
 def _silence_stdout() -> None:
@@ -348,7 +747,7 @@ class _Totals:
         )
 
 
-def _run_one(engine, item, cfg: GenerateConfig) -> tuple[dict, float]:
+def _run_one(engine, item, cfg: GenerateConfig, spec_meta: dict) -> tuple[dict, float]:
     """One record -> (result line, seconds spent generating)."""
     import torch
 
@@ -371,13 +770,7 @@ def _run_one(engine, item, cfg: GenerateConfig) -> tuple[dict, float]:
         "output": res.text,
         "finish_reason": res.finish_reason,
         "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens},
-        "spec": {
-            "drafter": cfg.draft.kind,
-            "verify": cfg.verify.mode,
-            "theta": None if cfg.verify.mode == "strict" else cfg.verify.theta,
-            "margin": cfg.verify.margin,
-            **res.stats.to_dict(),
-        },
+        "spec": {**spec_meta, **res.stats.to_dict()},
         "timing": {
             "seconds": round(res.seconds, 4),
             "tokens_per_s": round(res.completion_tokens / res.seconds, 2) if res.seconds > 0 else None,

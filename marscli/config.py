@@ -62,6 +62,16 @@ class VerifyConfig:
 
 
 @dataclass(frozen=True)
+class VerifyRequest:
+    """Verification as asked on the command line; None = not given (a profile or the default
+    decides). Resolved into a VerifyConfig once the target (and so its profile) is known."""
+
+    mode: VerifyMode | None = None
+    theta: float | None = None
+    margin: MarginKind | None = None
+
+
+@dataclass(frozen=True)
 class DraftConfig:
     """Which drafter proposes tokens and how many.
 
@@ -127,8 +137,28 @@ class GenerateConfig:
     target: ModelConfig
     draft: DraftConfig
     draft_model: ModelConfig | None
-    verify: VerifyConfig
+    verify: VerifyRequest
     sampling: SamplingParams
     limit: int | None = None
     timing: bool = True
     token_ids: bool = False
+    profile: str | None = None  # name or path; None: look for one matching the target
+    auto_profile: bool = True  # False (--no-profile): never pick a profile by itself
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """Everything `marscli calibrate` needs, parsed from the command line."""
+
+    input: str
+    output: str | None  # None: <user profile dir>/<name>.yaml; "-": YAML on stdout
+    name: str | None
+    target: ModelConfig
+    draft: DraftConfig
+    draft_model: ModelConfig | None
+    margin: MarginKind
+    policy: str  # max-nll-increase | relax-rate | fixed
+    policy_value: float
+    sampling: SamplingParams
+    limit: int | None = None
+    plot: str | None = None

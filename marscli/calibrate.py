@@ -1,0 +1,541 @@
+"""Calibration: measure the target's margins under strict verification and pick theta.
+
+Collection runs the engine with strict verification and observes every step. The target has
+scored all k drafts of a step in one forward pass, so at each **verified draft position** we
+know the margin statistics, the draft's rank in the target (top-1, top-2, other), the target's
+log-probabilities of its top-1, top-2 and the draft token, and whether strict verification
+accepts the draft there on its own. From that, the length of any step under MARS at any theta
+is replayed exactly (the same rule as marscli.verify, applied to the recorded facts).
+
+The trade-off curve and the policies work on the replay:
+
+- relaxable share: verified draft positions whose statistic exceeds theta;
+- tau (mean acceptance length): tokens emitted per step, correction/bonus included;
+- relaxed share: relaxed acceptances per emitted token;
+- nll_increase: target log-probability given up per emitted token, summed over relaxed
+  acceptances of (log p1 - log p(draft)) (= log p1 - log p2 for a top-2 draft).
+
+What the replay ignores: after a relaxed token the real run continues on another trajectory
+(different later drafts and margins), and the adaptive draft length would change with the
+higher acceptance. The estimate is per step, on the strict trajectory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from marscli.profiles import (
+    POLICY_FIXED,
+    POLICY_MAX_NLL,
+    POLICY_RELAX_RATE,
+    RANK_KEYS,
+)
+
+#: Default policy parameter: at most 0.02 nats of target log-probability given up per token.
+DEFAULT_MAX_NLL_INCREASE = 0.02
+#: Histogram bins over [0, 1] (both statistics live there; below 0 is counted apart).
+HIST_BINS = 200
+#: Candidate thresholds evaluated exactly by the max-nll-increase policy (subsampled beyond).
+MAX_CANDIDATES = 4096
+RANK_TOP1, RANK_TOP2, RANK_OTHER = 1, 2, 3
+STATISTICS = ("logit-ratio", "prob-ratio")
+
+
+# --------------------------------------------------------------------------- collection
+
+
+class MarginCollector:
+    """Engine observer (SpecEngine.generate(..., observer=...)): one row per verified draft
+    position. The engine must verify strictly; every step's strict outcome is checked
+    against the replay rule as it is recorded."""
+
+    def __init__(self) -> None:
+        self.step_k: list[int] = []
+        self.step_n: list[int] = []
+        self.step_emitted: list[int] = []
+        self._rows: list[np.ndarray] = []  # per step: [k, len(_COLS)] float64
+
+    def __call__(self, obs) -> None:
+        import torch
+
+        from marscli.verify import (
+            LOGIT_RATIO,
+            PROB_RATIO,
+            margin_statistic,
+            sampling_probs,
+            strict_sampling_accepts,
+            top2,
+        )
+
+        k = obs.drafts.shape[1]
+        n = int(obs.result.num_accepted[0])
+        self.step_k.append(k)
+        self.step_n.append(n)
+        self.step_emitted.append(obs.emitted)
+        if k == 0:
+            return
+        d = obs.drafts[0]  # [k]
+        logits_k = obs.logits[0, :k].float()  # [k, V]
+        z1, z2, t1, t2 = top2(logits_k)
+        s = obs.sampling
+        if s.greedy:  # the quality estimate uses the model's own distribution (T = 1)
+            p = torch.softmax(logits_k, dim=-1)
+            strict_ok = d == t1
+        else:
+            p = sampling_probs(obs.logits[:, :k], s.temperature, s.top_k, s.top_p)[0]
+            strict_ok = strict_sampling_accepts(obs.drafts, p.unsqueeze(0), obs.u_accept,
+                                                obs.draft_probs)[0]
+        logp = torch.log(p.double())
+        rank = torch.where(d == t1, RANK_TOP1, torch.where(d == t2, RANK_TOP2, RANK_OTHER))
+        cols = torch.stack([
+            margin_statistic(z1, z2, LOGIT_RATIO).double(),
+            margin_statistic(z1, z2, PROB_RATIO).double(),
+            z1.double(),
+            rank.double(),
+            logp.gather(1, t1.unsqueeze(1)).squeeze(1),
+            logp.gather(1, t2.unsqueeze(1)).squeeze(1),
+            logp.gather(1, d.unsqueeze(1)).squeeze(1),
+            strict_ok.double(),
+        ], dim=1)
+        ok = strict_ok.tolist()
+        replayed = ok.index(False) if False in ok else k
+        if replayed != n:  # the replay rule must reproduce what the verifier did
+            raise RuntimeError(f"calibration replay disagrees with strict verification: {replayed} != {n}")
+        self._rows.append(cols.cpu().numpy())
+
+    def data(self, records: int, failed: int = 0) -> MarginData:
+        rows = np.concatenate(self._rows) if self._rows else np.zeros((0, len(_COLS)))
+        return MarginData(
+            step_k=np.asarray(self.step_k, dtype=np.int64),
+            step_n=np.asarray(self.step_n, dtype=np.int64),
+            tokens=int(sum(self.step_emitted)),
+            records=records,
+            failed_records=failed,
+            **{name: rows[:, i].copy() for i, name in enumerate(_COLS)},
+        )
+
+
+_COLS = ("logit_ratio", "prob_ratio", "z1", "rank", "logp1", "logp2", "logp_draft", "strict_ok")
+
+
+@dataclass
+class MarginData:
+    """Everything calibration recorded, as flat arrays (positions in step order)."""
+
+    step_k: np.ndarray  # [S] drafts verified per step
+    step_n: np.ndarray  # [S] drafts accepted per step (strict)
+    tokens: int  # completion tokens emitted in the collection run
+    records: int
+    failed_records: int
+    logit_ratio: np.ndarray  # [P] one entry per verified draft position
+    prob_ratio: np.ndarray  # [P]
+    z1: np.ndarray  # [P]
+    rank: np.ndarray  # [P] 1, 2 or 3 (other)
+    logp1: np.ndarray  # [P] target log-probabilities (sampling temperature; 1 when greedy)
+    logp2: np.ndarray  # [P]
+    logp_draft: np.ndarray  # [P]
+    strict_ok: np.ndarray  # [P] 1.0 where strict verification accepts the draft on its own
+    _grid: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_k)
+
+    @property
+    def positions(self) -> int:
+        return len(self.rank)
+
+    def statistic(self, margin: str) -> np.ndarray:
+        if margin not in STATISTICS:
+            raise ValueError(f"unknown margin statistic {margin!r}")
+        return self.logit_ratio if margin == "logit-ratio" else self.prob_ratio
+
+    @classmethod
+    def merge(cls, parts: list[MarginData]) -> MarginData:
+        """One MarginData from several (e.g. one per process): concatenated in order."""
+        return cls(
+            step_k=np.concatenate([p.step_k for p in parts]),
+            step_n=np.concatenate([p.step_n for p in parts]),
+            tokens=sum(p.tokens for p in parts),
+            records=sum(p.records for p in parts),
+            failed_records=sum(p.failed_records for p in parts),
+            **{name: np.concatenate([getattr(p, name) for p in parts]) for name in _COLS},
+        )
+
+    # ------------------------------------------------------------------ replay
+
+    def _matrices(self, margin: str) -> dict[str, np.ndarray]:
+        """Positions laid out as [S, Kmax] matrices (cached per statistic)."""
+        if margin in self._grid:
+            return self._grid[margin]
+        S = self.steps
+        K = int(self.step_k.max()) if S else 0
+        valid = np.arange(K)[None, :] < self.step_k[:, None]  # [S, K]
+        def lay(values: np.ndarray, fill: float) -> np.ndarray:
+            m = np.full((S, K), fill, dtype=np.float64)
+            m[valid] = values  # row-major order == step order, then position order
+            return m
+        gain = np.where(self.rank == RANK_TOP1, 0.0, self.logp1 - self.logp_draft)
+        g = {
+            "valid": valid,
+            "stat": lay(self.statistic(margin), -math.inf),
+            "strict_ok": lay(self.strict_ok, 0.0) > 0.5,
+            # MARS accepts a top-1/top-2 draft outright at a relaxable position (if p > 0).
+            "eligible": lay(((self.rank <= RANK_TOP2) & np.isfinite(self.logp_draft)).astype(float), 0.0) > 0.5,
+            "gain": lay(gain, 0.0),
+        }
+        self._grid[margin] = g
+        return g
+
+    def replay(self, theta: float, margin: str) -> Replay:
+        """Every step of the collection run, verified by MARS at ``theta`` instead."""
+        g = self._matrices(margin)
+        S, P = self.steps, self.positions
+        relaxable = g["valid"] & (g["stat"] > theta)
+        ok = np.where(relaxable, g["eligible"], g["strict_ok"]) & g["valid"]
+        n = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(S, dtype=np.int64)
+        accepted = np.arange(ok.shape[1])[None, :] < n[:, None]
+        relaxed = accepted & relaxable & ~g["strict_ok"]
+        emitted = int(n.sum()) + S
+        return Replay(
+            theta=theta,
+            num_accepted=n,
+            relaxable_share=float(relaxable.sum() / P) if P else 0.0,
+            relaxed=int(relaxed.sum()),
+            emitted=emitted,
+            tau=emitted / S if S else 0.0,
+            nll_increase=float(g["gain"][relaxed].sum() / emitted) if emitted else 0.0,
+        )
+
+
+@dataclass
+class Replay:
+    theta: float
+    num_accepted: np.ndarray  # [S]
+    relaxable_share: float
+    relaxed: int
+    emitted: int
+    tau: float
+    nll_increase: float  # nats per emitted token
+
+    @property
+    def relaxed_share(self) -> float:
+        return self.relaxed / self.emitted if self.emitted else 0.0
+
+    def row(self) -> dict[str, float]:
+        return {
+            "theta": self.theta,
+            "relaxable_share": _r(self.relaxable_share),
+            "relaxed_share": _r(self.relaxed_share),
+            "tau": _r(self.tau),
+            "nll_increase": _r(self.nll_increase),
+        }
+
+
+def _r(x: float, digits: int = 6) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def _sensitive_candidates(data: MarginData, margin: str) -> np.ndarray:
+    """Distinct statistic values, highest first, at positions where relaxing changes the
+    outcome (MARS and strict disagree there): the cost and tau only change at these."""
+    stat = data.statistic(margin)
+    eligible = (data.rank <= RANK_TOP2) & np.isfinite(data.logp_draft)
+    sensitive = eligible != (data.strict_ok > 0.5)
+    vals = np.unique(stat[sensitive & np.isfinite(stat)])[::-1]
+    if len(vals) > MAX_CANDIDATES:
+        idx = np.unique(np.linspace(0, len(vals) - 1, MAX_CANDIDATES).round().astype(int))
+        vals = vals[idx]
+    return vals
+
+
+def _just_below(x: float) -> float:
+    return float(np.nextafter(x, -math.inf))
+
+
+def pick_max_nll_increase(data: MarginData, margin: str, eps: float) -> float:
+    """The most relaxing theta whose estimated cost stays within eps nats per token.
+
+    Walks down from strict through the thresholds where the replay changes and stops before
+    the first one whose cost exceeds eps, so every theta above the chosen one is within eps
+    too. (The total cost only grows as theta falls, but the cost per token need not: a relaxed
+    token can unlock a run of exact acceptances.) Positions relax only when their statistic
+    exceeds theta, so theta = c excludes c itself.
+    """
+    cands = _sensitive_candidates(data, margin)
+    if len(cands) == 0:
+        return 1.0  # nothing on record where relaxing would change anything
+    best = float(cands[0])  # relaxes none of the sensitive positions: cost 0
+    for c in cands[1:]:
+        if data.replay(float(c), margin).nll_increase > eps:
+            return best
+        best = float(c)
+    below = _just_below(best)
+    return below if data.replay(below, margin).nll_increase <= eps else best
+
+
+def pick_relax_rate(data: MarginData, margin: str, rate: float) -> float:
+    """The lowest theta at which at most a share ``rate`` of verified positions is relaxable."""
+    stat = np.sort(data.statistic(margin))[::-1]
+    P = len(stat)
+    finite = stat[np.isfinite(stat)]
+    if P == 0 or len(finite) == 0:
+        return 1.0
+    m = int(math.floor(rate * P + 1e-9))
+    if m >= len(finite):  # every position that can be relaxed, is
+        return _just_below(float(finite[-1]))
+    return float(stat[m])
+
+
+#: Chosen thresholds are rounded up (towards strict) to this many decimals when the policy's
+#: promise still holds: 0.9617 reads better than 0.9616848826408386 and is as good a choice.
+THETA_DECIMALS = 4
+
+
+def choose_theta(data: MarginData, margin: str, policy: str, value: float) -> float:
+    if policy == POLICY_FIXED:
+        return float(value)
+    if policy == POLICY_MAX_NLL:
+        theta = pick_max_nll_increase(data, margin, value)
+        keeps = lambda t: data.replay(t, margin).nll_increase <= value  # noqa: E731
+    elif policy == POLICY_RELAX_RATE:
+        theta = pick_relax_rate(data, margin, value)
+        keeps = lambda t: data.replay(t, margin).relaxable_share <= value  # noqa: E731
+    else:
+        raise ValueError(f"unknown policy {policy!r}")
+    scale = 10 ** THETA_DECIMALS
+    rounded = math.ceil(theta * scale) / scale
+    return rounded if keeps(rounded) else theta
+
+
+# --------------------------------------------------------------------------- curve, histogram
+
+_FIXED_GRID = (0.5, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
+_QUANTILES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
+
+
+def curve_thetas(data: MarginData, margin: str, extra: tuple[float, ...] = ()) -> list[float]:
+    """A theta grid dense where the data are (quantiles of the statistic) plus round values."""
+    stat = data.statistic(margin)
+    finite = stat[np.isfinite(stat)]
+    qs = [round(float(q), 4) for q in np.quantile(finite, _QUANTILES)] if len(finite) else []
+    return sorted(set(qs) | set(_FIXED_GRID) | {float(x) for x in extra})
+
+
+def trade_off_curve(data: MarginData, margin: str, thetas: list[float]) -> list[dict[str, float]]:
+    """One row per theta, and a last row for strict verification (theta = +inf)."""
+    return [data.replay(t, margin).row() for t in thetas] + [data.replay(math.inf, margin).row()]
+
+
+def histogram(data: MarginData, margin: str, bins: int = HIST_BINS) -> dict[str, Any]:
+    """Counts of the statistic by draft rank over [0, 1]; values below 0 (and -inf) apart."""
+    stat = data.statistic(margin)
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    counts, below = {}, {}
+    for key, sel in zip(RANK_KEYS, (data.rank == RANK_TOP1, data.rank == RANK_TOP2, data.rank == RANK_OTHER)):
+        v = stat[sel]
+        below[key] = int((v < 0).sum())
+        c, _ = np.histogram(np.clip(v[v >= 0], 0.0, 1.0), bins=edges)
+        counts[key] = [int(x) for x in c]
+    return {
+        "statistic": margin,
+        "edges": [round(float(e), 6) for e in edges],
+        "below": below,
+        "counts": counts,
+    }
+
+
+# --------------------------------------------------------------------------- the result
+
+
+@dataclass
+class Calibration:
+    """What calibrate decided and why: the figures a profile records."""
+
+    margin: str
+    policy: str
+    policy_value: float
+    theta: float
+    summary: dict[str, float]
+    histogram: dict[str, Any]
+    curve: list[dict[str, float]]
+
+
+def analyse(data: MarginData, margin: str, policy: str, value: float,
+            seconds: float) -> Calibration:
+    theta = choose_theta(data, margin, policy, value)
+    at = data.replay(theta, margin)
+    strict = data.replay(math.inf, margin)
+    measured_tau = data.tokens / data.steps if data.steps else 0.0
+    summary = {
+        "relaxable_share": _r(at.relaxable_share),
+        "relaxed_share": _r(at.relaxed_share),
+        "tau_strict": _r(strict.tau),
+        "tau_mars": _r(at.tau),
+        "nll_increase": _r(at.nll_increase),
+        "measured_tau_strict": _r(measured_tau),
+        "measured_tokens_per_s": _r(data.tokens / seconds if seconds > 0 else 0.0),
+    }
+    curve = trade_off_curve(data, margin, curve_thetas(data, margin, (theta,)))
+    return Calibration(margin, policy, float(value), theta, summary, histogram(data, margin), curve)
+
+
+# --------------------------------------------------------------------------- showing it
+
+
+def curve_table(profile_data: dict[str, Any], title: str | None = None):
+    """A rich Table of a profile's trade-off curve; the chosen theta's row is marked."""
+    from rich.table import Table
+
+    theta = profile_data["verification"]["theta"]
+    t = Table(title=title, title_justify="left")
+    for col in ("theta", "relaxable", "relaxed/token", "tau (est.)", "NLL +nats/token"):
+        t.add_column(col, justify="right")
+    for row in profile_data["curve"]:
+        chosen = math.isfinite(row["theta"]) and row["theta"] == theta
+        th = "strict" if not math.isfinite(row["theta"]) else f"{row['theta']:.6g}"
+        t.add_row(
+            ("> " if chosen else "") + th,
+            f"{row['relaxable_share']:.3f}",
+            f"{row['relaxed_share']:.3f}",
+            f"{row['tau']:.3f}",
+            f"{row['nll_increase']:.4f}",
+            style="bold" if chosen else None,
+        )
+    return t
+
+
+def histogram_text(hist: dict[str, Any], theta: float | None = None, rows: int = 20,
+                   width: int = 40) -> str:
+    """A terminal histogram of the statistic, split by draft rank (1 = top-1 '#', 2 = top-2
+    '=', other '.'), over the occupied part of [0, 1]; the bin holding theta is marked."""
+    edges = np.asarray(hist["edges"])
+    counts = np.stack([np.asarray(hist["counts"][k]) for k in RANK_KEYS])  # [3, bins]
+    total = counts.sum(axis=0)
+    lines = [f"{hist['statistic']} by draft rank  (# top-1  = top-2  . other)"]
+    below = [hist["below"][k] for k in RANK_KEYS]
+    if sum(below):
+        lines.append(f"  below {edges[0]:g}: top-1 {below[0]}, top-2 {below[1]}, other {below[2]}")
+    nz = np.nonzero(total)[0]
+    if len(nz) == 0:
+        lines.append("  (no positions)")
+        return "\n".join(lines)
+    lo, hi = int(nz[0]), int(nz[-1]) + 1
+    groups = np.array_split(np.arange(lo, hi), min(rows, hi - lo))
+    sums = [counts[:, g].sum(axis=1) for g in groups]
+    peak = max(int(s.sum()) for s in sums) or 1
+    for g, s in zip(groups, sums):
+        a, b = edges[g[0]], edges[g[-1] + 1]
+        bar = ""
+        for ch, c in zip("#=.", s):
+            bar += ch * int(round(width * int(c) / peak))
+        mark = " <- theta" if theta is not None and a < theta <= b else ""
+        lines.append(f" {a:.3f}-{b:.3f} |{bar:<{width}}|{int(s.sum()):>7}{mark}")
+    return "\n".join(lines)
+
+
+def plot_profile(profile_data: dict[str, Any], path: str) -> None:
+    """Histogram by draft rank and the trade-off curve, side by side, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from marscli.errors import UsageError
+
+        raise UsageError("--plot needs matplotlib: pip install 'marscli[plot]'") from None
+    hist = profile_data["histogram"]
+    theta = profile_data["verification"]["theta"]
+    edges = np.asarray(hist["edges"])
+    centers = (edges[:-1] + edges[1:]) / 2
+    width = np.diff(edges)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = np.zeros(len(centers))
+    for key, label in zip(RANK_KEYS, ("draft = top-1", "draft = top-2", "other")):
+        c = np.asarray(hist["counts"][key], dtype=float)
+        ax1.bar(centers, c, width=width, bottom=bottom, label=label, align="center")
+        bottom += c
+    nz = np.nonzero(bottom)[0]
+    if len(nz):
+        ax1.set_xlim(edges[nz[0]], edges[nz[-1] + 1])
+    ax1.axvline(theta, color="k", linestyle="--", label=f"theta = {theta:.4g}")
+    ax1.set_xlabel(hist["statistic"])
+    ax1.set_ylabel("verified draft positions")
+    ax1.legend()
+    rows = [r for r in profile_data["curve"] if math.isfinite(r["theta"])]
+    xs = [r["nll_increase"] for r in rows]
+    ys = [r["tau"] for r in rows]
+    ax2.plot(xs, ys, marker="o")
+    for r in rows:
+        ax2.annotate(f"{r['theta']:.3g}", (r["nll_increase"], r["tau"]), fontsize=7)
+    strict = profile_data["summary"]["tau_strict"]
+    ax2.axhline(strict, color="gray", linestyle=":", label=f"strict tau = {strict:.3g}")
+    s = profile_data["summary"]
+    ax2.scatter([s["nll_increase"]], [s["tau_mars"]], color="red", zorder=3, label="chosen")
+    ax2.set_xlabel("estimated NLL increase (nats / token)")
+    ax2.set_ylabel("estimated mean acceptance length")
+    ax2.legend()
+    fig.suptitle(f"{profile_data['name']}: {profile_data['policy']['name']} "
+                 f"{profile_data['policy']['value']:g} -> theta {theta:.4g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- the profile
+
+
+def build_profile(*, name: str, cal: Calibration, data: MarginData, target_identity: dict,
+                  draft_cfg, draft_identity: dict | None, sampling, input_name: str,
+                  input_sha256: str | None, seconds: float) -> dict[str, Any]:
+    """The profile document (schema_version 1) for a calibration."""
+    import datetime as dt
+
+    from marscli import __version__
+    from marscli.profiles import SCHEMA_VERSION, identity_for_profile
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": name,
+        "created_at": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "marscli_version": __version__,
+        "target": identity_for_profile(target_identity),
+        "drafter": {
+            "kind": draft_cfg.kind,
+            "model": identity_for_profile(draft_identity) if draft_identity else None,
+            "num_draft_tokens": draft_cfg.num_draft_tokens,
+            "adaptive": draft_cfg.adaptive,
+            "ngram_max": draft_cfg.ngram_max if draft_cfg.kind == "ngram" else None,
+            "ngram_min": draft_cfg.ngram_min if draft_cfg.kind == "ngram" else None,
+        },
+        "verification": {"margin": cal.margin, "theta": cal.theta},
+        "policy": {"name": cal.policy, "value": cal.policy_value},
+        "sampling": {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "max_tokens": sampling.max_tokens,
+            "seed": sampling.seed,
+        },
+        "calibration_data": {
+            "file": input_name,
+            "sha256": input_sha256,
+            "records": data.records,
+            "failed_records": data.failed_records,
+            "tokens": data.tokens,
+            "steps": data.steps,
+            "positions": data.positions,
+            "seconds": round(seconds, 2),
+        },
+        "summary": cal.summary,
+        "histogram": cal.histogram,
+        "curve": cal.curve,
+    }
