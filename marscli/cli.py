@@ -195,6 +195,106 @@ def generate(
     raise typer.Exit(code)
 
 
+# --------------------------------------------------------------------------- bench
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  marscli bench ../shared/data/prompts/sum.jsonl --limit 20 --max-tokens 128 "
+        "--methods hf-generate,hf-assisted,ar,strict,mars --theta 0.85,0.9,0.95 --report bench.json\n\n"
+        "  marscli bench prompts.jsonl --target ./Llama-3.1-8B-Instruct --draft ./Llama-3.2-1B-Instruct "
+        "--temperature 1.0 --seeds 0,1,2 --plot bench.png\n\n"
+        "  marscli bench prompts.jsonl --report - | jq .methods\n\n"
+        "Exit codes: 0 done; 1 a correctness check failed (greedy ar or strict output differs from "
+        "hf-generate's; the report is still written) or a runtime failure; 2 usage or model error; "
+        "130 interrupted."
+    ),
+)
+def bench(
+    input: Annotated[str, typer.Argument(help="JSONL file of prompts (any format generate reads), or '-' for stdin.")],
+    methods: Annotated[
+        str, typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per --theta).", rich_help_panel=PANEL_VERIFY)
+    ] = "hf-generate,hf-assisted,ar,strict,mars",
+    theta: Annotated[
+        str, typer.Option(help=f"MARS thresholds, comma-separated; default {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)
+    ] = str(PAPER_THETA),
+    margin: Annotated[
+        str, typer.Option(help="Margin statistic: 'logit-ratio' (z2/z1) or 'prob-ratio' (p2/p1).", rich_help_panel=PANEL_VERIFY)
+    ] = "logit-ratio",
+    target: Annotated[
+        str | None,
+        typer.Option(help="Target model: local dir, .gguf file or hub id from the local cache. Default: embedded SmolLM2-135M-Instruct.", rich_help_panel=PANEL_MODEL),
+    ] = None,
+    draft: Annotated[
+        str, typer.Option(help="Drafter for hf-assisted, strict and mars: 'ngram' (prompt lookup), 'none', or a draft model path / hub id.", rich_help_panel=PANEL_DRAFT)
+    ] = "ngram",
+    num_draft_tokens: Annotated[
+        int, typer.Option("--num-draft-tokens", "-k", min=1, max=64, help="Most draft tokens per step (K), for marscli and hf-assisted alike.", rich_help_panel=PANEL_DRAFT)
+    ] = DEFAULT_NUM_DRAFT_TOKENS,
+    adaptive: Annotated[
+        bool, typer.Option("--adaptive/--fixed-k", help="marscli adapts the draft length (deterministic cost model) or always drafts K.", rich_help_panel=PANEL_DRAFT)
+    ] = True,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; the same for every method.", rich_help_panel=PANEL_SAMPLING)] = 0.0,
+    seeds: Annotated[
+        str, typer.Option(help="Comma-separated seeds; with --temperature > 0 every method runs once per seed.", rich_help_panel=PANEL_SAMPLING)
+    ] = "0",
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens per prompt, for every method.", rich_help_panel=PANEL_SAMPLING)] = 128,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL)] = "auto",
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N records.", rich_help_panel=PANEL_OUTPUT)] = None,
+    report: Annotated[
+        str | None, typer.Option(help="Write the full JSON report here ('-': stdout).", rich_help_panel=PANEL_OUTPUT)
+    ] = None,
+    plot: Annotated[
+        str | None, typer.Option(help="Write a PNG of speedup against quality per method and theta (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr (correctness failures still show).", rich_help_panel=PANEL_OUTPUT)] = False,
+) -> None:
+    """Measure speed and quality of every method side by side on the same prompts, in one run.
+
+    Methods: hf-generate (transformers generate(), the baseline), hf-assisted (transformers
+    assisted generation with the same drafter), ar (marscli, no drafter), strict and mars
+    (marscli speculative decoding). One warm-up, then methods interleaved per prompt. Tables go
+    to stderr; --report writes the JSON report; stdout stays empty unless --report -.
+    See docs/benchmarks.md for every column.
+    """
+    from marscli.bench import (
+        BenchConfig,
+        parse_float_list,
+        parse_int_list,
+        parse_methods,
+        run_bench,
+    )
+
+    log = _Log(quiet)
+    try:
+        if margin not in ("logit-ratio", "prob-ratio"):
+            raise UsageError(f"--margin must be 'logit-ratio' or 'prob-ratio', got {margin!r}")
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise UsageError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        kind, draft_model = parse_draft(draft)
+        cfg = BenchConfig(
+            input=input,
+            methods=parse_methods(methods, parse_float_list(theta, "--theta")),
+            target=ModelConfig(target, dtype, device),
+            draft=DraftConfig(kind, draft_model, num_draft_tokens, adaptive=adaptive),
+            draft_model=ModelConfig(draft_model, dtype, device) if draft_model else None,
+            margin=margin,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seeds=parse_int_list(seeds, "--seeds"),
+            limit=limit,
+            report=report,
+            plot=plot,
+        )
+        console = Console(stderr=True, highlight=False, width=None if _stderr().is_terminal else 200)
+        code = run_bench(cfg, log.info, console=console, quiet=quiet)
+    except MarscliError as e:
+        raise _fail(e)
+    raise typer.Exit(code)
+
+
 # --------------------------------------------------------------------------- generate
 
 
