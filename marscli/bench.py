@@ -47,7 +47,7 @@ from marscli.config import (
     SamplingParams,
     VerifyConfig,
 )
-from marscli.errors import EXIT_OK, EXIT_RUNTIME, InputError, UsageError
+from marscli.errors import EXIT_OK, EXIT_RUNTIME, InputError, MarscliError, UsageError
 
 HF_GENERATE = "hf-generate"
 HF_ASSISTED = "hf-assisted"
@@ -164,6 +164,21 @@ def check_config(cfg: BenchConfig) -> None:
     if cfg.greedy and len(cfg.seeds) > 1:
         raise UsageError("greedy decoding (--temperature 0) is deterministic: give one seed, "
                          "or several with --temperature > 0")
+    # A bench can run for an hour: refuse now what would only fail when the results are in.
+    for option, path in (("--report", cfg.report), ("--plot", cfg.plot)):
+        if path and path != "-":
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise UsageError(f"{option} {path}: folder {folder} does not exist")
+            if not os.access(folder, os.W_OK):
+                raise UsageError(f"{option} {path}: folder {folder} is not writable")
+    if cfg.plot == "-":
+        raise UsageError("--plot needs a file name (a PNG is not written to stdout)")
+    if cfg.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'marscli[bench]'") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -835,10 +850,16 @@ def write_outputs(cfg: BenchConfig, report: dict[str, Any], log: Log) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
     elif cfg.report:
-        atomic_write_text(cfg.report, text)
+        try:
+            atomic_write_text(cfg.report, text)
+        except OSError as e:
+            raise MarscliError(f"cannot write the report to {cfg.report}: {e.strerror or e}") from None
         log(f"report written to {cfg.report}")
     if cfg.plot:
-        write_plot(report, cfg.plot)
+        try:
+            write_plot(report, cfg.plot)
+        except OSError as e:
+            raise MarscliError(f"cannot write the plot to {cfg.plot}: {e.strerror or e}") from None
         log(f"plot written to {cfg.plot}")
 
 

@@ -205,6 +205,8 @@ def test_a_strict_mismatch_is_a_loud_correctness_failure(runner, prompts_file, t
     (["--seeds", "0,1"], "greedy decoding (--temperature 0) is deterministic"),
     (["--theta", "high"], "--theta takes comma-separated numbers"),
     (["--margin", "odds"], "--margin must be"),
+    (["--report", "/nonexistent-dir/r.json"], "folder /nonexistent-dir does not exist"),
+    (["--plot", "-"], "--plot needs a file name"),
 ])
 def test_usage_errors_exit_2(runner, prompts_file, tiny_model_dir, args, fragment):
     r = runner.invoke(app, bench_args(prompts_file, tiny_model_dir, *args))
