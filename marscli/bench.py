@@ -390,9 +390,18 @@ class Bench:
         # The assistant drafts as many tokens as marscli's K; its other settings stay
         # transformers' defaults (what a user of assisted generation gets).
         gc.num_assistant_tokens = d.num_draft_tokens
+        try:  # the values generate() will fill in for unset fields
+            defaults = gc._get_default_generation_params()
+        except AttributeError:  # pragma: no cover - other transformers versions
+            defaults = {}
+
+        def effective(key: str) -> Any:
+            value = getattr(gc, key, None)
+            return defaults.get(key) if value is None else value
+
         self.hf_assisted = {"candidates": "assistant_model", "num_assistant_tokens": d.num_draft_tokens,
-                            "num_assistant_tokens_schedule": gc.num_assistant_tokens_schedule or "constant",
-                            "assistant_confidence_threshold": gc.assistant_confidence_threshold}
+                            "num_assistant_tokens_schedule": effective("num_assistant_tokens_schedule"),
+                            "assistant_confidence_threshold": effective("assistant_confidence_threshold")}
         return {"assistant_model": assistant}
 
     def _engine_runner(self, engine) -> Runner:

@@ -145,6 +145,7 @@ def test_draft_model_and_report_on_stdout(runner, prompts_file, tiny_model_dir, 
     rep = json.loads(r.stdout)  # stdout is the report and nothing else
     assert rep["settings"]["hf_assisted"]["candidates"] == "assistant_model"
     assert rep["settings"]["hf_assisted"]["num_assistant_tokens"] == 3
+    assert rep["settings"]["hf_assisted"]["assistant_confidence_threshold"] is not None
     assert rep["draft"]["name"] and rep["physical_limit"]["draft_forward_s"] > 0
     assert set(rep["physical_limit"]["target_forward_s"]) == {"1", "2", "3", "4"}
     m = rep["methods"]
