@@ -439,6 +439,110 @@ def _show_profile(p, con: Console) -> None:
     con.print(curve_table(d, "trade-off curve (replayed on the calibration run)"))
 
 
+# --------------------------------------------------------------------------- bench
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  marscli bench ../shared/data/prompts/sum.jsonl --limit 20 --max-tokens 128 "
+        "--methods hf-generate,hf-assisted,ar,strict,mars --theta 0.85,0.9,0.95 --report bench.json\n\n"
+        "  marscli bench prompts.jsonl --profile smollm2-135m-instruct.ngram.float32 --plot bench.png\n\n"
+        "  marscli bench prompts.jsonl --target ./Llama-3.1-8B-Instruct --draft ./Llama-3.2-1B-Instruct "
+        "--temperature 1.0 --seeds 0,1,2\n\n"
+        "  marscli bench prompts.jsonl --report - | jq .methods\n\n"
+        "Exit codes: 0 done; 1 a correctness check failed (greedy ar or strict output differs from "
+        "hf-generate's; the report is still written) or a runtime failure; 2 usage, model or profile "
+        "error; 130 interrupted."
+    ),
+)
+def bench(
+    input: Annotated[str, typer.Argument(help="JSONL file of prompts (any format generate reads), or '-' for stdin.")],
+    methods: Annotated[
+        str, typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta).", rich_help_panel=PANEL_VERIFY)
+    ] = "hf-generate,hf-assisted,ar,strict,mars",
+    theta: Annotated[
+        Optional[str], typer.Option(help=f"MARS thresholds, comma-separated. Default: the --profile's theta, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)
+    ] = None,
+    profile: Annotated[
+        Optional[str], typer.Option(help="Calibration profile (name or path): adds its theta (and supplies margin, target and drafter unless given).", rich_help_panel=PANEL_VERIFY)
+    ] = None,
+    margin: MarginOpt = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    num_draft_tokens: NumDraftOpt = None,
+    adaptive: AdaptiveOpt = None,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; the same for every method.", rich_help_panel=PANEL_SAMPLING)] = 0.0,
+    seeds: Annotated[
+        str, typer.Option(help="Comma-separated seeds; with --temperature > 0 every method runs once per seed.", rich_help_panel=PANEL_SAMPLING)
+    ] = "0",
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens per prompt, for every method.", rich_help_panel=PANEL_SAMPLING)] = 128,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    limit: LimitOpt = None,
+    report: Annotated[
+        Optional[str], typer.Option(help="Write the full JSON report here ('-': stdout).", rich_help_panel=PANEL_OUTPUT)
+    ] = None,
+    plot: Annotated[
+        Optional[str], typer.Option(help="Write a PNG of speedup against quality per method and theta (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr (correctness failures still show).", rich_help_panel=PANEL_OUTPUT)] = False,
+) -> None:
+    """Measure speed and quality of every method side by side on the same prompts, in one run.
+
+    Methods: hf-generate (transformers generate(), the baseline), hf-assisted (transformers
+    assisted generation with the same drafter), ar (marscli, no drafter), strict and mars
+    (marscli speculative decoding). One warm-up, then methods interleaved per prompt. Tables go
+    to stderr; --report writes the JSON report; stdout stays empty unless --report -.
+    See docs/benchmarks.md for every column.
+    """
+    from marscli.bench import (
+        BenchConfig,
+        parse_float_list,
+        parse_int_list,
+        parse_methods,
+        run_bench,
+    )
+
+    log = _Log(quiet)
+    try:
+        _check_choices(margin, dtype, None, None)
+        prof = None
+        if profile is not None:
+            from marscli.profiles import resolve_profile
+
+            prof = resolve_profile(profile)
+            if target is None and prof.data["target"]["kind"] != "embedded":
+                target = prof.data["target"]["source"]
+            margin = margin or prof.margin
+        thetas = parse_float_list(theta, "--theta") if theta is not None else ()
+        if prof is not None and prof.theta not in thetas:
+            thetas = (*thetas, prof.theta)
+        draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, None, None,
+                                  prof.data["drafter"] if prof is not None else None)
+        cfg = BenchConfig(
+            input=input,
+            methods=parse_methods(methods, thetas or (PAPER_THETA,)),
+            target=ModelConfig(target, dtype, device),
+            draft=draft_cfg,
+            draft_model=ModelConfig(draft_cfg.model, dtype, device) if draft_cfg.model else None,
+            margin=margin or "logit-ratio",
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seeds=parse_int_list(seeds, "--seeds"),
+            limit=limit,
+            report=report,
+            plot=plot,
+        )
+        if prof is not None:
+            log.info(f"using profile {prof.describe()}: theta {prof.theta:.6g} ({prof.margin})")
+        console = Console(stderr=True, highlight=False, width=None if _stderr().is_terminal else 200)
+        code = run_bench(cfg, log.info, console=console, quiet=quiet)
+    except MarscliError as e:
+        raise _fail(e) from None
+    raise typer.Exit(code)
+
+
 # --------------------------------------------------------------------------- generate
 
 
