@@ -717,7 +717,7 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
     data = collector.data(records=len(items) - failed, failed=failed)
     if data.positions == 0:
         raise MarscliError(f"{cfg.input}: the drafter proposed no tokens on these prompts, so there "
-                           "are no margins to calibrate on (more or longer prompts, or another drafter)")
+                           "are no margins to calibrate on (try --fixed-k, more or longer prompts, or another drafter)")
     cal = analyse(data, cfg.margin, cfg.policy, cfg.policy_value, seconds)
     ident = target.identity
     name = cfg.name or default_profile_name(

@@ -287,3 +287,33 @@ def test_calibrate_usage_errors(args, fragment, calib_prompts):
     r = CliRunner().invoke(app, ["calibrate", str(calib_prompts), *args])
     assert r.exit_code == 2
     assert fragment in r.stderr
+
+
+def test_calibrate_with_a_draft_model_and_sampling(tiny_model_dir, tiny_draft_dir, calib_prompts, tmp_path):
+    """The sampling path (draft probabilities q from a model drafter) and model-drafter matching."""
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+    from marscli.profiles import load_profile
+
+    runner = CliRunner()
+    out = tmp_path / "p.yaml"
+    r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir), "--draft",
+                            str(tiny_draft_dir), "--fixed-k", "-k", "3", "--temperature", "0.8", "--seed", "3", "-o", str(out),
+                            "--max-nll-increase", "0.05", "--quiet"])
+    assert r.exit_code == 0, r.stderr
+    d = load_profile(out).data
+    assert d["drafter"]["kind"] == "model" and d["drafter"]["model"]["fingerprint"].startswith("folder-v1:")
+    assert d["drafter"]["ngram_max"] is None
+    assert d["sampling"]["temperature"] == 0.8 and d["sampling"]["seed"] == 3
+    assert d["summary"]["nll_increase"] <= 0.05
+    assert d["summary"]["tau_strict"] == d["summary"]["measured_tau_strict"]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "one two", "max_tokens": 4}) + "\n")
+    # Not in a profile dir: found only when named; the draft model comes from the profile.
+    g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--draft", str(tiny_draft_dir)])
+    assert json.loads(g.stdout)["spec"]["profile"] is None
+    g = runner.invoke(app, ["generate", str(src), "--profile", str(out)])
+    assert g.exit_code == 0, g.stderr
+    spec = json.loads(g.stdout)["spec"]
+    assert spec["drafter"] == "model" and spec["profile"]["name"] == d["name"]
