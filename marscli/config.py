@@ -132,3 +132,6 @@ class GenerateConfig:
     limit: int | None = None
     timing: bool = True
     token_ids: bool = False
+    resume: bool = False  # keep the finished results already in `output`, append the rest
+    fail_fast: bool = False  # stop at the first record that fails
+    truncate_prompt: Literal["none", "left"] = "none"  # a prompt too long for the window
