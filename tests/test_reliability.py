@@ -526,3 +526,13 @@ def test_closed_stdout_exits_0_quietly(records_file, tiny_model_dir):
     assert json.loads(first)["id"] == "r00"
     assert proc.returncode == EXIT_OK
     assert stderr == b""
+
+
+def test_help_documents_exit_codes_and_resume(runner):
+    r = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    text = " ".join(r.stdout.split())
+    for fragment in ("3 finished but some records failed (or --fail-fast stopped at the first)",
+                     "130 interrupted (Ctrl-C)", "143 terminated (SIGTERM)", "--resume",
+                     "--fail-fast", "--truncate-prompt"):
+        assert fragment in text, fragment
