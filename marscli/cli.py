@@ -374,7 +374,7 @@ class _GenerateRun:
         self.done_before = 0
 
     def execute(self) -> int:
-        from marscli.io import MODEL_COMPONENTS, RunOutput, read_input, run_fingerprint
+        from marscli.io import LOADED_COMPONENTS, RunOutput, read_input, run_fingerprint
 
         cfg, log = self.cfg, self.log
         # Everything that can be checked without the models is checked before loading them.
@@ -386,7 +386,7 @@ class _GenerateRun:
             return EXIT_OK
         # "profile" stays None until generate takes profiles; then it carries name and sha256.
         extra = {"input": {"sha256": input_sha}, "profile": None}
-        output.check(run_fingerprint(cfg, None, None, extra), ignore=MODEL_COMPONENTS)
+        output.check(run_fingerprint(cfg, None, None, extra), ignore=LOADED_COMPONENTS)
         done = output.done
         todo = [it for it in items if it.id not in done]
         self.total = len(items)

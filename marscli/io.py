@@ -701,8 +701,10 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 SIDECAR_SUFFIX = ".marscli.json"
 SIDECAR_FORMAT = 1
-#: Fingerprint components that need the loaded models; compared only after loading.
-MODEL_COMPONENTS = ("target", "draft_model")
+#: Fingerprint components known only once the models are loaded, so compared only then: the
+#: model identities, and the verification and profile, which a profile matched to the loaded
+#: target can decide.
+LOADED_COMPONENTS = ("target", "draft_model", "verify", "profile")
 #: Identity keys of a loaded model that change results ("device" is reduced to its type).
 _MODEL_KEYS = ("name", "source", "kind", "sha256", "revision", "dtype", "quantization", "device")
 
@@ -716,13 +718,17 @@ def run_fingerprint(
     target_identity: dict[str, Any] | None,
     draft_identity: dict[str, Any] | None,
     extra: dict[str, Any],
+    *,
+    verify: Any = None,
 ) -> dict[str, Any]:
     """The named components that decide a run's result bytes (JSON values only).
 
     cfg: a GenerateConfig; the identities come from LoadedModel.identity (None before the
-    models are loaded: see MODEL_COMPONENTS); extra: further components, e.g.
-    {"profile": {"name": ..., "sha256": ...} or None, "input": {"sha256": ...}}.
-    Left out on purpose: --limit (may grow on resume), --quiet, progress, --fail-fast.
+    models are loaded: see LOADED_COMPONENTS); extra: further components, which replace
+    those of the same name, e.g. {"profile": {"name": ..., "sha256": ...} or None,
+    "input": {"sha256": ...}}; verify: the VerifyConfig the run really uses when it differs
+    from cfg.verify (a profile applied). Left out on purpose: --limit (may grow on resume),
+    --quiet, progress, --fail-fast.
     """
     d = cfg.draft
     drafter: dict[str, Any] = {"kind": d.kind}
@@ -730,7 +736,7 @@ def run_fingerprint(
         drafter.update(num_draft_tokens=d.num_draft_tokens, adaptive=d.adaptive)
     if d.kind == "ngram":
         drafter.update(ngram_max=d.ngram_max, ngram_min=d.ngram_min)
-    v = cfg.verify
+    v = verify if verify is not None else cfg.verify
     s = cfg.sampling
     fp: dict[str, Any] = {
         "target": _model_fingerprint(target_identity),
@@ -898,7 +904,7 @@ class RunOutput:
 
     Use in three steps so every check that can fail does so as early as it can:
     construct before reading input and loading models (a bad path or an output that cannot
-    be resumed fails at once); `check(fp, ignore=MODEL_COMPONENTS)` once the input is read;
+    be resumed fails at once); `check(fp, ignore=LOADED_COMPONENTS)` once the input is read;
     `open(fp, items)` once models are loaded: it refuses a resume whose fingerprint differs,
     then truncates (fresh) or cuts the torn tail (resume), writes the sidecar, and returns
     the ResultWriter.

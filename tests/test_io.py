@@ -735,6 +735,11 @@ def test_run_fingerprint_components_and_what_it_leaves_out():
 
     none = mio.run_fingerprint(_cfg(draft=DraftConfig(kind="none", ngram_max=5)), TARGET, None, extra)
     assert none["drafter"] == {"kind": "none"}
+    # The verification really used (e.g. set by a profile) replaces the command line's.
+    from marscli.config import VerifyConfig
+
+    mars = mio.run_fingerprint(_cfg(), TARGET, None, extra, verify=VerifyConfig("mars", 0.93))
+    assert mars["verify"] == {"mode": "mars", "theta": 0.93, "margin": "logit-ratio"}
 
 
 def test_fingerprint_diff_names_each_difference():

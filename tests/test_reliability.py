@@ -389,6 +389,11 @@ def test_resume_with_other_settings_is_refused(runner, records_file, tiny_model_
     # The draft model's identity is compared too (only known after loading).
     r = gen(runner, records_file, "--target", tiny_draft_dir, "-o", out, *RUN, "--resume")
     assert r.exit_code == EXIT_USAGE and "target.name" in r.stderr
+    # Verification is compared once models are loaded (a profile matched to them can set it).
+    r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN, "--resume",
+            "--verify", "mars")
+    assert r.exit_code == EXIT_USAGE
+    assert 'verify.mode: "strict" in the existing run, "mars" now; verify.theta: null' in r.stderr
     other_input = write_lines(tmp_path / "other.jsonl", [{"prompt": "x"}])
     r = gen(runner, other_input, "--target", tiny_model_dir, "-o", out, *RUN, "--resume")
     assert r.exit_code == EXIT_USAGE and "input.sha256" in r.stderr
