@@ -706,7 +706,10 @@ SIDECAR_FORMAT = 1
 #: target can decide.
 LOADED_COMPONENTS = ("target", "draft_model", "verify", "profile")
 #: Identity keys of a loaded model that change results ("device" is reduced to its type).
-_MODEL_KEYS = ("name", "source", "kind", "sha256", "revision", "dtype", "quantization", "device")
+#: "fingerprint" is a model folder's content fingerprint where models.py records one (folders
+#: have no sha256): with it, weights changed in place between a crash and a resume are caught.
+_MODEL_KEYS = ("name", "source", "kind", "sha256", "fingerprint", "revision", "dtype",
+               "quantization", "device")
 
 
 def sidecar_path(output: str | os.PathLike) -> str:
