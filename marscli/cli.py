@@ -5,15 +5,20 @@ and transformers are imported inside command bodies so `marscli --help` stays fa
 stdout carries JSONL data only; logs, progress and the summary go to stderr.
 
 Exit codes: 0 all records succeeded; 1 runtime failure; 2 usage, configuration or model
-error; 3 the run finished but some records failed; 130 interrupted (Ctrl-C).
+error; 3 the run finished but some records failed (or --fail-fast stopped it); 130
+interrupted (Ctrl-C); 143 terminated (SIGTERM). A closed stdout (`| head`) exits 0 quietly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Annotated, Optional
 
 import typer
@@ -35,13 +40,16 @@ from marscli.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_RECORDS_FAILED,
+    EXIT_TERMINATED,
     MarscliError,
     UsageError,
 )
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 all records succeeded; 1 runtime failure; 2 usage, configuration or model "
-    "error; 3 finished but some records failed; 130 interrupted."
+    "error; 3 finished but some records failed (or --fail-fast stopped at the first); "
+    "130 interrupted (Ctrl-C); 143 terminated (SIGTERM). After 130 or 143, rerun the same "
+    "command with --resume to finish."
 )
 
 app = typer.Typer(
@@ -173,6 +181,7 @@ def _model_configs(target: str | None, draft: DraftConfig, dtype: str, device: s
         "  marscli generate prompts.jsonl --target ./Llama-3.1-8B-Instruct "
         "--draft ./Llama-3.2-1B-Instruct --verify mars --theta 0.9 -o results.jsonl\n\n"
         "  cat prompts.jsonl | marscli generate - --draft ngram | jq -r .output\n\n"
+        "  marscli generate prompts.jsonl -o results.jsonl --resume   # finish an interrupted run\n\n"
         + EXIT_CODES_HELP
     ),
 )
@@ -219,6 +228,15 @@ def generate(
         bool, typer.Option("--token-ids", help="Include the generated token ids in results.", rich_help_panel=PANEL_OUTPUT)
     ] = False,
     quiet: QuietOpt = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Finish an interrupted run: keep the results already in -o FILE, append the missing ones. Refused if the settings differ.", rich_help_panel=PANEL_OUTPUT)
+    ] = False,
+    fail_fast: Annotated[
+        bool, typer.Option("--fail-fast", help="Stop at the first record that fails (exit 3) instead of going on.", rich_help_panel=PANEL_OUTPUT)
+    ] = False,
+    truncate_prompt: Annotated[
+        str, typer.Option("--truncate-prompt", help="A prompt too long for the context window: 'none' (error result) or 'left' (drop its oldest tokens to leave room for --max-tokens).", rich_help_panel=PANEL_SAMPLING)
+    ] = "none",
 ) -> None:
     """Generate completions for a JSONL file of prompts with speculative decoding.
 
@@ -232,6 +250,8 @@ def generate(
     _check_choices(margin, dtype, ngram_min, ngram_max)
     if profile is not None and no_profile:
         raise _fail(UsageError("--profile and --no-profile exclude each other"))
+    if truncate_prompt not in ("none", "left"):
+        raise _fail(UsageError(f"--truncate-prompt must be 'none' or 'left', got {truncate_prompt!r}"))
     log = _Log(quiet)
     prof = None
     if profile is not None:
@@ -259,6 +279,9 @@ def generate(
         token_ids=token_ids,
         profile=str(prof.path) if prof is not None else None,
         auto_profile=not no_profile,
+        resume=resume,
+        fail_fast=fail_fast,
+        truncate_prompt=truncate_prompt,
     )
     try:
         code = run_generate(cfg, log)
@@ -555,7 +578,11 @@ class _Log:
 
     def info(self, msg: str) -> None:
         if not self.quiet:
-            self.console.print(f"marscli: {msg}", markup=False, soft_wrap=True)
+            self.always(msg)
+
+    def always(self, msg: str) -> None:
+        """What the user must see even with --quiet (how to finish an interrupted run)."""
+        self.console.print(f"marscli: {msg}", markup=False, soft_wrap=True)
 
 
 class _Progress:
@@ -598,92 +625,232 @@ class _Progress:
             self.bar.stop()
 
 
+class _Stop(BaseException):
+    """Raised by the SIGINT/SIGTERM handler so one cleanup path saves every finished result.
+
+    A BaseException, like KeyboardInterrupt, so `except Exception` in loaders and in the
+    per-record error handling lets it through.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_EXIT_FOR_SIGNAL = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM raise _Stop while the run is on; previous handlers come back after.
+
+    Writing a result line is a critical section (`deferred()`): a signal arriving then waits
+    until the line is written and flushed, so no line is ever left half-written. Once
+    stopping, further signals are ignored so a second Ctrl-C cannot break the cleanup.
+    Outside the main thread (signals cannot be caught there) nothing is installed.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._saved: dict[int, object] = {}
+        self._depth = 0
+        self._pending: int | None = None
+        self.stopping = False
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._saved.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.stopping:
+            return
+        if self._depth:
+            self._pending = signum
+            return
+        self.stopping = True
+        raise _Stop(signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and self._pending is not None and not self.stopping:
+                self.stopping = True
+                raise _Stop(self._pending)
+
+
 def run_generate(cfg: GenerateConfig, log: _Log) -> int:
-    """Load models, generate every record, write results in input order. Returns the exit code."""
-    from marscli.io import ResultWriter, find_duplicate_ids, read_requests
-    from marscli.errors import InputError
+    """Read, load, generate, write results in input order. Returns the exit code.
 
-    items = []
-    for item in read_requests(cfg.input):
-        if cfg.limit is not None and len(items) >= cfg.limit:
-            break
-        items.append(item)
-    dup = find_duplicate_ids(items)
-    if dup is not None:
-        raise InputError(f"{cfg.input}: duplicate id {dup[0]!r} on lines {dup[1]} and {dup[2]}")
-    if not items:
-        log.info(f"{cfg.input}: no records; nothing to do")
-        return EXIT_OK
+    Ctrl-C, SIGTERM and a closed stdout end the run cleanly: every finished result is on
+    disk (or sent) before the exit, and with -o FILE the run can be finished with --resume.
+    """
+    with _StopSignals() as signals:
+        run = _GenerateRun(cfg, log, signals)
+        try:
+            return run.execute()
+        except (_Stop, KeyboardInterrupt) as e:
+            signals.stopping = True
+            return run.interrupted(e.signum if isinstance(e, _Stop) else signal.SIGINT)
+        except MarscliError as e:
+            raise run.with_resume_hint(e) from None
+        finally:
+            run.close()
 
-    from marscli.engine import SpecEngine, build_drafter
 
-    target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log)
-    prof = _choose_profile(cfg, target, draft_loaded, log)
-    from marscli.profiles import resolve_verification
+class _GenerateRun:
+    """One `marscli generate` run; holds what the cleanup paths need to report."""
 
-    verify_cfg = resolve_verification(cfg.verify, prof, log.info)
-    drafter = build_drafter(cfg.draft, target, draft_loaded)
-    engine = SpecEngine(target, drafter, verify_cfg, cfg.draft)
-    vdesc = verify_cfg.mode if verify_cfg.mode == "strict" else f"mars (theta={verify_cfg.theta:g}, {verify_cfg.margin})"
-    log.info(f"drafter {cfg.draft.kind}{'' if cfg.draft.kind == 'none' else f' (K<={cfg.draft.num_draft_tokens})'}, verify {vdesc}")
-    spec_meta = {
-        "drafter": cfg.draft.kind,
-        "verify": verify_cfg.mode,
-        "theta": None if verify_cfg.mode == "strict" else verify_cfg.theta,
-        "margin": verify_cfg.margin,
-        "profile": prof.reference() if prof is not None else None,
-    }
+    def __init__(self, cfg: GenerateConfig, log: _Log, signals: _StopSignals):
+        self.cfg = cfg
+        self.log = log
+        self.signals = signals
+        self.output = None  # marscli.io.RunOutput
+        self.writer = None  # marscli.io.ResultWriter, once the output is open
+        self.progress: _Progress | None = None
+        self.total = 0
+        self.done_before = 0
 
-    failed = 0
-    totals = _Totals()
-    progress = _Progress(log, len(items))
-    writer = ResultWriter(cfg.output)
-    try:
-        for item in items:
+    def execute(self) -> int:
+        from marscli.io import LOADED_COMPONENTS, RunOutput, read_input, run_fingerprint
+
+        cfg, log = self.cfg, self.log
+        # Everything that can be checked without the models is checked before loading them.
+        self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input)
+        items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=output.path is not None)
+        if not items:
+            output.write_empty()
+            log.info(f"{cfg.input}: no records; nothing to do")
+            return EXIT_OK
+        # "profile" is known once the target is loaded (a profile matches the loaded weights).
+        extra = {"input": {"sha256": input_sha}, "profile": None}
+        output.check(run_fingerprint(cfg, None, None, extra), ignore=LOADED_COMPONENTS)
+        done = output.done
+        todo = [it for it in items if it.id not in done]
+        self.total = len(items)
+        self.done_before = len(items) - len(todo)
+        if output.resuming:
+            torn = f"; cut a torn last line ({output.scan.torn_bytes} bytes)" if output.scan.torn_bytes else ""
+            log.info(f"resuming {output.path}: {self.done_before} of {len(items)} records already done{torn}")
+
+        from marscli.engine import SpecEngine, build_drafter
+        from marscli.profiles import resolve_verification
+
+        target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log)
+        prof = _choose_profile(cfg, target, draft_loaded, log)
+        verify_cfg = resolve_verification(cfg.verify, prof, log.info)
+        extra["profile"] = prof.reference() if prof is not None else None
+        fingerprint = run_fingerprint(
+            cfg, target.identity, draft_loaded.identity if draft_loaded else None, extra,
+            verify=verify_cfg,
+        )
+        drafter = build_drafter(cfg.draft, target, draft_loaded)
+        engine = SpecEngine(target, drafter, verify_cfg, cfg.draft)
+        vdesc = verify_cfg.mode if verify_cfg.mode == "strict" else f"mars (theta={verify_cfg.theta:g}, {verify_cfg.margin})"
+        log.info(f"drafter {cfg.draft.kind}{'' if cfg.draft.kind == 'none' else f' (K<={cfg.draft.num_draft_tokens})'}, verify {vdesc}")
+        spec_meta = {
+            "drafter": cfg.draft.kind,
+            "verify": verify_cfg.mode,
+            "theta": None if verify_cfg.mode == "strict" else verify_cfg.theta,
+            "margin": verify_cfg.margin,
+            "profile": extra["profile"],
+        }
+
+        self.writer = writer = output.open(fingerprint, items)
+        failed = sum(done.values())  # earlier results that are errors count too
+        totals = _Totals()
+        self.progress = _Progress(log, len(todo))
+        for item in todo:
             result, seconds = _run_one(engine, item, cfg, spec_meta)
-            if result.get("error"):
+            error = result.get("error")
+            if error:
                 failed += 1
+                if error["type"] in (ERR_GENERATION_FAILED, ERR_OUT_OF_MEMORY):
+                    log.info(f"record {item.id!r} (line {item.line}) failed: {error['message']}")
             else:
                 totals.add(result, seconds)
-            writer.write(item.index, result)
-            progress.advance(result.get("usage", {}).get("completion_tokens", 0) if result.get("usage") else 0)
+            with self.signals.deferred():
+                writer.write(item.index, result)
+            self.progress.advance(result["usage"]["completion_tokens"] if result.get("usage") else 0)
             if writer.broken_pipe:
-                break
-    except KeyboardInterrupt:
-        progress.close()
-        writer.close()
-        log.info(f"interrupted: {writer.written} results written")
-        return EXIT_INTERRUPTED
-    progress.close()
-    writer.close()
-    if writer.broken_pipe:
-        _silence_stdout()
-        return EXIT_OK
-    log.info(totals.summary(len(items), failed))
-    return EXIT_RECORDS_FAILED if failed else EXIT_OK
+                # The reader went away (`| head`): stop quietly, nothing left to say.
+                self.close()
+                _silence_stdout()
+                return EXIT_OK
+            if error and cfg.fail_fast:
+                self.close()
+                log.always(
+                    f"stopped at the first failed record (--fail-fast): id {item.id!r}, "
+                    f"line {item.line}: {error['type']}: {error['message']}"
+                )
+                return EXIT_RECORDS_FAILED
+        self.close()
+        earlier = f"; {self.done_before} more were done before resuming" if self.done_before else ""
+        log.info(totals.summary(len(todo), failed - sum(done.values())) + earlier)
+        return EXIT_RECORDS_FAILED if failed else EXIT_OK
+
+    def close(self) -> None:
+        """Stop the progress bar and flush and close the output; safe to call twice."""
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError:  # disk full on the last flush: what was flushed before stays
+                pass
+
+    def interrupted(self, signum: int) -> int:
+        self.close()
+        why = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+        out = self.output
+        if self.writer is None:
+            self.log.always(f"{why} before generating; no results written")
+        elif out is not None and out.path is not None:
+            have = self.done_before + self.writer.written
+            self.log.always(
+                f"{why}: {have} of {self.total} results are in {out.path}; to finish, rerun "
+                f"the same command with --resume (and the same -o {out.path})"
+            )
+        else:
+            self.log.always(
+                f"{why} after {self.writer.written} of {self.total} results; write them to a "
+                "file (-o FILE) so an interrupted run can be finished with --resume"
+            )
+        return _EXIT_FOR_SIGNAL.get(signum, EXIT_INTERRUPTED)
+
+    def with_resume_hint(self, err: MarscliError) -> MarscliError:
+        """A failure after results were written: say they are kept and how to go on."""
+        out = self.output
+        if self.writer is None or out is None or out.path is None:
+            return err
+        hinted = MarscliError(
+            f"{err}; the finished results are in {out.path}: rerun with --resume to go on"
+        )
+        hinted.exit_code = err.exit_code
+        return hinted
 
 
 def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
     """Collect margins under strict verification, choose theta, write and show the profile."""
-    import hashlib
-    import io as _io
-
     from marscli.calibrate import MarginCollector, analyse, build_profile, plot_profile
     from marscli.config import RecordError, VerifyConfig
     from marscli.engine import RecordFailure, SpecEngine, build_drafter
     from marscli.errors import InputError
-    from marscli.io import find_duplicate_ids, read_requests
+    from marscli.io import read_input
     from marscli.profiles import default_profile_name, save_profile, user_profile_dir
 
-    raw = _read_input_bytes(cfg.input)
-    items = []
-    for item in read_requests(_io.BytesIO(raw)):
-        if cfg.limit is not None and len(items) >= cfg.limit:
-            break
-        items.append(item)
-    dup = find_duplicate_ids(items)
-    if dup is not None:
-        raise InputError(f"{cfg.input}: duplicate id {dup[0]!r} on lines {dup[1]} and {dup[2]}")
+    items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=True)
     if not items:
         raise InputError(f"{cfg.input}: no records to calibrate on")
 
@@ -727,7 +894,7 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
         name=name, cal=cal, data=data, target_identity=ident, draft_cfg=cfg.draft,
         draft_identity=draft_loaded.identity if draft_loaded else None, sampling=cfg.sampling,
         input_name="-" if cfg.input == "-" else os.path.basename(cfg.input),
-        input_sha256=hashlib.sha256(raw).hexdigest(), seconds=seconds,
+        input_sha256=input_sha, seconds=seconds,
     )
     from marscli.profiles import dump_profile, parse_profile
 
@@ -750,23 +917,6 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
     if failed:
         log.info(f"{failed} of {len(items)} records failed and were left out")
     return EXIT_RECORDS_FAILED if failed else EXIT_OK
-
-
-def _read_input_bytes(source: str) -> bytes:
-    """A whole (small) input file, or stdin, as bytes: calibration records its sha256."""
-    from marscli.errors import InputError
-
-    if source == "-":
-        return sys.stdin.buffer.read()
-    try:
-        with open(source, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise InputError(f"input file not found: {source}") from None
-    except IsADirectoryError:
-        raise InputError(f"input is a directory, not a file: {source}") from None
-    except OSError as e:
-        raise InputError(f"cannot read input file {source}: {e.strerror or e}") from None
 
 
 def _load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, log: _Log):
@@ -851,29 +1001,54 @@ class _Totals:
         )
 
 
+#: Error types of records whose generation failed (the others come from marscli.io / engine).
+ERR_GENERATION_FAILED = "generation_failed"
+ERR_OUT_OF_MEMORY = "out_of_memory"
+_MAX_ERROR_CHARS = 300
+
+
+def _error_result(item, type_: str, message: str) -> dict:
+    return {item.id_key: item.id, "output": None,
+            "error": {"type": type_, "message": message, "line": item.line}}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= _MAX_ERROR_CHARS else line[: _MAX_ERROR_CHARS - 3] + "..."
+
+
 def _run_one(engine, item, cfg: GenerateConfig, spec_meta: dict) -> tuple[dict, float]:
-    """One record -> (result line, seconds spent generating)."""
+    """One record -> (result line, seconds spent generating). Never raises for one record's
+    sake: a failure becomes an error result and the run goes on."""
     import torch
 
     from marscli.config import RecordError
     from marscli.engine import RecordFailure
 
-    id_key = item.id_key
     if isinstance(item, RecordError):
-        return {id_key: item.id, "output": None, "error": item.as_error()}, 0.0
+        return _error_result(item, item.type, item.message), 0.0
     try:
         sampling = cfg.sampling.with_overrides(item.overrides)
-        res = engine.generate(item, sampling)
+        ids, dropped = engine.fit_prompt(engine.tokenize(item), truncate=cfg.truncate_prompt,
+                                         max_tokens=sampling.max_tokens)
+        res = engine.generate_ids(ids, sampling)
     except RecordFailure as e:
-        return {id_key: item.id, "output": None, "error": {"type": e.type, "message": e.message, "line": item.line}}, 0.0
-    except torch.cuda.OutOfMemoryError as e:  # pragma: no cover - needs a GPU
-        torch.cuda.empty_cache()
-        return {id_key: item.id, "output": None, "error": {"type": "out_of_memory", "message": str(e).splitlines()[0], "line": item.line}}, 0.0
+        return _error_result(item, e.type, e.message), 0.0
+    except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give the next record the memory this one held
+        return _error_result(item, ERR_OUT_OF_MEMORY, _one_line(e)), 0.0
+    except Exception as e:  # noqa: BLE001 - one record's failure must not end a night's run
+        return _error_result(item, ERR_GENERATION_FAILED, f"{type(e).__name__}: {_one_line(e)}"), 0.0
+    usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
+    if cfg.truncate_prompt != "none":
+        usage["truncated_prompt_tokens"] = dropped
     out = {
-        id_key: item.id,
+        item.id_key: item.id,
         "output": res.text,
         "finish_reason": res.finish_reason,
-        "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens},
+        "usage": usage,
         "spec": {**spec_meta, **res.stats.to_dict()},
         "timing": {
             "seconds": round(res.seconds, 4),
@@ -889,8 +1064,10 @@ def _run_one(engine, item, cfg: GenerateConfig, spec_meta: dict) -> tuple[dict, 
 def main() -> None:
     try:
         app()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before or after run_generate's own handling
         sys.exit(EXIT_INTERRUPTED)
+    except _Stop as e:  # a second signal in the instant cleanup starts
+        sys.exit(_EXIT_FOR_SIGNAL.get(e.signum, EXIT_INTERRUPTED))
 
 
 if __name__ == "__main__":

@@ -144,6 +144,9 @@ class GenerateConfig:
     token_ids: bool = False
     profile: str | None = None  # name or path; None: look for one matching the target
     auto_profile: bool = True  # False (--no-profile): never pick a profile by itself
+    resume: bool = False  # keep the finished results already in `output`, append the rest
+    fail_fast: bool = False  # stop at the first record that fails
+    truncate_prompt: Literal["none", "left"] = "none"  # a prompt too long for the window
 
 
 @dataclass(frozen=True)

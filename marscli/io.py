@@ -30,6 +30,7 @@ is stable across runs of the same file (so it can clash with an explicit id "3";
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -37,10 +38,11 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TextIO
 
 from marscli.config import Request, RecordError
-from marscli.errors import InputError, MarscliError
+from marscli.errors import InputError, MarscliError, UsageError
 
 #: Longest accepted input line, newline excluded. Longer lines become `line_too_long` errors
 #: and are skipped in chunks, so memory stays bounded whatever the input.
@@ -81,17 +83,68 @@ def read_requests(source: str | os.PathLike | BinaryIO) -> Iterator[Request | Re
     if isinstance(source, (str, os.PathLike)) and os.fspath(source) == "-":
         return _iter_records(sys.stdin.buffer, close=False)
     if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        try:
-            fh = open(path, "rb")  # noqa: SIM115 - closed by the generator
-        except FileNotFoundError:
-            raise InputError(f"input file not found: {path}") from None
-        except IsADirectoryError:
-            raise InputError(f"input is a directory, not a file: {path}") from None
-        except OSError as e:
-            raise InputError(f"cannot read input file {path}: {e.strerror or e}") from None
-        return _iter_records(fh, close=True)
+        return _iter_records(_open_input(os.fspath(source)), close=True)
     return _iter_records(_binary(source), close=False)
+
+
+def _open_input(path: str) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise InputError(f"input file not found: {path}") from None
+    except IsADirectoryError:
+        raise InputError(f"input is a directory, not a file: {path}") from None
+    except OSError as e:
+        raise InputError(f"cannot read input file {path}: {e.strerror or e}") from None
+
+
+class _HashingReader:
+    """A binary stream wrapper that hashes every byte read through it (readline only)."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self._hash = hashlib.sha256()
+
+    def readline(self, size: int = -1) -> bytes:
+        chunk = self._fh.readline(size)
+        self._hash.update(chunk)
+        return chunk
+
+    def hexdigest_to_end(self) -> str:
+        """The sha256 of the whole stream: what was read plus the rest, read now."""
+        while chunk := self._fh.read(_DISCARD_CHUNK):
+            self._hash.update(chunk)
+        return self._hash.hexdigest()
+
+
+def read_input(
+    source: str, *, limit: int | None = None, digest: bool = False
+) -> tuple[list[Request | RecordError], str | None]:
+    """Every record of an input (the first `limit` with a limit) -> (items, sha256 or None).
+
+    The whole input is read before generating so that duplicate ids reject the run up front
+    (InputError naming both lines). With ``digest`` the sha256 covers the WHOLE input, also
+    past `limit`, so a resume may raise --limit over the same file; for stdin that means
+    reading it to the end.
+    """
+    path = os.fspath(source)
+    fh = sys.stdin.buffer if path == "-" else _open_input(path)
+    reader = _HashingReader(fh)
+    try:
+        items: list[Request | RecordError] = []
+        if limit is None or limit > 0:
+            for item in _iter_records(reader, close=False):  # type: ignore[arg-type]
+                items.append(item)
+                if limit is not None and len(items) >= limit:
+                    break
+        sha = reader.hexdigest_to_end() if digest else None
+    finally:
+        if fh is not sys.stdin.buffer:
+            fh.close()
+    dup = find_duplicate_ids(items)
+    if dup is not None:
+        raise InputError(f"{path}: duplicate id {dup[0]!r} on lines {dup[1]} and {dup[2]}")
+    return items, sha
 
 
 def _binary(stream: Any) -> BinaryIO:
@@ -555,6 +608,8 @@ class ResultWriter:
         except BrokenPipeError:
             self.broken_pipe = True
             return
+        except OSError as e:  # disk full, I/O error: what is flushed stays, resumable
+            raise MarscliError(f"cannot write results: {e.strerror or e}") from None
         self.written += 1
 
     def close(self, *, strict: bool = False, total: int | None = None) -> None:
@@ -575,6 +630,12 @@ class ResultWriter:
                     self.broken_pipe = True
         finally:
             if self._owned:
+                try:
+                    # Flushed lines survive a killed process; fsync makes them survive a
+                    # crash of the machine too, once per run rather than once per line.
+                    os.fsync(self._stream.fileno())
+                except OSError:
+                    pass
                 try:
                     self._stream.close()
                 except BrokenPipeError:
@@ -626,3 +687,324 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+# --------------------------------------------------------------------------------------------
+# Resumable runs: the output file, its sidecar and the run fingerprint
+#
+# `-o results.jsonl` gets a sidecar `results.jsonl.marscli.json` holding the run's fingerprint:
+# everything that decides the bytes of the results (input, models, drafter, verification,
+# sampling, output options, profile). `--resume` keeps the complete lines of an existing
+# output, cuts a torn last line, and appends the records whose ids are not there yet; it is
+# refused when the fingerprint differs. Every record is generated from its own seed, so a
+# resumed file is byte for byte the file an uninterrupted run would have written.
+
+SIDECAR_SUFFIX = ".marscli.json"
+SIDECAR_FORMAT = 1
+#: Fingerprint components known only once the models are loaded, so compared only then: the
+#: model identities, and the verification and profile, which a profile matched to the loaded
+#: target can decide.
+LOADED_COMPONENTS = ("target", "draft_model", "verify", "profile")
+#: Identity keys of a loaded model that change results ("device" is reduced to its type).
+#: "fingerprint" is a model folder's content fingerprint where models.py records one (folders
+#: have no sha256): with it, weights changed in place between a crash and a resume are caught.
+_MODEL_KEYS = ("name", "source", "kind", "sha256", "fingerprint", "revision", "dtype",
+               "quantization", "device")
+
+
+def sidecar_path(output: str | os.PathLike) -> str:
+    return os.fspath(output) + SIDECAR_SUFFIX
+
+
+def run_fingerprint(
+    cfg: Any,
+    target_identity: dict[str, Any] | None,
+    draft_identity: dict[str, Any] | None,
+    extra: dict[str, Any],
+    *,
+    verify: Any = None,
+) -> dict[str, Any]:
+    """The named components that decide a run's result bytes (JSON values only).
+
+    cfg: a GenerateConfig; the identities come from LoadedModel.identity (None before the
+    models are loaded: see LOADED_COMPONENTS); extra: further components, which replace
+    those of the same name, e.g. {"profile": {"name": ..., "sha256": ...} or None,
+    "input": {"sha256": ...}}; verify: the VerifyConfig the run really uses when it differs
+    from cfg.verify (a profile applied). Left out on purpose: --limit (may grow on resume),
+    --quiet, progress, --fail-fast.
+    """
+    d = cfg.draft
+    drafter: dict[str, Any] = {"kind": d.kind}
+    if d.kind != "none":
+        drafter.update(num_draft_tokens=d.num_draft_tokens, adaptive=d.adaptive)
+    if d.kind == "ngram":
+        drafter.update(ngram_max=d.ngram_max, ngram_min=d.ngram_min)
+    v = verify if verify is not None else cfg.verify
+    s = cfg.sampling
+    fp: dict[str, Any] = {
+        "target": _model_fingerprint(target_identity),
+        "drafter": drafter,
+        "draft_model": _model_fingerprint(draft_identity),
+        "verify": {
+            "mode": v.mode,
+            "theta": None if v.mode == "strict" else v.theta,
+            "margin": v.margin,
+        },
+        "sampling": {
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "max_tokens": s.max_tokens, "seed": s.seed, "stop": list(s.stop),
+        },
+        "truncate_prompt": cfg.truncate_prompt,
+        "output": {"timing": cfg.timing, "token_ids": cfg.token_ids},
+        "profile": None,
+    }
+    fp.update(extra)
+    return json.loads(json.dumps(fp))  # plain JSON values, as read back from a sidecar
+
+
+def _model_fingerprint(identity: dict[str, Any] | None) -> dict[str, Any] | None:
+    if identity is None:
+        return None
+    out = {k: identity.get(k) for k in _MODEL_KEYS}
+    if isinstance(out["device"], str):  # cuda:0 and cuda:1 compute alike
+        out["device"] = out["device"].split(":")[0]
+    return out
+
+
+def fingerprint_diff(
+    old: dict[str, Any], new: dict[str, Any], *, ignore: Iterable[str] = ()
+) -> list[str]:
+    """One "path: old in the existing run, new now" line per differing leaf, in key order."""
+    skip = set(ignore)
+    out: list[str] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if path in skip:
+            return
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in list(a) + [k for k in b if k not in a]:
+                walk(a.get(key, _ABSENT), b.get(key, _ABSENT), f"{path}.{key}" if path else key)
+        elif a != b or type(a) is not type(b) and not _same_number(a, b):
+            out.append(f"{path}: {_render(a)} in the existing run, {_render(b)} now")
+
+    walk(old, new, "")
+    return out
+
+
+_ABSENT = object()
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    # 1 and 1.0 are the same setting (JSON does not keep the difference reliably).
+    return _is_number(a) and _is_number(b) and a == b
+
+
+def _render(value: Any, limit: int = 80) -> str:
+    if value is _ABSENT:
+        return "(absent)"
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass
+class OutputScan:
+    """What an existing results file already holds."""
+
+    done: dict[str, bool] = field(default_factory=dict)  # id -> its result carries an error
+    keep_bytes: int = 0  # length of the prefix made of complete lines
+    torn_bytes: int = 0  # bytes after it: a last line cut short by a crash, dropped on resume
+
+
+def scan_output(path: str | os.PathLike) -> OutputScan:
+    """Read an existing results file for --resume; UsageError if it is not one marscli wrote.
+
+    Only newline-terminated lines count: results are written a line at a time, so a crash can
+    tear the last line only. A complete line that is not a result with an id, or an id seen
+    twice, means the file was changed by hand (or is another file): refuse rather than guess.
+    """
+    path = os.fspath(path)
+    scan = OutputScan()
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise UsageError(f"cannot read {path} to resume it: {e.strerror or e}") from None
+    with fh:
+        for line_no, raw in enumerate(fh, 1):
+            if not raw.endswith(b"\n"):
+                scan.torn_bytes = len(raw)
+                break
+            rid, why = _result_id(raw)
+            if rid is None:
+                raise UsageError(
+                    f"cannot resume {path}: line {line_no} is not a marscli result ({why}); "
+                    "run without --resume to start over (this overwrites the file)"
+                )
+            if rid in scan.done:
+                raise UsageError(
+                    f"cannot resume {path}: id {rid!r} appears twice (line {line_no}); "
+                    "run without --resume to start over (this overwrites the file)"
+                )
+            scan.done[rid] = _has_error(raw)
+            scan.keep_bytes += len(raw)
+    return scan
+
+
+def _result_id(raw: bytes) -> tuple[str | None, str]:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, "not valid JSON"
+    if not isinstance(obj, dict):
+        return None, f"a JSON {_json_type(obj)}, not an object"
+    for key in ("id", "custom_id"):
+        if isinstance(obj.get(key), str):
+            return obj[key], ""
+    return None, "no string 'id' or 'custom_id'"
+
+
+def _has_error(raw: bytes) -> bool:
+    return json.loads(raw.decode("utf-8")).get("error") is not None
+
+
+def read_sidecar(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The fingerprint stored in a sidecar, or None if there is no sidecar.
+
+    The file is untrusted: anything but a sidecar this version wrote is a UsageError.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_LINE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UsageError(f"cannot read run sidecar {path}: {e.strerror or e}") from None
+    bad = f"run sidecar {path} is unreadable"
+    try:
+        obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UsageError(f"{bad}: {str(e).splitlines()[0] if str(e) else 'invalid JSON'}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("fingerprint"), dict):
+        raise UsageError(f"{bad}: expected an object with a 'fingerprint' object")
+    if obj.get("format") != SIDECAR_FORMAT:
+        raise UsageError(f"{bad}: format {_show(obj.get('format'))}, expected {SIDECAR_FORMAT}")
+    return obj["fingerprint"]
+
+
+def write_sidecar(path: str | os.PathLike, fingerprint: dict[str, Any], *, note: str = "") -> None:
+    from marscli import __version__
+
+    doc = {"format": SIDECAR_FORMAT, "written_by": f"marscli {__version__}", "note": note,
+           "fingerprint": fingerprint}
+    try:
+        atomic_write_text(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    except OSError as e:
+        raise MarscliError(f"cannot write run sidecar {os.fspath(path)}: {e.strerror or e}") from None
+
+
+class RunOutput:
+    """Where a run's results go: stdout, or `-o FILE` with its sidecar; fresh or resumed.
+
+    Use in three steps so every check that can fail does so as early as it can:
+    construct before reading input and loading models (a bad path or an output that cannot
+    be resumed fails at once); `check(fp, ignore=LOADED_COMPONENTS)` once the input is read;
+    `open(fp, items)` once models are loaded: it refuses a resume whose fingerprint differs,
+    then truncates (fresh) or cuts the torn tail (resume), writes the sidecar, and returns
+    the ResultWriter.
+    """
+
+    def __init__(self, path: str | None, *, resume: bool, input_path: str | None = None):
+        self.path = None if path is None or path == "-" else path
+        self.resume = resume
+        self.previous: dict[str, Any] | None = None  # the existing run's fingerprint
+        self.scan = OutputScan()
+        if self.path is None:
+            if resume:
+                raise UsageError("--resume needs -o FILE: results written to stdout cannot be resumed")
+            return
+        _check_writable(self.path, input_path)
+        if resume and os.path.exists(self.path):
+            self.scan = scan_output(self.path)
+            self.previous = read_sidecar(sidecar_path(self.path))
+            if self.previous is None and self.scan.done:
+                raise UsageError(
+                    f"cannot resume {self.path}: its sidecar {sidecar_path(self.path)} is "
+                    "missing, so nothing says which settings made it; run without --resume "
+                    "to start over (this overwrites the file)"
+                )
+
+    @property
+    def resuming(self) -> bool:
+        """True when there are finished results to keep."""
+        return self.previous is not None and bool(self.scan.done)
+
+    @property
+    def done(self) -> dict[str, bool]:
+        """Ids already in the output (resume) -> whether that result is an error."""
+        return self.scan.done if self.resuming else {}
+
+    def check(self, fingerprint: dict[str, Any], *, ignore: Iterable[str] = ()) -> None:
+        if not self.resuming:
+            return
+        assert self.previous is not None
+        diffs = fingerprint_diff(self.previous, fingerprint, ignore=ignore)
+        if diffs:
+            raise UsageError(
+                f"cannot resume {self.path}: it was made with other settings ({'; '.join(diffs)}); "
+                "rerun with the original settings, or without --resume to start over "
+                "(this overwrites the file)"
+            )
+
+    def open(self, fingerprint: dict[str, Any], items: Iterable[Request | RecordError]) -> ResultWriter:
+        if self.path is None:
+            return ResultWriter(None)
+        self.check(fingerprint)
+        if self.resuming:
+            try:
+                os.truncate(self.path, self.scan.keep_bytes)  # drop a torn last line
+            except OSError as e:
+                raise MarscliError(f"cannot resume {self.path}: {e.strerror or e}") from None
+            skip = [it.index for it in items if it.id in self.scan.done]
+            return ResultWriter(self.path, append=True, skip=skip)
+        # Output first, sidecar second: a crash in between leaves an empty output, which a
+        # resume treats as nothing done, never old results under a new fingerprint.
+        writer = ResultWriter(self.path)
+        write_sidecar(sidecar_path(self.path), fingerprint,
+                      note=f"settings of the run that writes {os.path.basename(self.path)}; "
+                           "used by --resume")
+        return writer
+
+    def write_empty(self) -> None:
+        """An input without records: a fresh run leaves an empty output and no sidecar."""
+        if self.path is None or self.resume:
+            return
+        ResultWriter(self.path).close()
+        try:
+            os.unlink(sidecar_path(self.path))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise MarscliError(f"cannot remove stale sidecar: {e.strerror or e}") from None
+
+
+def _check_writable(path: str, input_path: str | None) -> None:
+    """Fail now, not after loading models, if results could not be written to `path`."""
+    if os.path.isdir(path):
+        raise UsageError(f"output {path} is a directory, not a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"output folder {folder} does not exist")
+    if input_path not in (None, "-") and os.path.exists(path):
+        try:
+            same = os.path.samefile(path, input_path)
+        except OSError:
+            same = False
+        if same:
+            raise UsageError(f"output {path} is the input file; write results elsewhere")
+    existed = os.path.exists(path)
+    try:
+        open(path, "ab").close()  # append mode: nothing is truncated yet
+    except OSError as e:
+        raise UsageError(f"cannot write output file {path}: {e.strerror or e}") from None
+    if not existed:
+        os.unlink(path)

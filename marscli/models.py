@@ -420,6 +420,17 @@ def _explain_load_failure(folder: Path, exc: BaseException) -> str:
     return _reason(exc)
 
 
+#: Files one of which a tokenizer folder needs (fast, SentencePiece, BPE, WordPiece).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def _explain_tokenizer_failure(folder: Path, exc: BaseException) -> str:
+    """Say which files are missing when the folder has no tokenizer at all (a partial copy)."""
+    if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return f"no tokenizer file in {folder} (looked for {', '.join(_TOKENIZER_FILES)})"
+    return _reason(exc)
+
+
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
@@ -466,7 +477,9 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:
-        raise ModelLoadError(f"cannot load tokenizer of {what}: {_reason(exc)}") from None
+        raise ModelLoadError(
+            f"cannot load tokenizer of {what}: {_explain_tokenizer_failure(folder, exc)}"
+        ) from None
     try:
         with _quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)

@@ -621,3 +621,160 @@ def test_atomic_write_text_cleans_up_on_error(tmp_path, monkeypatch):
     with pytest.raises(TypeError):
         atomic_write_text(p, b"bytes")  # type: ignore[arg-type]
     assert sorted(os.listdir(tmp_path)) == ["report.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-input reading, resume scanning, sidecars and fingerprints
+
+
+def test_read_input_digest_covers_the_whole_file_whatever_the_limit(tmp_path):
+    import hashlib
+
+    data = b"".join(f'{{"id": "{i}", "prompt": "p"}}\n'.encode() for i in range(5))
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(data)
+    whole = hashlib.sha256(data).hexdigest()
+    items, sha = mio.read_input(str(src), limit=2, digest=True)
+    assert [it.id for it in items] == ["0", "1"] and sha == whole
+    items, sha = mio.read_input(str(src), digest=True)
+    assert len(items) == 5 and sha == whole
+    assert mio.read_input(str(src))[1] is None
+    src.write_bytes(b'{"id": "a", "prompt": "x"}\n\n{"id": "a", "prompt": "y"}\n')
+    with pytest.raises(InputError, match="duplicate id 'a' on lines 1 and 3"):
+        mio.read_input(str(src))
+
+
+def test_read_input_stdin_is_read_to_the_end_for_the_digest(monkeypatch):
+    import hashlib
+
+    data = b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n'
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(data)))
+    items, sha = mio.read_input("-", limit=1, digest=True)
+    assert len(items) == 1 and sha == hashlib.sha256(data).hexdigest()
+
+
+def _result(rid, error=None):
+    return dump_json_line({"id": rid, "output": "x", "error": error}) + "\n"
+
+
+def test_scan_output_keeps_complete_lines_and_cuts_a_torn_one(tmp_path):
+    p = tmp_path / "out.jsonl"
+    body = _result("a") + _result("b", {"type": "invalid_json"}) + dump_json_line(
+        {"custom_id": "c", "error": None}) + "\n"
+    p.write_bytes(body.encode() + b'{"id": "d", "out')
+    scan = mio.scan_output(p)
+    assert scan.done == {"a": False, "b": True, "c": False}
+    assert scan.keep_bytes == len(body.encode()) and scan.torn_bytes == len(b'{"id": "d", "out')
+    # A complete last line without its newline is torn too: it is regenerated.
+    p.write_bytes(_result("a").encode() + _result("b").encode().rstrip(b"\n"))
+    assert list(mio.scan_output(p).done) == ["a"]
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b"garbage\n", "line 1 is not a marscli result (not valid JSON)"),
+    (b'{"id": "a"}\n[1]\n', "line 2 is not a marscli result (a JSON array, not an object)"),
+    (b'{"id": 3}\n', "no string 'id' or 'custom_id'"),
+    (b'{"id": "a"}\n{"id": "a"}\n', "id 'a' appears twice (line 2)"),
+    (b'\xff\xfe\n', "not valid JSON"),
+])
+def test_scan_output_refuses_files_it_did_not_write(tmp_path, content, fragment):
+    p = tmp_path / "out.jsonl"
+    p.write_bytes(content)
+    with pytest.raises(mio.UsageError) as exc:
+        mio.scan_output(p)
+    assert fragment in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_sidecar_round_trip_and_atomic(tmp_path):
+    side = tmp_path / "out.jsonl.marscli.json"
+    assert mio.read_sidecar(side) is None
+    fp = {"sampling": {"seed": 1}, "profile": None}
+    mio.write_sidecar(side, fp)
+    assert mio.read_sidecar(side) == fp
+    assert sorted(os.listdir(tmp_path)) == [side.name]  # no temp file left
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=200) | _json_values().map(lambda v: json.dumps(v).encode()))
+def test_untrusted_sidecar_and_output_never_raise_unhandled(tmp_path_factory, data):
+    d = tmp_path_factory.mktemp("untrusted")
+    p = d / "f"
+    p.write_bytes(data)
+    for read in (mio.read_sidecar, mio.scan_output):
+        try:
+            read(p)
+        except mio.UsageError as e:
+            assert str(e) and "\n" not in str(e)
+
+
+def _cfg(**kw):
+    from marscli.config import DraftConfig, GenerateConfig, ModelConfig, VerifyConfig
+
+    base = {"input": "in.jsonl", "output": "out.jsonl", "target": ModelConfig("m"),
+            "draft": DraftConfig(), "draft_model": None, "verify": VerifyConfig(),
+            "sampling": SamplingParams()}
+    return GenerateConfig(**{**base, **kw})
+
+
+TARGET = {"name": "m", "source": "/m", "kind": "dir", "sha256": None, "revision": None,
+          "dtype": "float32", "quantization": None, "device": "cuda:1"}
+
+
+def test_run_fingerprint_components_and_what_it_leaves_out():
+    extra = {"input": {"sha256": "ab"}, "profile": None}
+    fp = mio.run_fingerprint(_cfg(), TARGET, None, extra)
+    assert fp["target"]["device"] == "cuda"  # which GPU does not change results
+    assert fp["verify"] == {"mode": "strict", "theta": None, "margin": "logit-ratio"}
+    assert fp["input"] == {"sha256": "ab"} and fp["profile"] is None
+    json.dumps(fp, allow_nan=False)
+    # Things that do not change the result bytes are not part of it.
+    same = mio.run_fingerprint(_cfg(limit=3, fail_fast=True, resume=True, output="other.jsonl"),
+                               dict(TARGET, device="cuda:0"), None, extra)
+    assert same == fp
+    from marscli.config import DraftConfig
+
+    none = mio.run_fingerprint(_cfg(draft=DraftConfig(kind="none", ngram_max=5)), TARGET, None, extra)
+    assert none["drafter"] == {"kind": "none"}
+    # The verification really used (e.g. set by a profile) replaces the command line's.
+    from marscli.config import VerifyConfig
+
+    mars = mio.run_fingerprint(_cfg(), TARGET, None, extra, verify=VerifyConfig("mars", 0.93))
+    assert mars["verify"] == {"mode": "mars", "theta": 0.93, "margin": "logit-ratio"}
+
+
+def test_fingerprint_diff_names_each_difference():
+    old = {"sampling": {"temperature": 0.0, "seed": 1}, "profile": None, "input": {"sha256": "a"}}
+    new = {"sampling": {"temperature": 0.7, "seed": 1}, "profile": {"name": "p"},
+           "input": {"sha256": "a"}, "extra": 1}
+    assert mio.fingerprint_diff(old, new) == [
+        "sampling.temperature: 0.0 in the existing run, 0.7 now",
+        'profile: null in the existing run, {"name": "p"} now',
+        "extra: (absent) in the existing run, 1 now",
+    ]
+    assert mio.fingerprint_diff(old, new, ignore=["sampling", "profile", "extra"]) == []
+    assert mio.fingerprint_diff({"a": 1}, {"a": 1.0}) == []
+
+
+def test_run_output_fresh_then_resume(tmp_path):
+    out = tmp_path / "out.jsonl"
+    items = [Request(index=i, line=i + 1, id=str(i), prompt="p") for i in range(3)]
+    fp = {"sampling": {"seed": 1}}
+    run = mio.RunOutput(str(out), resume=False)
+    assert not out.exists()  # validated without creating it
+    w = run.open(fp, items)
+    w.write(0, {"id": "0", "error": None})
+    w.close()
+    assert mio.read_sidecar(mio.sidecar_path(out)) == fp
+    with open(out, "a") as f:
+        f.write('{"id": "1", "err')  # torn by a crash
+    run = mio.RunOutput(str(out), resume=True)
+    assert run.resuming and run.done == {"0": False} and run.scan.torn_bytes > 0
+    with pytest.raises(mio.UsageError, match="sampling.seed: 1 in the existing run, 2 now"):
+        run.check({"sampling": {"seed": 2}})
+    w = run.open(fp, items)
+    w.write(1, {"id": "1", "error": None})
+    w.write(2, {"id": "2", "error": None})
+    w.close()
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["0", "1", "2"]
+    with pytest.raises(mio.UsageError, match="--resume needs -o FILE"):
+        mio.RunOutput("-", resume=True)
