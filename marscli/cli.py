@@ -403,7 +403,10 @@ def profile_list() -> None:
         quant = d["target"]["quantization"]
         table.add_row(p.name, d["target"]["name"], d["target"]["dtype"] + (f"/{quant}" if quant else ""),
                       drafter, p.margin, f"{p.theta:.6g}", f"{d['policy']['name']} {d['policy']['value']:g}", str(f))
-    Console(highlight=False).print(table)
+    con = Console(highlight=False)
+    if not con.is_terminal:
+        con.width = 160  # piped: keep one profile per line
+    con.print(table)
     raise typer.Exit(2 if bad else 0)
 
 

