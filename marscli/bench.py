@@ -221,17 +221,12 @@ def read_prompt_records(source: str, limit: int | None) -> tuple[list[tuple[Requ
 
 
 def _read_bytes(source: str) -> bytes:
+    from marscli.io import open_input
+
     if source == "-":
         return sys.stdin.buffer.read()
-    try:
-        with open(source, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise InputError(f"input file not found: {source}") from None
-    except IsADirectoryError:
-        raise InputError(f"input is a directory, not a file: {source}") from None
-    except OSError as e:
-        raise InputError(f"cannot read input file {source}: {e.strerror or e}") from None
+    with open_input(source) as f:
+        return f.read()
 
 
 def _reference_of(raw: bytes) -> str | None:

@@ -83,11 +83,11 @@ def read_requests(source: str | os.PathLike | BinaryIO) -> Iterator[Request | Re
     if isinstance(source, (str, os.PathLike)) and os.fspath(source) == "-":
         return _iter_records(sys.stdin.buffer, close=False)
     if isinstance(source, (str, os.PathLike)):
-        return _iter_records(_open_input(os.fspath(source)), close=True)
+        return _iter_records(open_input(os.fspath(source)), close=True)
     return _iter_records(_binary(source), close=False)
 
 
-def _open_input(path: str) -> BinaryIO:
+def open_input(path: str) -> BinaryIO:
     try:
         return open(path, "rb")
     except FileNotFoundError:
@@ -128,7 +128,7 @@ def read_input(
     reading it to the end.
     """
     path = os.fspath(source)
-    fh = sys.stdin.buffer if path == "-" else _open_input(path)
+    fh = sys.stdin.buffer if path == "-" else open_input(path)
     reader = _HashingReader(fh)
     try:
         items: list[Request | RecordError] = []
