@@ -261,8 +261,7 @@ def generate(
             prof = resolve_profile(profile)
         except MarscliError as e:
             raise _fail(e)
-        if target is None and prof.data["target"]["kind"] != "embedded":
-            target = prof.data["target"]["source"]
+        target = target if target is not None else prof.target_source
     draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min,
                               prof.data["drafter"] if prof is not None else None)
     target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit)
@@ -538,8 +537,7 @@ def bench(
             from marscli.profiles import resolve_profile
 
             prof = resolve_profile(profile)
-            if target is None and prof.data["target"]["kind"] != "embedded":
-                target = prof.data["target"]["source"]
+            target = target if target is not None else prof.target_source
             margin = margin or prof.margin
         thetas = parse_float_list(theta, "--theta") if theta is not None else ()
         if prof is not None and prof.theta not in thetas:

@@ -343,6 +343,12 @@ class Profile:
         return self.data["verification"]["margin"]
 
     @property
+    def target_source(self) -> str | None:
+        """What --target the profile implies: None for the embedded default."""
+        t = self.data["target"]
+        return None if t["kind"] == "embedded" else t["source"]
+
+    @property
     def short_hash(self) -> str:
         return self.sha256[:12]
 
