@@ -245,3 +245,78 @@ def test_batched_logits_match_single_row(target):
         with torch.no_grad():
             full = target.model(torch.tensor([seq + drafts])).logits[:, len(seq) - 1:]
         torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ CLI
+
+CLI_RUN = ["--no-timing", "--token-ids", "--max-tokens", "12", "-q"]
+
+
+def _cli_records(tmp_path):
+    import json
+
+    lines = [json.dumps({"id": f"r{i}", "prompt": p, "max_tokens": 6 + 3 * i, "seed": i,
+                         **({"temperature": 0.8} if i % 3 == 1 else {})})
+             for i, p in enumerate(PROMPTS + PROMPTS[:3])]
+    lines[4] = "{broken"  # an error result keeps its place
+    lines.insert(6, json.dumps({"id": "long", "prompt": " ".join(f"w{i}" for i in range(400))}))
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    return src
+
+
+def _gen(*args):
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+
+    return CliRunner().invoke(app, ["generate", *map(str, args)])
+
+
+def test_cli_batch_size_gives_the_same_bytes(tiny_model_dir, tmp_path):
+    from marscli.errors import EXIT_RECORDS_FAILED
+
+    src = _cli_records(tmp_path)
+    outs = {}
+    for bs in (1, 4):
+        out = tmp_path / f"out{bs}.jsonl"
+        r = _gen(src, "--target", tiny_model_dir, "-o", out, "--batch-size", bs, *CLI_RUN)
+        assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr  # the broken line and the long prompt
+        outs[bs] = out.read_bytes()
+    assert outs[1] == outs[4]
+    assert b'"prompt_too_long"' in outs[4] and b'"invalid_json"' in outs[4]
+
+
+def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from marscli.errors import EXIT_RECORDS_FAILED, EXIT_TERMINATED
+
+    src = _cli_records(tmp_path)
+    ref = tmp_path / "ref.jsonl"
+    _gen(src, "--target", tiny_model_dir, "-o", ref, *CLI_RUN)
+    real = BatchEngine._step
+    calls = {"n": 0}
+
+    def step(self):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self)
+
+    monkeypatch.setattr(BatchEngine, "_step", step)
+    out = tmp_path / "out.jsonl"
+    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--batch-size", 3, *CLI_RUN)
+    assert r.exit_code == EXIT_TERMINATED, r.stderr
+    partial = out.read_bytes()
+    assert ref.read_bytes().startswith(partial) and len(partial) < len(ref.read_bytes())
+    monkeypatch.setattr(BatchEngine, "_step", real)
+    # Resume with another batch size: the results do not depend on it.
+    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--resume", "--batch-size", 2, *CLI_RUN)
+    assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
+    assert out.read_bytes() == ref.read_bytes()
+
+    r = _gen(src, "--target", tiny_model_dir, "--batch-size", 4, "--fail-fast", *CLI_RUN)
+    assert r.exit_code == EXIT_RECORDS_FAILED
+    assert "stopped at the first failed record (--fail-fast)" in r.stderr
