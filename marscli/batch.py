@@ -84,6 +84,7 @@ class BatchEngine:
                 f"(layers {sliding[:4]}...); use --batch-size 1"
             )
         self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
+        self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
         self._reset()
 
     # ------------------------------------------------------------------ prompts (as SpecEngine)
@@ -98,15 +99,16 @@ class BatchEngine:
 
     def run(self, items: Iterable[Any],
             prepare: Callable[[Any], tuple[list[int], SamplingParams]],
-            observer: Callable[[StepObservation], None] | None = None,
+            observer_for: Callable[[Any], Callable[[StepObservation], None] | None] | None = None,
             ) -> Iterator[tuple[Any, GenerationResult | Exception]]:
         """Generate every item; yield (item, result) as rows finish.
 
         prepare(item) -> (prompt ids, sampling); a RecordFailure it raises is yielded as that
         item's result. A failure of a batched forward pass other than out-of-memory is
-        yielded for every row in the batch. observer sees every row's steps as [1, k_b]
-        slices, like SpecEngine's (after an out-of-memory restart it sees the restarted
-        records' first steps again).
+        yielded for every row in the batch. observer_for(item) -> an observer for that
+        record's steps ([1, k_b] slices, like SpecEngine's); it is called again when an
+        out-of-memory error restarts the record, so a fresh observer can drop the aborted
+        steps.
         """
         source = iter(items)
         retry: deque[tuple[Any, list[int], SamplingParams]] = deque()
@@ -128,7 +130,8 @@ class BatchEngine:
                             yield item, e
                             continue
                     try:
-                        row = self._start_row(item, ids, sampling, observer)
+                        row = self._start_row(item, ids, sampling,
+                                               observer_for(item) if observer_for else None)
                     except oom_errors() as e:
                         if self._halve(e):
                             retry.appendleft((item, ids, sampling))
@@ -314,6 +317,8 @@ class BatchEngine:
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
                          past_key_values=self.cache, use_cache=True)
         logits = out.logits  # [B, K+1, V]
+        size = sum(t.numel() * t.element_size() for layer in self._layers() for t in (layer.keys, layer.values))
+        self.peak_cache_bytes = max(self.peak_cache_bytes, size)
         assert logits.shape[:2] == (B, K + 1), tuple(logits.shape)
         finished = []
         for b, (r, (drafts, proposal)) in enumerate(zip(rows, plans)):

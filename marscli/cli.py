@@ -306,6 +306,7 @@ PANEL_POLICY = "Choosing theta (one policy)"
         "  marscli calibrate prompts.jsonl                       # embedded model, ngram drafter, "
         "--max-nll-increase 0.02\n\n"
         "  marscli calibrate prompts.jsonl --relax-rate 0.10 --plot calib.png\n\n"
+        "  marscli calibrate prompts.jsonl --batch-size 8      # 8 records at once, same profile\n\n"
         "  marscli calibrate prompts.jsonl --target ./Qwen3-8B --draft ./Qwen3-0.6B "
         "--max-nll-increase 0.02 -o profiles/qwen3-8b.yaml\n\n"
         "Exit codes: 0 profile written; 1 runtime failure; 2 usage, configuration or model error; "
@@ -344,6 +345,7 @@ def calibrate(
     load_in_8bit: Load8Opt = False,
     load_in_4bit: Load4Opt = False,
     limit: LimitOpt = None,
+    batch_size: BatchSizeOpt = 1,
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
     quiet: QuietOpt = False,
 ) -> None:
@@ -374,7 +376,7 @@ def calibrate(
         draft_model=draft_model_cfg, margin=margin or "logit-ratio", policy=policy,
         policy_value=float(value),
         sampling=SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop or ())),
-        limit=limit, plot=plot,
+        limit=limit, plot=plot, batch_size=batch_size,
     )
     try:
         code = run_calibrate(cfg, _Log(quiet))
@@ -879,21 +881,56 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
     progress = _Progress(log, len(items), label="calibrating")
     failed = 0
     t0 = time.perf_counter()
+
+    def skipped(item, message: str) -> None:
+        nonlocal failed
+        failed += 1
+        log.info(f"{cfg.input}:{item.line}: skipped: {message}")
+        progress.advance(0)
+
     try:
-        for item in items:
-            if isinstance(item, RecordError):
-                failed += 1
-                log.info(f"{cfg.input}:{item.line}: skipped: {item.message}")
-                progress.advance(0)
-                continue
+        if cfg.batch_size > 1:
+            from marscli.batch import BatchEngine
+
             try:
-                res = engine.generate(item, cfg.sampling.with_overrides(item.overrides), observer=collector)
-            except RecordFailure as e:
-                failed += 1
-                log.info(f"{cfg.input}:{item.line}: skipped: {e.message}")
-                progress.advance(0)
-                continue
-            progress.advance(res.completion_tokens)
+                batch = BatchEngine(target, lambda: build_drafter(cfg.draft, target, draft_loaded),
+                                    VerifyConfig(), cfg.draft, cfg.batch_size)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            per_record: dict[int, MarginCollector] = {}
+
+            def observer_for(item):
+                per_record[item.index] = MarginCollector()  # a restart starts afresh
+                return per_record[item.index]
+
+            valid = []
+            for item in items:
+                if isinstance(item, RecordError):
+                    skipped(item, item.message)
+                else:
+                    valid.append(item)
+            prepare = lambda it: (engine.encode(it), cfg.sampling.with_overrides(it.overrides))  # noqa: E731
+            for item, res in batch.run(valid, prepare, observer_for=observer_for):
+                if isinstance(res, RecordFailure):
+                    per_record.pop(item.index, None)
+                    skipped(item, res.message)
+                elif isinstance(res, BaseException):
+                    raise res
+                else:
+                    progress.advance(res.completion_tokens)
+            for index in sorted(per_record):  # input order: the profile does not depend on the batch
+                collector.extend(per_record[index])
+        else:
+            for item in items:
+                if isinstance(item, RecordError):
+                    skipped(item, item.message)
+                    continue
+                try:
+                    res = engine.generate(item, cfg.sampling.with_overrides(item.overrides), observer=collector)
+                except RecordFailure as e:
+                    skipped(item, e.message)
+                    continue
+                progress.advance(res.completion_tokens)
     except KeyboardInterrupt:
         progress.close()
         log.info("interrupted: no profile written")

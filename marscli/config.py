@@ -166,3 +166,4 @@ class CalibrateConfig:
     sampling: SamplingParams
     limit: int | None = None
     plot: str | None = None
+    batch_size: int = 1  # records decoded together (same profile as 1)
