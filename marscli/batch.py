@@ -146,7 +146,8 @@ class BatchEngine:
                     if row.seq.done:  # no room for a single new token
                         yield item, row.seq.result()
                         continue
-                    self._add_row(row, self._last_prefill)
+                    self.kv.add_row(self._last_prefill, row.npos)
+                    self.rows.append(row)
                 if not self.rows:
                     return
                 try:
@@ -165,7 +166,8 @@ class BatchEngine:
                     continue
                 if finished:
                     done_rows = [self.rows[b] for b in finished]
-                    self._drop_rows(finished)
+                    keep = [b for b in range(len(self.rows)) if b not in finished]
+                    self._keep(keep)
                     for r in done_rows:
                         yield r.item, r.seq.result()
 
@@ -173,9 +175,13 @@ class BatchEngine:
 
     def _reset(self) -> None:
         self.rows: list[_Row] = []
-        self.cache = new_cache(self.model)
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, T] 1: valid slot
+        self.kv = HoleCache(self.model, self.device)  # the target's cache, one row per record
         self._last_prefill = None
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only these batch rows (a finished row leaves at once)."""
+        self.rows = [self.rows[b] for b in keep]
+        self.kv.keep_rows(keep)
 
     def _halve(self, err: BaseException) -> bool:
         """Halve the batch after an out-of-memory error; False if it is already 1."""
@@ -204,17 +210,81 @@ class BatchEngine:
             self._last_prefill = [(layer.keys, layer.values) for layer in c.layers]
         return _Row(item, ids, sampling, seq, len(ids) - 1)
 
-    def _layers(self):
+    def _step(self) -> list[int]:
+        """One speculative step for every active row; returns the rows that finished."""
+        rows = self.rows
+        B = len(rows)
+        plans = [r.seq.propose() for r in rows]
+        K = max(len(d) for d, _ in plans)
+        ids = torch.full((B, K + 1), self.pad_id, dtype=torch.long)
+        new_mask = torch.zeros(B, K + 1, dtype=torch.long)
+        for b, (r, (drafts, _)) in enumerate(zip(rows, plans)):
+            ids[b, : 1 + len(drafts)] = torch.tensor([r.seq.seq[-1]] + drafts)
+            new_mask[b, : 1 + len(drafts)] = 1
+        npos = torch.tensor([r.npos for r in rows], dtype=torch.long)
+        pos = npos[:, None] + torch.arange(K + 1)[None, :]  # [B, K+1]
+        ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
+        logits = self.kv.forward(ids, new_mask, pos).logits  # [B, K+1, V]
+        self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
+        assert logits.shape[:2] == (B, K + 1), tuple(logits.shape)
+        finished = []
+        for b, (r, (drafts, proposal)) in enumerate(zip(rows, plans)):
+            k = len(drafts)
+            n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1])
+            new_mask[b, 1 + n:] = 0
+            r.npos += 1 + n
+            if r.seq.done:
+                finished.append(b)
+        self.kv.commit(new_mask)
+        if not finished:
+            self.kv.trim()
+        return finished
+
+
+class HoleCache:
+    """A batched KV cache whose rows keep only some of their slots: mask [B, T] says which
+    (1: a token of that row's sequence, in order; 0: padding or a rejected draft)."""
+
+    def __init__(self, model, device):
+        self.model = model
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = new_cache(self.model)
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, T]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers() for t in (layer.keys, layer.values))
+
+    def forward(self, ids: torch.Tensor, new_mask: torch.Tensor, pos: torch.Tensor, **kw):
+        """Run the model on ids [B, S] (new_mask [B, S]: 1 for real tokens, position ids pos
+        [B, S]) over the cache; the new slots stay in the cache until commit()."""
+        attn = torch.cat([self.mask, new_mask], 1)  # [B, T + S]
+        return self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                          past_key_values=self.cache, use_cache=True, **kw)
+
+    def commit(self, new_mask: torch.Tensor) -> None:
+        """Record which of the last forward's new slots each row keeps ([B, S])."""
+        self.mask = torch.cat([self.mask, new_mask], 1)
+
+    def truncate_row(self, b: int, keep: int) -> None:
+        """Mask out row b's valid slots beyond its first `keep` (a per-row rollback)."""
+        valid = self.mask[b].nonzero().flatten()
+        if keep < valid.numel():
+            self.mask[b, valid[keep:]] = 0
+
+    def layers(self):
         return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)
                 and layer.keys is not None and layer.keys.numel() > 0]
 
-    def _add_row(self, row: _Row, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-        """Append a prefilled row, left-padding it or the batch to a common cache length."""
+    def add_row(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None, L: int) -> None:
+        """Append a row whose L cached slots are kv (per layer [1, H, L, D]; None if L == 0),
+        left-padding it or the batch to a common cache length."""
         T = self.mask.shape[1]
-        L = row.npos
         new_t = max(T, L)
-        B = len(self.rows)
-        batch_layers = self._layers()
+        B = self.mask.shape[0]
+        batch_layers = self.layers()
         have_batch_kv = bool(batch_layers) and B > 0
         if new_t > T and have_batch_kv:
             for layer in batch_layers:
@@ -226,7 +296,6 @@ class BatchEngine:
             row_mask[0, new_t - L:] = 1
         self.mask = torch.cat([mask, row_mask], 0)
         if new_t == 0:
-            self.rows.append(row)
             return
         if kv is None:  # the row has no cached tokens: zeros, masked out
             ref = batch_layers
@@ -234,7 +303,6 @@ class BatchEngine:
                 z = layer.keys.new_zeros((1,) + layer.keys.shape[1:])
                 layer.keys = torch.cat([layer.keys, z], 0)
                 layer.values = torch.cat([layer.values, layer.values.new_zeros((1,) + layer.values.shape[1:])], 0)
-            self.rows.append(row)
             return
         if not have_batch_kv:
             # Empty batch (or rows without cached tokens): the new row's cache is the start.
@@ -250,22 +318,20 @@ class BatchEngine:
             for layer, (k, v) in zip(self.cache.layers, kv):
                 layer.keys = torch.cat([layer.keys, _left_pad(k, new_t)], 0)
                 layer.values = torch.cat([layer.values, _left_pad(v, new_t)], 0)
-        self.rows.append(row)
 
-    def _drop_rows(self, gone: list[int]) -> None:
-        keep = [b for b in range(len(self.rows)) if b not in set(gone)]
-        self.rows = [self.rows[b] for b in keep]
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only these rows (in this order)."""
         if not keep:
-            self._reset()
+            self.reset()
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.mask = self.mask.index_select(0, idx)
-        for layer in self._layers():
+        for layer in self.layers():
             layer.keys = layer.keys.index_select(0, idx)
             layer.values = layer.values.index_select(0, idx)
-        self._trim()
+        self.trim()
 
-    def _trim(self) -> None:
+    def trim(self) -> None:
         """Drop slots no row uses at the left and right ends; compact when holes dominate."""
         T = self.mask.shape[1]
         if T == 0:
@@ -277,14 +343,14 @@ class BatchEngine:
             lo, hi = int(used[0]), int(used[-1]) + 1
         if hi < T or lo > 0:
             self.mask = self.mask[:, lo:hi]
-            for layer in self._layers():
+            for layer in self.layers():
                 layer.keys = layer.keys[:, :, lo:hi]
                 layer.values = layer.values[:, :, lo:hi]
         longest = int(self.mask.sum(1).max()) if self.mask.numel() else 0
         if self.mask.shape[1] > COMPACT_RATIO * longest + COMPACT_SLACK:
-            self._compact()
+            self.compact()
 
-    def _compact(self) -> None:
+    def compact(self) -> None:
         """Gather each row's valid slots to the right end (left padding); same order."""
         counts = self.mask.sum(1)  # [B]
         new_t = int(counts.max())
@@ -293,45 +359,11 @@ class BatchEngine:
         order = torch.sort(self.mask, dim=1, stable=True).indices  # invalid first, then valid in order
         index = order[:, T - new_t:]  # [B, new_t]
         self.mask = self.mask.gather(1, index)
-        for layer in self._layers():
+        for layer in self.layers():
             H, D = layer.keys.shape[1], layer.keys.shape[3]
             gi = index[:, None, :, None].expand(B, H, new_t, D)
             layer.keys = layer.keys.gather(2, gi)
             layer.values = layer.values.gather(2, index[:, None, :, None].expand(B, H, new_t, layer.values.shape[3]))
-
-    def _step(self) -> list[int]:
-        """One speculative step for every active row; returns the rows that finished."""
-        rows = self.rows
-        B = len(rows)
-        plans = [r.seq.propose() for r in rows]
-        K = max(len(d) for d, _ in plans)
-        ids = torch.full((B, K + 1), self.pad_id, dtype=torch.long)
-        new_mask = torch.zeros(B, K + 1, dtype=torch.long)
-        for b, (r, (drafts, _)) in enumerate(zip(rows, plans)):
-            ids[b, : 1 + len(drafts)] = torch.tensor([r.seq.seq[-1]] + drafts)
-            new_mask[b, : 1 + len(drafts)] = 1
-        npos = torch.tensor([r.npos for r in rows], dtype=torch.long)
-        pos = npos[:, None] + torch.arange(K + 1)[None, :]  # [B, K+1]
-        ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
-        attn = torch.cat([self.mask, new_mask], 1)  # [B, T + K + 1]
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                         past_key_values=self.cache, use_cache=True)
-        logits = out.logits  # [B, K+1, V]
-        size = sum(t.numel() * t.element_size() for layer in self._layers() for t in (layer.keys, layer.values))
-        self.peak_cache_bytes = max(self.peak_cache_bytes, size)
-        assert logits.shape[:2] == (B, K + 1), tuple(logits.shape)
-        finished = []
-        for b, (r, (drafts, proposal)) in enumerate(zip(rows, plans)):
-            k = len(drafts)
-            n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1])
-            new_mask[b, 1 + n:] = 0
-            r.npos += 1 + n
-            if r.seq.done:
-                finished.append(b)
-        self.mask = torch.cat([self.mask, new_mask], 1)
-        if not finished:
-            self._trim()
-        return finished
 
 
 def _left_pad(x: torch.Tensor, length: int) -> torch.Tensor:

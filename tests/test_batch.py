@@ -149,8 +149,8 @@ def test_compaction_keeps_results(target, monkeypatch):
     monkeypatch.setattr(batch_mod, "COMPACT_RATIO", 1.0)
     monkeypatch.setattr(batch_mod, "COMPACT_SLACK", 0)
     calls = []
-    real = BatchEngine._compact
-    monkeypatch.setattr(BatchEngine, "_compact", lambda self: (calls.append(1), real(self)))
+    real = batch_mod.HoleCache.compact
+    monkeypatch.setattr(batch_mod.HoleCache, "compact", lambda self: (calls.append(1), real(self)))
     dcfg = ngram_cfg(k=6, adaptive=False)
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     samplings = [sampling_for(i) for i in range(len(PROMPTS))]
