@@ -31,8 +31,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from marscli.config import DraftConfig, SamplingParams, VerifyConfig
+from marscli.drafters.base import AcceptanceTracker, CostModel, Proposal
 from marscli.engine import GenerationResult, RecordFailure, Sequence, SpecEngine, StepObservation
 from marscli.kvcache import new_cache
+from marscli.verify import sample_from, sampling_probs
 
 #: Compact when the cache is longer than COMPACT_RATIO x the longest row's valid tokens
 #: (plus COMPACT_SLACK slots, so short sequences are not compacted every step).
@@ -63,7 +65,7 @@ class BatchEngine:
     """
 
     def __init__(self, target, drafter_factory: Callable[[], Any], verify_cfg: VerifyConfig,
-                 draft_cfg: DraftConfig, batch_size: int):
+                 draft_cfg: DraftConfig, batch_size: int, batched_drafter: BatchedModelDrafter | None = None):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         self.target = target
@@ -74,6 +76,9 @@ class BatchEngine:
         self.single = SpecEngine(target, drafter_factory(), verify_cfg, draft_cfg)
         self.batch_size = batch_size
         self.device = target.device
+        # A draft model that drafts for all rows in one forward pass per draft position; its
+        # rows follow the target's (same order, added and dropped together).
+        self.bd = batched_drafter
         tok = target.tokenizer
         self.pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
         sliding = [i for i, layer in enumerate(new_cache(self.model).layers)
@@ -148,6 +153,8 @@ class BatchEngine:
                         continue
                     self.kv.add_row(self._last_prefill, row.npos)
                     self.rows.append(row)
+                    if self.bd is not None:
+                        self.bd.add(row.seq.drafter, self._last_draft_prefill, row.ids)
                 if not self.rows:
                     return
                 try:
@@ -177,11 +184,16 @@ class BatchEngine:
         self.rows: list[_Row] = []
         self.kv = HoleCache(self.model, self.device)  # the target's cache, one row per record
         self._last_prefill = None
+        self._last_draft_prefill = None
+        if getattr(self, "bd", None) is not None:
+            self.bd.reset()
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only these batch rows (a finished row leaves at once)."""
         self.rows = [self.rows[b] for b in keep]
         self.kv.keep_rows(keep)
+        if self.bd is not None:
+            self.bd.keep(keep)
 
     def _halve(self, err: BaseException) -> bool:
         """Halve the batch after an out-of-memory error; False if it is already 1."""
@@ -201,8 +213,11 @@ class BatchEngine:
         return rows
 
     def _start_row(self, item, ids: list[int], sampling: SamplingParams, observer) -> _Row:
-        seq = Sequence(self.single, self.drafter_factory(), ids, sampling, observer=observer)
-        self._last_prefill = None
+        drafter = self.bd.new_handle() if self.bd is not None else self.drafter_factory()
+        seq = Sequence(self.single, drafter, ids, sampling, observer=observer)
+        self._last_prefill = self._last_draft_prefill = None
+        if self.bd is not None and not seq.done:
+            self._last_draft_prefill = self.bd.prefill(ids)
         if not seq.done and len(ids) > 1:
             # Prefilled alone, exactly as SpecEngine does: no padding ever enters a prompt pass.
             c = new_cache(self.model)
@@ -214,6 +229,8 @@ class BatchEngine:
         """One speculative step for every active row; returns the rows that finished."""
         rows = self.rows
         B = len(rows)
+        if self.bd is not None:
+            self.bd.propose_all([r.seq.seq for r in rows], [r.seq.k_cap() for r in rows])
         plans = [r.seq.propose() for r in rows]
         K = max(len(d) for d, _ in plans)
         ids = torch.full((B, K + 1), self.pad_id, dtype=torch.long)
@@ -364,6 +381,179 @@ class HoleCache:
             gi = index[:, None, :, None].expand(B, H, new_t, D)
             layer.keys = layer.keys.gather(2, gi)
             layer.values = layer.values.gather(2, index[:, None, :, None].expand(B, H, new_t, layer.values.shape[3]))
+
+
+def batched_drafter_for(draft_cfg: DraftConfig, target, draft_model) -> BatchedModelDrafter | None:
+    """The batched form of the drafter build_drafter makes, where there is one (a draft
+    model); None for drafters that run per row (ngram, none)."""
+    from marscli.engine import build_drafter
+
+    if draft_cfg.kind != "model":
+        return None
+    md = build_drafter(draft_cfg, target, draft_model)  # its cost model and vocabulary width
+    return BatchedModelDrafter(md.model, md.k_max, cost=md.cost, adaptive=md.adaptive,
+                               vocab_size=md.vocab_size)
+
+
+class _RowDraft:
+    """One row's handle on a BatchedModelDrafter: the Drafter interface engine.Sequence
+    calls. Its proposal was computed for all rows at once just before."""
+
+    name = "model"
+
+    def __init__(self, owner: BatchedModelDrafter):
+        self.owner = owner
+        self.next: Proposal | None = None
+        self.cached: list[int] = []  # tokens whose keys/values are valid in the row's cache
+        self.start([])
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+              generator: torch.Generator | None = None) -> None:
+        self.sampling = sampling or SamplingParams()
+        self.generator = generator
+        self.tracker = AcceptanceTracker(self.owner.k_max, self.owner.cost, adaptive=self.owner.adaptive)
+        self.cached = []
+
+    def propose(self, seq: list[int], k_max: int) -> Proposal:
+        assert self.next is not None, "BatchedModelDrafter.propose_all must run first"
+        proposal, self.next = self.next, None
+        return proposal
+
+    def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
+        self.tracker.update(proposed, accepted)
+
+
+class BatchedModelDrafter:
+    """marscli.drafters.model.ModelDrafter for a whole batch: one draft-model forward per
+    draft position for all rows, over a HoleCache of its own.
+
+    Each row drafts what a ModelDrafter would for it alone: the same choice of k (its own
+    AcceptanceTracker), the same greedy argmax or the same draws from its own generator;
+    only the float summation order of the draft model's batched pass may differ.
+    """
+
+    def __init__(self, model, k_max: int, *, cost: CostModel | None = None, adaptive: bool = True,
+                 vocab_size: int | None = None):
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.k_max = k_max
+        self.cost = cost or CostModel()
+        self.adaptive = adaptive
+        self.vocab_size = vocab_size
+        tok = getattr(model.config, "pad_token_id", None)
+        self.pad_id = tok if isinstance(tok, int) else 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.kv = HoleCache(self.model, self.device)
+        self.rows: list[_RowDraft] = []
+
+    def new_handle(self) -> _RowDraft:
+        return _RowDraft(self)
+
+    def prefill(self, ids: list[int]):
+        """The draft cache of a new row's prompt but its last token (run alone)."""
+        if len(ids) <= 1:
+            return None
+        c = new_cache(self.model)
+        x = torch.tensor([ids[:-1]], dtype=torch.long, device=self.device)
+        self.model(input_ids=x, past_key_values=c, use_cache=True, logits_to_keep=1)
+        return [(layer.keys, layer.values) for layer in c.layers]
+
+    def add(self, handle: _RowDraft, kv, ids: list[int]) -> None:
+        """Append a row whose prompt `ids` but the last token were prefilled into kv."""
+        handle.cached = list(ids[:-1]) if kv is not None else []
+        self.kv.add_row(kv, len(handle.cached))
+        self.rows.append(handle)
+
+    def keep(self, keep: list[int]) -> None:
+        self.rows = [self.rows[b] for b in keep]
+        self.kv.keep_rows(keep)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab_size is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        if logits.shape[-1] > self.vocab_size:  # padded embedding rows never get drafted
+            return logits[: self.vocab_size]
+        pad = logits.new_full((self.vocab_size - logits.shape[-1],), float("-inf"))
+        return torch.cat([logits, pad])
+
+    def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
+        """One forward: row b appends feeds[b] (possibly none) -> logits [B, S, V_draft]."""
+        B = len(self.rows)
+        S = max(len(f) for f in feeds)
+        ids = torch.full((B, S), self.pad_id, dtype=torch.long)
+        new_mask = torch.zeros(B, S, dtype=torch.long)
+        for b, f in enumerate(feeds):
+            if f:
+                ids[b, : len(f)] = torch.tensor(f)
+                new_mask[b, : len(f)] = 1
+        npos = torch.tensor([len(h.cached) for h in self.rows], dtype=torch.long)
+        pos = npos[:, None] + torch.arange(S)[None, :]
+        ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
+        logits = self.kv.forward(ids, new_mask, pos).logits  # [B, S, V_draft]
+        self.kv.commit(new_mask)
+        for h, f in zip(self.rows, feeds):
+            h.cached.extend(f)
+        return logits
+
+    @torch.inference_mode()
+    def propose_all(self, seqs: list[list[int]], k_caps: list[int]) -> None:
+        """Compute every row's next proposal (left in its handle for Sequence.propose)."""
+        rows = self.rows
+        assert len(seqs) == len(k_caps) == len(rows)
+        ks = []
+        catch: list[list[int]] = []
+        for b, (h, seq, cap) in enumerate(zip(rows, seqs, k_caps)):
+            k = h.tracker.choose_k(cap) if cap > 0 else 0
+            ks.append(k)
+            h.next = Proposal([])
+            if k <= 0:
+                catch.append([])
+                continue
+            # Bring the row's cache up to its committed sequence (at least the last token is new).
+            common = 0
+            for a, t in zip(h.cached, seq):
+                if a != t:
+                    break
+                common += 1
+            common = min(common, len(seq) - 1)
+            if common < len(h.cached):
+                self.kv.truncate_row(b, common)
+                del h.cached[common:]
+            catch.append(list(seq[common:]))
+        if not any(ks):
+            self.kv.trim()
+            return
+        logits = self._feed(catch)
+        last = [self._fit_vocab(logits[b, len(c) - 1]) if c else None for b, c in enumerate(catch)]
+        tokens: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        for i in range(max(ks)):
+            feeds: list[list[int]] = [[] for _ in rows]
+            for b, (h, k) in enumerate(zip(rows, ks)):
+                if i >= k:
+                    continue
+                s = h.sampling
+                if s.greedy:
+                    tok = int(last[b].argmax())
+                else:
+                    q = sampling_probs(last[b].unsqueeze(0), s.temperature, s.top_k, s.top_p)  # [1, V]
+                    u = torch.rand(1, generator=h.generator)
+                    tok = int(sample_from(q, u)[0])
+                    probs[b].append(q[0])
+                tokens[b].append(tok)
+                if i + 1 < k:
+                    feeds[b] = [tok]
+            if any(feeds):
+                logits = self._feed(feeds)
+                for b, f in enumerate(feeds):
+                    if f:
+                        last[b] = self._fit_vocab(logits[b, 0])
+        for b, h in enumerate(rows):
+            if ks[b] > 0:
+                h.next = Proposal(tokens[b], torch.stack(probs[b]) if probs[b] else None)
+        self.kv.trim()
 
 
 def _left_pad(x: torch.Tensor, length: int) -> torch.Tensor:

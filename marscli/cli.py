@@ -764,11 +764,12 @@ class _GenerateRun:
             verify=verify_cfg,
         )
         if cfg.batch_size > 1:
-            from marscli.batch import BatchEngine
+            from marscli.batch import BatchEngine, batched_drafter_for
 
             try:
                 engine = BatchEngine(target, lambda: build_drafter(cfg.draft, target, draft_loaded),
-                                     verify_cfg, cfg.draft, cfg.batch_size)
+                                     verify_cfg, cfg.draft, cfg.batch_size,
+                                     batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
             except ValueError as e:
                 raise UsageError(str(e)) from None
             log.info(f"batch size {cfg.batch_size}")
@@ -890,11 +891,12 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
 
     try:
         if cfg.batch_size > 1:
-            from marscli.batch import BatchEngine
+            from marscli.batch import BatchEngine, batched_drafter_for
 
             try:
                 batch = BatchEngine(target, lambda: build_drafter(cfg.draft, target, draft_loaded),
-                                    VerifyConfig(), cfg.draft, cfg.batch_size)
+                                    VerifyConfig(), cfg.draft, cfg.batch_size,
+                                    batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
             except ValueError as e:
                 raise UsageError(str(e)) from None
             per_record: dict[int, MarginCollector] = {}

@@ -304,10 +304,13 @@ class Sequence:
         self.text: str | None = None
         self.done = len(self.out) >= self.max_new
 
+    def k_cap(self) -> int:
+        """The most drafts the next step can use (the remaining budget less the bonus)."""
+        return min(self.engine.k_max, self.max_new - len(self.out) - 1)
+
     def propose(self) -> tuple[list[int], Proposal]:
         """The drafts for the next step (at most what the remaining budget can use)."""
-        remaining = self.max_new - len(self.out)
-        k_cap = min(self.engine.k_max, remaining - 1)
+        k_cap = self.k_cap()
         proposal = self.drafter.propose(self.seq, k_cap) if k_cap > 0 else Proposal([])
         return proposal.tokens[:k_cap], proposal
 

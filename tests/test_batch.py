@@ -171,6 +171,41 @@ def test_model_drafter_rows(target, draft):
         assert_same(ref, got)
 
 
+@pytest.mark.parametrize("vcfg", [STRICT, MARS], ids=["strict", "mars"])
+def test_batched_draft_model(target, draft, vcfg):
+    """One draft-model forward per draft position for all rows: same drafts, same outputs."""
+    from marscli.batch import batched_drafter_for
+
+    # Fixed k: the adaptive policy finds this random drafter not worth running at all.
+    dcfg = DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False)
+    factory = lambda: build_drafter(dcfg, target, draft)  # noqa: E731
+    prompts = PROMPTS
+    for temperature in (0.0, 1.0):
+        samplings = [sampling_for(i, temperature=temperature) for i in range(len(prompts))]
+        ref = singles(target, factory, vcfg, dcfg, prompts, samplings)
+        assert sum(r.stats.drafted for r in ref) > 0
+        for bs in (2, 4):
+            bd = batched_drafter_for(dcfg, target, draft)
+            engine = BatchEngine(target, factory, vcfg, dcfg, bs, batched_drafter=bd)
+            got = dict(engine.run(range(len(prompts)),
+                                  lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
+            assert_same(ref, [got[i] for i in range(len(prompts))])
+
+
+def test_batched_draft_model_with_self_drafting(target):
+    """The target as its own draft model: everything accepted, in batch too."""
+    from marscli.batch import batched_drafter_for
+
+    dcfg = DraftConfig(kind="model", model="x", num_draft_tokens=4, adaptive=False)
+    factory = lambda: build_drafter(dcfg, target, target)  # noqa: E731
+    samplings = [sampling_for(i) for i in range(len(PROMPTS))]
+    ref = singles(target, factory, STRICT, dcfg, PROMPTS, samplings)
+    engine = BatchEngine(target, factory, STRICT, dcfg, 3, batched_drafter=batched_drafter_for(dcfg, target, target))
+    got = dict(engine.run(range(len(PROMPTS)), lambda i: (target.tokenizer(PROMPTS[i]).input_ids, samplings[i])))
+    assert_same(ref, [got[i] for i in range(len(PROMPTS))])
+    assert all(r.stats.accepted == r.stats.drafted for r in got.values())
+
+
 def test_out_of_memory_halves_the_batch_and_restarts(target, monkeypatch):
     dcfg = ngram_cfg()
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
@@ -320,3 +355,16 @@ def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkey
     r = _gen(src, "--target", tiny_model_dir, "--batch-size", 4, "--fail-fast", *CLI_RUN)
     assert r.exit_code == EXIT_RECORDS_FAILED
     assert "stopped at the first failed record (--fail-fast)" in r.stderr
+
+
+def test_cli_batched_draft_model_gives_the_same_bytes(tiny_model_dir, tiny_draft_dir, tmp_path):
+    src = _cli_records(tmp_path)
+    outs = {}
+    for bs in (1, 3):
+        out = tmp_path / f"out{bs}.jsonl"
+        r = _gen(src, "--target", tiny_model_dir, "--draft", tiny_draft_dir, "--fixed-k", "-k", "3",
+                 "-o", out, "--batch-size", bs, *CLI_RUN)
+        assert r.exit_code == 3, r.stderr
+        outs[bs] = out.read_bytes()
+    assert outs[1] == outs[3]
+    assert b'"drafter": "model"' in outs[3]
