@@ -32,7 +32,7 @@ import torch
 
 from marscli.config import DraftConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import AcceptanceTracker, CostModel, Proposal
-from marscli.engine import GenerationResult, RecordFailure, Sequence, SpecEngine, StepObservation
+from marscli.engine import GenerationResult, Sequence, SpecEngine, StepObservation
 from marscli.kvcache import new_cache
 from marscli.verify import sample_from, sampling_probs
 
@@ -108,8 +108,8 @@ class BatchEngine:
             ) -> Iterator[tuple[Any, GenerationResult | Exception]]:
         """Generate every item; yield (item, result) as rows finish.
 
-        prepare(item) -> (prompt ids, sampling); a RecordFailure it raises is yielded as that
-        item's result. A failure of a batched forward pass other than out-of-memory is
+        prepare(item) -> (prompt ids, sampling); an exception it raises (a RecordFailure...)
+        is yielded as that item's result. A failure of a batched forward pass other than out-of-memory is
         yielded for every row in the batch. observer_for(item) -> an observer for that
         record's steps ([1, k_b] slices, like SpecEngine's); it is called again when an
         out-of-memory error restarts the record, so a fresh observer can drop the aborted
@@ -131,7 +131,7 @@ class BatchEngine:
                             break
                         try:
                             ids, sampling = prepare(item)
-                        except RecordFailure as e:
+                        except Exception as e:  # noqa: BLE001 - a RecordFailure or a tokenizer fault: this record only
                             yield item, e
                             continue
                     try:

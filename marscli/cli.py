@@ -789,6 +789,7 @@ class _GenerateRun:
         failed = sum(done.values())  # earlier results that are errors count too
         totals = _Totals()
         self.progress = _Progress(log, len(todo))
+        t_start = time.perf_counter()
         if cfg.batch_size > 1:
             results = _run_batched(engine, todo, cfg, spec_meta)
         else:
@@ -817,6 +818,8 @@ class _GenerateRun:
                 )
                 return EXIT_RECORDS_FAILED
         self.close()
+        if cfg.batch_size > 1:
+            totals.wall = time.perf_counter() - t_start
         earlier = f"; {self.done_before} more were done before resuming" if self.done_before else ""
         log.info(totals.summary(len(todo), failed - sum(done.values())) + earlier)
         return EXIT_RECORDS_FAILED if failed else EXIT_OK
@@ -1039,6 +1042,7 @@ class _Totals:
         self.steps = 0
         self.accepted = 0
         self.relaxed = 0
+        self.wall: float | None = None  # batched runs: records overlap, so rate = tokens / wall time
 
     def add(self, r: dict, seconds: float) -> None:
         self.records += 1
@@ -1050,7 +1054,8 @@ class _Totals:
         self.relaxed += s["relaxed"]
 
     def summary(self, total: int, failed: int) -> str:
-        tps = self.tokens / self.seconds if self.seconds else 0.0
+        seconds = self.wall if self.wall is not None else self.seconds
+        tps = self.tokens / seconds if seconds else 0.0
         tau = self.tokens / self.steps if self.steps else 0.0
         relaxed = self.relaxed / self.tokens if self.tokens else 0.0
         return (
