@@ -382,3 +382,23 @@ def test_cli_batched_summary_rate_uses_wall_time(tiny_model_dir, tmp_path):
     r = _gen(src, "--target", tiny_model_dir, "--batch-size", 4, "--no-timing", "--max-tokens", "12")
     m = re.search(r"(\d+) tokens, ([\d.]+) tok/s", r.stderr)
     assert m and float(m.group(2)) > 0, r.stderr
+
+
+def test_out_of_memory_in_a_prefill_halves_the_batch(target, monkeypatch):
+    dcfg = ngram_cfg()
+    factory = lambda: build_drafter(dcfg, target)  # noqa: E731
+    samplings = [sampling_for(i) for i in range(len(PROMPTS))]
+    ref = singles(target, factory, STRICT, dcfg, PROMPTS, samplings)
+    real = BatchEngine._start_row
+    calls = {"n": 0}
+
+    def flaky(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third record's prefill, with two rows already running
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(BatchEngine, "_start_row", flaky)
+    got, _, engine = batched(target, factory, STRICT, dcfg, PROMPTS, samplings, 4)
+    assert engine.oom_retries == 1 and engine.batch_size == 2
+    assert_same(ref, got)
