@@ -385,11 +385,14 @@ class HoleCache:
 
 def batched_drafter_for(draft_cfg: DraftConfig, target, draft_model) -> BatchedModelDrafter | None:
     """The batched form of the drafter build_drafter makes, where there is one (a draft
-    model); None for drafters that run per row (ngram, none)."""
+    model without sliding-window layers); None for drafters that run per row (ngram, none,
+    a windowed draft model: BatchEngine then gives each row its own drafter)."""
     from marscli.engine import build_drafter
 
     if draft_cfg.kind != "model":
         return None
+    if any(getattr(layer, "is_sliding", False) for layer in new_cache(draft_model.model).layers):
+        return None  # windowed layers cannot be rolled back per row: a ModelDrafter per row
     md = build_drafter(draft_cfg, target, draft_model)  # its cost model and vocabulary width
     return BatchedModelDrafter(md.model, md.k_max, cost=md.cost, adaptive=md.adaptive,
                                vocab_size=md.vocab_size)
