@@ -24,6 +24,7 @@ Results are yielded as rows finish, not in input order: callers that need input 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -90,6 +91,7 @@ class BatchEngine:
             )
         self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
         self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
+        self.prefill_seconds = 0.0  # time spent prefilling new records (one at a time)
         self._reset()
 
     # ------------------------------------------------------------------ prompts (as SpecEngine)
@@ -213,6 +215,13 @@ class BatchEngine:
         return rows
 
     def _start_row(self, item, ids: list[int], sampling: SamplingParams, observer) -> _Row:
+        t0 = time.perf_counter()
+        try:
+            return self._prefill_row(item, ids, sampling, observer)
+        finally:
+            self.prefill_seconds += time.perf_counter() - t0
+
+    def _prefill_row(self, item, ids: list[int], sampling: SamplingParams, observer) -> _Row:
         drafter = self.bd.new_handle() if self.bd is not None else self.drafter_factory()
         seq = Sequence(self.single, drafter, ids, sampling, observer=observer)
         self._last_prefill = self._last_draft_prefill = None

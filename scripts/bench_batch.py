@@ -73,6 +73,7 @@ def run_one(args) -> dict:
     # Warm up kernels and allocator outside the timed run.
     list(engine.run([records[0]], lambda it: (prompts[it.index][-64:], SamplingParams(max_tokens=8))))
     engine.peak_cache_bytes = 0
+    engine.prefill_seconds = 0.0
     if target.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -97,6 +98,8 @@ def run_one(args) -> dict:
         "tokens": tokens,
         "seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / seconds, 2),
+        "prefill_seconds": round(engine.prefill_seconds, 2),
+        "decode_tokens_per_s": round(tokens / max(seconds - engine.prefill_seconds, 1e-9), 2),
         "acceptance_length": round(tokens / max(steps, 1), 3),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "peak_kv_cache_mib": round(engine.peak_cache_bytes / 2**20, 1),
@@ -132,11 +135,14 @@ def main(argv=None) -> int:
     print(f"{rows[0]['records']} records ({rows[0]['prompt_tokens']} prompt tokens), "
           f"max {args.max_tokens} new tokens, ngram K<={args.num_draft_tokens}, strict greedy, "
           f"{rows[0]['device']}, {args.dtype}\n")
-    print("| batch | tokens | seconds | tokens/s | vs batch " f"{sizes[0]} | tau | peak RSS MiB | peak KV MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    dbase = rows[0]["decode_tokens_per_s"]
+    print("| batch | tokens | seconds | of which prefill | tokens/s | vs batch " f"{sizes[0]} | "
+          "decode tokens/s | vs batch " f"{sizes[0]} | tau | peak RSS MiB | peak KV MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch_size']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
-              f"{r['tokens_per_s'] / base:.2f}x | {r['acceptance_length']} | {r['peak_rss_mib']} | "
+        print(f"| {r['batch_size']} | {r['tokens']} | {r['seconds']} | {r['prefill_seconds']} | "
+              f"{r['tokens_per_s']} | {r['tokens_per_s'] / base:.2f}x | {r['decode_tokens_per_s']} | "
+              f"{r['decode_tokens_per_s'] / dbase:.2f}x | {r['acceptance_length']} | {r['peak_rss_mib']} | "
               f"{r['peak_kv_cache_mib']} |")
     same = len({r["outputs_sha256"] for r in rows}) == 1
     print(f"\nidentical outputs across batch sizes: {'yes' if same else 'NO'}")
