@@ -107,6 +107,14 @@ class MarginCollector:
             raise RuntimeError(f"calibration replay disagrees with strict verification: {replayed} != {n}")
         self._rows.append(cols.cpu().numpy())
 
+    def extend(self, other: MarginCollector) -> None:
+        """Append another collector's steps after this one's (batched calibration collects
+        per record and merges in input order, so the data do not depend on the batch)."""
+        self.step_k += other.step_k
+        self.step_n += other.step_n
+        self.step_emitted += other.step_emitted
+        self._rows += other._rows
+
     def data(self, records: int, failed: int = 0) -> MarginData:
         rows = np.concatenate(self._rows) if self._rows else np.zeros((0, len(_COLS)))
         return MarginData(

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -129,6 +129,10 @@ DeviceMapOpt = Annotated[Optional[str], typer.Option(help="'auto' to spread a mo
 Load8Opt = Annotated[bool, typer.Option(help="8-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)]
 Load4Opt = Annotated[bool, typer.Option(help="4-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)]
 LimitOpt = Annotated[Optional[int], typer.Option(min=1, help="Only the first N records.", rich_help_panel=PANEL_OUTPUT)]
+BatchSizeOpt = Annotated[int, typer.Option(
+    "--batch-size", min=1, help="Records decoded together, each with its own drafts and acceptance; "
+    "a finished record's place goes to the next one. Same outputs as 1 (the default).",
+    rich_help_panel=PANEL_MODEL)]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.", rich_help_panel=PANEL_OUTPUT)]
 
 
@@ -182,6 +186,7 @@ def _model_configs(target: str | None, draft: DraftConfig, dtype: str, device: s
         "--draft ./Llama-3.2-1B-Instruct --verify mars --theta 0.9 -o results.jsonl\n\n"
         "  cat prompts.jsonl | marscli generate - --draft ngram | jq -r .output\n\n"
         "  marscli generate prompts.jsonl -o results.jsonl --resume   # finish an interrupted run\n\n"
+        "  marscli generate prompts.jsonl --batch-size 8 -o results.jsonl   # 8 records at once\n\n"
         + EXIT_CODES_HELP
     ),
 )
@@ -237,6 +242,7 @@ def generate(
     truncate_prompt: Annotated[
         str, typer.Option("--truncate-prompt", help="A prompt too long for the context window: 'none' (error result) or 'left' (drop its oldest tokens to leave room for --max-tokens).", rich_help_panel=PANEL_SAMPLING)
     ] = "none",
+    batch_size: BatchSizeOpt = 1,
 ) -> None:
     """Generate completions for a JSONL file of prompts with speculative decoding.
 
@@ -281,6 +287,7 @@ def generate(
         resume=resume,
         fail_fast=fail_fast,
         truncate_prompt=truncate_prompt,
+        batch_size=batch_size,
     )
     try:
         code = run_generate(cfg, log)
@@ -298,6 +305,7 @@ PANEL_POLICY = "Choosing theta (one policy)"
         "  marscli calibrate prompts.jsonl                       # embedded model, ngram drafter, "
         "--max-nll-increase 0.02\n\n"
         "  marscli calibrate prompts.jsonl --relax-rate 0.10 --plot calib.png\n\n"
+        "  marscli calibrate prompts.jsonl --batch-size 8      # 8 records at once, same profile\n\n"
         "  marscli calibrate prompts.jsonl --target ./Qwen3-8B --draft ./Qwen3-0.6B "
         "--max-nll-increase 0.02 -o profiles/qwen3-8b.yaml\n\n"
         "Exit codes: 0 profile written; 1 runtime failure; 2 usage, configuration or model error; "
@@ -336,6 +344,7 @@ def calibrate(
     load_in_8bit: Load8Opt = False,
     load_in_4bit: Load4Opt = False,
     limit: LimitOpt = None,
+    batch_size: BatchSizeOpt = 1,
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
     quiet: QuietOpt = False,
 ) -> None:
@@ -366,7 +375,7 @@ def calibrate(
         draft_model=draft_model_cfg, margin=margin or "logit-ratio", policy=policy,
         policy_value=float(value),
         sampling=SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop or ())),
-        limit=limit, plot=plot,
+        limit=limit, plot=plot, batch_size=batch_size,
     )
     try:
         code = run_calibrate(cfg, _Log(quiet))
@@ -755,8 +764,18 @@ class _GenerateRun:
             cfg, target.identity, draft_loaded.identity if draft_loaded else None, extra,
             verify=verify_cfg,
         )
-        drafter = build_drafter(cfg.draft, target, draft_loaded)
-        engine = SpecEngine(target, drafter, verify_cfg, cfg.draft)
+        if cfg.batch_size > 1:
+            from marscli.batch import BatchEngine, batched_drafter_for
+
+            try:
+                engine = BatchEngine(target, lambda: build_drafter(cfg.draft, target, draft_loaded),
+                                     verify_cfg, cfg.draft, cfg.batch_size,
+                                     batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            log.info(f"batch size {cfg.batch_size}")
+        else:
+            engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), verify_cfg, cfg.draft)
         vdesc = verify_cfg.mode if verify_cfg.mode == "strict" else f"mars (theta={verify_cfg.theta:g}, {verify_cfg.margin})"
         log.info(f"drafter {cfg.draft.kind}{'' if cfg.draft.kind == 'none' else f' (K<={cfg.draft.num_draft_tokens})'}, verify {vdesc}")
         spec_meta = {
@@ -771,8 +790,12 @@ class _GenerateRun:
         failed = sum(done.values())  # earlier results that are errors count too
         totals = _Totals()
         self.progress = _Progress(log, len(todo))
-        for item in todo:
-            result, seconds = _run_one(engine, item, cfg, spec_meta)
+        t_start = time.perf_counter()
+        if cfg.batch_size > 1:
+            results = _run_batched(engine, todo, cfg, spec_meta)
+        else:
+            results = ((item, *_run_one(engine, item, cfg, spec_meta)) for item in todo)
+        for item, result, seconds in results:
             error = result.get("error")
             if error:
                 failed += 1
@@ -796,6 +819,8 @@ class _GenerateRun:
                 )
                 return EXIT_RECORDS_FAILED
         self.close()
+        if cfg.batch_size > 1:
+            totals.wall = time.perf_counter() - t_start
         earlier = f"; {self.done_before} more were done before resuming" if self.done_before else ""
         log.info(totals.summary(len(todo), failed - sum(done.values())) + earlier)
         return EXIT_RECORDS_FAILED if failed else EXIT_OK
@@ -861,21 +886,57 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
     progress = _Progress(log, len(items), label="calibrating")
     failed = 0
     t0 = time.perf_counter()
+
+    def skipped(item, message: str) -> None:
+        nonlocal failed
+        failed += 1
+        log.info(f"{cfg.input}:{item.line}: skipped: {message}")
+        progress.advance(0)
+
     try:
-        for item in items:
-            if isinstance(item, RecordError):
-                failed += 1
-                log.info(f"{cfg.input}:{item.line}: skipped: {item.message}")
-                progress.advance(0)
-                continue
+        if cfg.batch_size > 1:
+            from marscli.batch import BatchEngine, batched_drafter_for
+
             try:
-                res = engine.generate(item, cfg.sampling.with_overrides(item.overrides), observer=collector)
-            except RecordFailure as e:
-                failed += 1
-                log.info(f"{cfg.input}:{item.line}: skipped: {e.message}")
-                progress.advance(0)
-                continue
-            progress.advance(res.completion_tokens)
+                batch = BatchEngine(target, lambda: build_drafter(cfg.draft, target, draft_loaded),
+                                    VerifyConfig(), cfg.draft, cfg.batch_size,
+                                    batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            per_record: dict[int, MarginCollector] = {}
+
+            def observer_for(item):
+                per_record[item.index] = MarginCollector()  # a restart starts afresh
+                return per_record[item.index]
+
+            valid = []
+            for item in items:
+                if isinstance(item, RecordError):
+                    skipped(item, item.message)
+                else:
+                    valid.append(item)
+            prepare = lambda it: (engine.encode(it), cfg.sampling.with_overrides(it.overrides))  # noqa: E731
+            for item, res in batch.run(valid, prepare, observer_for=observer_for):
+                if isinstance(res, RecordFailure):
+                    per_record.pop(item.index, None)
+                    skipped(item, res.message)
+                elif isinstance(res, BaseException):
+                    raise res
+                else:
+                    progress.advance(res.completion_tokens)
+            for index in sorted(per_record):  # input order: the profile does not depend on the batch
+                collector.extend(per_record[index])
+        else:
+            for item in items:
+                if isinstance(item, RecordError):
+                    skipped(item, item.message)
+                    continue
+                try:
+                    res = engine.generate(item, cfg.sampling.with_overrides(item.overrides), observer=collector)
+                except RecordFailure as e:
+                    skipped(item, e.message)
+                    continue
+                progress.advance(res.completion_tokens)
     except KeyboardInterrupt:
         progress.close()
         log.info("interrupted: no profile written")
@@ -982,6 +1043,7 @@ class _Totals:
         self.steps = 0
         self.accepted = 0
         self.relaxed = 0
+        self.wall: float | None = None  # batched runs: records overlap, so rate = tokens / wall time
 
     def add(self, r: dict, seconds: float) -> None:
         self.records += 1
@@ -993,7 +1055,8 @@ class _Totals:
         self.relaxed += s["relaxed"]
 
     def summary(self, total: int, failed: int) -> str:
-        tps = self.tokens / self.seconds if self.seconds else 0.0
+        seconds = self.wall if self.wall is not None else self.seconds
+        tps = self.tokens / seconds if seconds else 0.0
         tau = self.tokens / self.steps if self.steps else 0.0
         relaxed = self.relaxed / self.tokens if self.tokens else 0.0
         return (
@@ -1019,29 +1082,30 @@ def _one_line(exc: BaseException) -> str:
     return line if len(line) <= _MAX_ERROR_CHARS else line[: _MAX_ERROR_CHARS - 3] + "..."
 
 
-def _run_one(engine, item, cfg: GenerateConfig, spec_meta: dict) -> tuple[dict, float]:
-    """One record -> (result line, seconds spent generating). Never raises for one record's
-    sake: a failure becomes an error result and the run goes on."""
+def _prepare(engine, item, cfg: GenerateConfig) -> tuple[list[int], SamplingParams, int]:
+    """A valid record -> (prompt ids, sampling, prompt tokens dropped); RecordFailure if not."""
+    sampling = cfg.sampling.with_overrides(item.overrides)
+    ids, dropped = engine.fit_prompt(engine.tokenize(item), truncate=cfg.truncate_prompt,
+                                     max_tokens=sampling.max_tokens)
+    return ids, sampling, dropped
+
+
+def _failure_result(item, exc: BaseException) -> dict:
+    """The error result line for a record whose preparation or generation raised `exc`."""
     import torch
 
-    from marscli.config import RecordError
     from marscli.engine import RecordFailure
 
-    if isinstance(item, RecordError):
-        return _error_result(item, item.type, item.message), 0.0
-    try:
-        sampling = cfg.sampling.with_overrides(item.overrides)
-        ids, dropped = engine.fit_prompt(engine.tokenize(item), truncate=cfg.truncate_prompt,
-                                         max_tokens=sampling.max_tokens)
-        res = engine.generate_ids(ids, sampling)
-    except RecordFailure as e:
-        return _error_result(item, e.type, e.message), 0.0
-    except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+    if isinstance(exc, RecordFailure):
+        return _error_result(item, exc.type, exc.message)
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # give the next record the memory this one held
-        return _error_result(item, ERR_OUT_OF_MEMORY, _one_line(e)), 0.0
-    except Exception as e:  # noqa: BLE001 - one record's failure must not end a night's run
-        return _error_result(item, ERR_GENERATION_FAILED, f"{type(e).__name__}: {_one_line(e)}"), 0.0
+        return _error_result(item, ERR_OUT_OF_MEMORY, _one_line(exc))
+    return _error_result(item, ERR_GENERATION_FAILED, f"{type(exc).__name__}: {_one_line(exc)}")
+
+
+def _result_line(item, res, dropped: int, cfg: GenerateConfig, spec_meta: dict) -> dict:
     usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
     if cfg.truncate_prompt != "none":
         usage["truncated_prompt_tokens"] = dropped
@@ -1059,7 +1123,46 @@ def _run_one(engine, item, cfg: GenerateConfig, spec_meta: dict) -> tuple[dict, 
     }
     if cfg.token_ids:
         out["token_ids"] = res.token_ids
-    return out, res.seconds
+    return out
+
+
+def _run_one(engine, item, cfg: GenerateConfig, spec_meta: dict) -> tuple[dict, float]:
+    """One record -> (result line, seconds spent generating). Never raises for one record's
+    sake: a failure becomes an error result and the run goes on."""
+    from marscli.config import RecordError
+
+    if isinstance(item, RecordError):
+        return _error_result(item, item.type, item.message), 0.0
+    try:
+        ids, sampling, dropped = _prepare(engine, item, cfg)
+        res = engine.generate_ids(ids, sampling)
+    except Exception as e:  # noqa: BLE001 - one record's failure must not end a night's run
+        return _failure_result(item, e), 0.0
+    return _result_line(item, res, dropped, cfg, spec_meta), res.seconds
+
+
+def _run_batched(engine, items, cfg: GenerateConfig, spec_meta: dict) -> Iterator[tuple[Any, dict, float]]:
+    """Like _run_one over many records with a BatchEngine: yields (item, result line,
+    seconds) as records finish (not in input order)."""
+    from marscli.config import RecordError
+
+    dropped: dict[int, int] = {}
+
+    def prepare(item):
+        ids, sampling, dropped[item.index] = _prepare(engine, item, cfg)
+        return ids, sampling
+
+    valid = []
+    for item in items:
+        if isinstance(item, RecordError):
+            yield item, _error_result(item, item.type, item.message), 0.0
+        else:
+            valid.append(item)
+    for item, res in engine.run(valid, prepare):
+        if isinstance(res, BaseException):
+            yield item, _failure_result(item, res), 0.0
+        else:
+            yield item, _result_line(item, res, dropped.pop(item.index, 0), cfg, spec_meta), res.seconds
 
 
 def main() -> None:

@@ -147,6 +147,7 @@ class GenerateConfig:
     resume: bool = False  # keep the finished results already in `output`, append the rest
     fail_fast: bool = False  # stop at the first record that fails
     truncate_prompt: Literal["none", "left"] = "none"  # a prompt too long for the window
+    batch_size: int = 1  # records decoded together (1: the single-record engine)
 
 
 @dataclass(frozen=True)
@@ -165,3 +166,4 @@ class CalibrateConfig:
     sampling: SamplingParams
     limit: int | None = None
     plot: str | None = None
+    batch_size: int = 1  # records decoded together (same profile as 1)

@@ -227,79 +227,17 @@ class SpecEngine:
     def generate_ids(self, prompt_ids: list[int], sampling: SamplingParams,
                      on_step: Callable[[int], None] | None = None,
                      observer: Callable[[StepObservation], None] | None = None) -> GenerationResult:
-        t0 = time.perf_counter()
-        max_new = sampling.max_tokens
-        if self.target.context_length is not None:
-            max_new = min(max_new, self.target.context_length - len(prompt_ids))
-        stats = SpecStats(self.k_max)
-        gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
-        draft_gen = torch.Generator(device="cpu").manual_seed(sampling.seed + 0x5EED)
-        self.drafter.start(list(prompt_ids), sampling, draft_gen)
-        stopper = _StopChecker(self.tokenizer, sampling.stop) if sampling.stop else None
-
+        s = Sequence(self, self.drafter, prompt_ids, sampling, on_step=on_step, observer=observer)
         cache = new_cache(self.model)
-        seq = list(prompt_ids)
-        if len(seq) > 1:  # prefill all but the pending last token; its logits are not needed
-            self._forward(seq[:-1], cache, logits_to_keep=1)
-        out: list[int] = []
-        finish = FINISH_LENGTH
-        checked_chars = 0
-        text: str | None = None
-
-        while len(out) < max_new:
-            remaining = max_new - len(out)
-            k_cap = min(self.k_max, remaining - 1)
-            proposal = self.drafter.propose(seq, k_cap) if k_cap > 0 else Proposal([])
-            drafts = proposal.tokens[:k_cap]
-            k = len(drafts)
+        if len(prompt_ids) > 1:  # prefill all but the pending last token; its logits are not needed
+            self._forward(list(prompt_ids[:-1]), cache, logits_to_keep=1)
+        while not s.done:
+            drafts, proposal = s.propose()
             base = cache.get_seq_length()
-            logits = self._forward([seq[-1]] + drafts, cache)  # [1, k+1, V]
-            d = torch.tensor([drafts], dtype=torch.long, device=logits.device).view(1, k)
-            res, u_accept, q = self._verify(d, logits, proposal, sampling, gen)
-            n = int(res.num_accepted[0])
+            logits = self._forward([s.seq[-1]] + drafts, cache)  # [1, k+1, V]
+            n = s.commit(drafts, proposal, logits)
             rollback(cache, base + 1 + n)
-            emitted = drafts[:n] + [int(res.next_token[0])]
-
-            # Stopping: EOS ends the sequence after it; max tokens cuts the step short.
-            stop_at = None
-            for i, t in enumerate(emitted):
-                if t in self.eos:
-                    stop_at = i + 1
-                    break
-            if stop_at is not None:
-                emitted = emitted[:stop_at]
-                finish = FINISH_STOP
-            emitted = emitted[:remaining]
-            relaxed = int(res.relaxed[0, :n].sum()) if k else 0
-            decided = min(n + 1, k)
-            relaxable = int(res.relaxable[0, :decided].sum()) if k else 0
-            stats.record_step(k, n, relaxed, relaxable, len(emitted))
-            if observer is not None:
-                observer(StepObservation(d, logits, res, sampling, u_accept, q, len(emitted)))
-            seq.extend(emitted)
-            out.extend(emitted)
-            self.drafter.accepted(k, n, seq)
-            if on_step is not None:
-                on_step(len(emitted))
-            if stopper is not None:
-                # Check token by token so the completion ends at the token that completes it.
-                at, decoded = None, ""
-                for j in range(len(out) - len(emitted) + 1, len(out) + 1):
-                    at, decoded = stopper.first_stop(out[:j], checked_chars)
-                    if at is not None:
-                        del out[j:]
-                        break
-                if at is not None:
-                    text = decoded[:at]
-                    finish = FINISH_STOP
-                    break
-                checked_chars = len(decoded)  # the loop's last decode was the whole completion
-            if finish == FINISH_STOP:
-                break
-
-        if text is None:
-            text = self.tokenizer.decode(out, skip_special_tokens=True)
-        return GenerationResult(out, text, finish, len(prompt_ids), stats, time.perf_counter() - t0)
+        return s.result()
 
     # ------------------------------------------------------------------ internals
 
@@ -309,25 +247,131 @@ class SpecEngine:
                          logits_to_keep=logits_to_keep)
         return out.logits  # [1, len(ids) or logits_to_keep, V]
 
-    def _verify(self, d: torch.Tensor, logits: torch.Tensor, proposal: Proposal,
-                sampling: SamplingParams, gen: torch.Generator):
-        """Verify drafts d [1, k] against logits [1, k+1, V] -> (result, u_accept, q)."""
-        k = d.shape[1]
-        if sampling.greedy:
-            return verify(d, logits, theta=self.theta, margin=self.verify_cfg.margin), None, None
-        # A fixed number of uniforms per step keeps the random stream a function of the
-        # sequence of draft lengths only.
-        u_accept = torch.rand(1, k, generator=gen).to(logits.device)
-        u_sample = torch.rand(1, generator=gen).to(logits.device)
-        q = None if proposal.probs is None else proposal.probs[:k].unsqueeze(0).to(logits.device)
-        if q is not None and q.shape[-1] != logits.shape[-1]:
-            raise RuntimeError(f"draft probs width {q.shape[-1]} != target logits {logits.shape[-1]}")
-        res = verify(
-            d, logits, theta=self.theta, margin=self.verify_cfg.margin,
-            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-            u_accept=u_accept, u_sample=u_sample, draft_probs=q,
-        )
-        return res, u_accept, q
+
+def verify_step(d: torch.Tensor, logits: torch.Tensor, proposal: Proposal, sampling: SamplingParams,
+                gen: torch.Generator, theta: float, margin: str):
+    """Verify drafts d [1, k] against logits [1, k+1, V] -> (result, u_accept, q)."""
+    k = d.shape[1]
+    if sampling.greedy:
+        return verify(d, logits, theta=theta, margin=margin), None, None
+    # A fixed number of uniforms per step keeps the random stream a function of the
+    # sequence of draft lengths only (and so independent of any batch the row is in).
+    u_accept = torch.rand(1, k, generator=gen).to(logits.device)
+    u_sample = torch.rand(1, generator=gen).to(logits.device)
+    q = None if proposal.probs is None else proposal.probs[:k].unsqueeze(0).to(logits.device)
+    if q is not None and q.shape[-1] != logits.shape[-1]:
+        raise RuntimeError(f"draft probs width {q.shape[-1]} != target logits {logits.shape[-1]}")
+    res = verify(
+        d, logits, theta=theta, margin=margin,
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        u_accept=u_accept, u_sample=u_sample, draft_probs=q,
+    )
+    return res, u_accept, q
+
+
+class Sequence:
+    """One record's decoding state, independent of how its target forward passes are run.
+
+    SpecEngine runs one Sequence over its own cache; marscli.batch runs many over one batched
+    cache. Both call propose() -> forward [pending, drafts] -> commit(logits), so a record's
+    drafts, random draws, verification and stopping are the same code whichever path runs it.
+    engine: a SpecEngine (for tokenizer, eos, k_max, theta, verify_cfg, target).
+    """
+
+    def __init__(self, engine: SpecEngine, drafter, prompt_ids: list[int], sampling: SamplingParams,
+                 on_step: Callable[[int], None] | None = None,
+                 observer: Callable[[StepObservation], None] | None = None):
+        self.t0 = time.perf_counter()
+        self.engine = engine
+        self.drafter = drafter
+        self.sampling = sampling
+        self.on_step = on_step
+        self.observer = observer
+        self.prompt_len = len(prompt_ids)
+        max_new = sampling.max_tokens
+        if engine.target.context_length is not None:
+            max_new = min(max_new, engine.target.context_length - len(prompt_ids))
+        self.max_new = max_new
+        self.stats = SpecStats(engine.k_max)
+        self.gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        draft_gen = torch.Generator(device="cpu").manual_seed(sampling.seed + 0x5EED)
+        drafter.start(list(prompt_ids), sampling, draft_gen)
+        self.stopper = _StopChecker(engine.tokenizer, sampling.stop) if sampling.stop else None
+        self.seq = list(prompt_ids)
+        self.out: list[int] = []
+        self.finish = FINISH_LENGTH
+        self.checked_chars = 0
+        self.text: str | None = None
+        self.done = len(self.out) >= self.max_new
+
+    def k_cap(self) -> int:
+        """The most drafts the next step can use (the remaining budget less the bonus)."""
+        return min(self.engine.k_max, self.max_new - len(self.out) - 1)
+
+    def propose(self) -> tuple[list[int], Proposal]:
+        """The drafts for the next step (at most what the remaining budget can use)."""
+        k_cap = self.k_cap()
+        proposal = self.drafter.propose(self.seq, k_cap) if k_cap > 0 else Proposal([])
+        return proposal.tokens[:k_cap], proposal
+
+    def commit(self, drafts: list[int], proposal: Proposal, logits: torch.Tensor) -> int:
+        """Verify this step's drafts against the target's logits [1, k+1, V] for
+        [pending, drafts]; extend the sequence; return the number of accepted drafts (the
+        caller keeps the pending token and that many drafts in its cache)."""
+        k = len(drafts)
+        assert logits.shape[:2] == (1, k + 1), (tuple(logits.shape), k)
+        eng = self.engine
+        d = torch.tensor([drafts], dtype=torch.long, device=logits.device).view(1, k)
+        res, u_accept, q = verify_step(d, logits, proposal, self.sampling, self.gen,
+                                       eng.theta, eng.verify_cfg.margin)
+        n = int(res.num_accepted[0])
+        emitted = drafts[:n] + [int(res.next_token[0])]
+        remaining = self.max_new - len(self.out)
+
+        # Stopping: EOS ends the sequence after it; max tokens cuts the step short.
+        stop_at = None
+        for i, t in enumerate(emitted):
+            if t in eng.eos:
+                stop_at = i + 1
+                break
+        if stop_at is not None:
+            emitted = emitted[:stop_at]
+            self.finish = FINISH_STOP
+        emitted = emitted[:remaining]
+        relaxed = int(res.relaxed[0, :n].sum()) if k else 0
+        decided = min(n + 1, k)
+        relaxable = int(res.relaxable[0, :decided].sum()) if k else 0
+        self.stats.record_step(k, n, relaxed, relaxable, len(emitted))
+        if self.observer is not None:
+            self.observer(StepObservation(d, logits, res, self.sampling, u_accept, q, len(emitted)))
+        self.seq.extend(emitted)
+        out = self.out
+        out.extend(emitted)
+        self.drafter.accepted(k, n, self.seq)
+        if self.on_step is not None:
+            self.on_step(len(emitted))
+        if self.stopper is not None:
+            # Check token by token so the completion ends at the token that completes it.
+            at, decoded = None, ""
+            for j in range(len(out) - len(emitted) + 1, len(out) + 1):
+                at, decoded = self.stopper.first_stop(out[:j], self.checked_chars)
+                if at is not None:
+                    del out[j:]
+                    break
+            if at is not None:
+                self.text = decoded[:at]
+                self.finish = FINISH_STOP
+            else:
+                self.checked_chars = len(decoded)  # the loop's last decode was the whole completion
+        self.done = self.finish == FINISH_STOP or len(out) >= self.max_new
+        return n
+
+    def result(self) -> GenerationResult:
+        text = self.text
+        if text is None:
+            text = self.engine.tokenizer.decode(self.out, skip_special_tokens=True)
+        return GenerationResult(self.out, text, self.finish, self.prompt_len, self.stats,
+                                time.perf_counter() - self.t0)
 
 
 def build_drafter(draft_cfg: DraftConfig, target, draft_model=None):

@@ -317,3 +317,45 @@ def test_calibrate_with_a_draft_model_and_sampling(tiny_model_dir, tiny_draft_di
     assert g.exit_code == 0, g.stderr
     spec = json.loads(g.stdout)["spec"]
     assert spec["drafter"] == "model" and spec["profile"]["name"] == d["name"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--temperature", "0.8", "--seed", "3"]], ids=["greedy", "sampling"])
+def test_batched_calibration_writes_the_same_profile(tiny_model_dir, calib_prompts, tmp_path, extra):
+    """Per-record collectors merged in input order: the batch size changes no count, and
+    floats only by the last bits of batched float32 matmuls (the logits are not bit-equal)."""
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+    from marscli.profiles import load_profile
+
+    with open(calib_prompts, "a") as f:
+        f.write("{broken\n")  # a skipped record keeps its count
+        f.write(json.dumps({"id": "short", "prompt": "x", "max_tokens": 5}) + "\n")
+    data = {}
+    for bs in (1, 3):
+        out = tmp_path / f"p{bs}.yaml"
+        r = CliRunner().invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
+                                     "--relax-rate", "0.3", "-o", str(out), "--quiet", "--batch-size", str(bs),
+                                     *extra])
+        assert r.exit_code == 3, r.stderr  # profile written, one record failed
+        d = load_profile(out).data
+        for volatile in ("created_at", "seconds", "calibration_seconds", "environment"):
+            d.pop(volatile, None)
+        d.get("calibration_data", {}).pop("seconds", None)
+        d["summary"].pop("measured_tokens_per_s")
+        data[bs] = d
+    assert data[1]["calibration_data"]["positions"] > 0
+    assert data[3] == _approx(data[1])
+
+
+def _approx(x):
+    """pytest.approx through nested dicts and lists, the rest exact. Floats to 1e-5 relative
+    or 1e-7 absolute: nll_increase is a small difference of large sums of log-probabilities,
+    so its relative error is larger than the logits'."""
+    if isinstance(x, dict):
+        return {k: _approx(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_approx(v) for v in x]
+    if isinstance(x, float):
+        return pytest.approx(x, rel=1e-5, abs=1e-7)
+    return x
