@@ -32,6 +32,15 @@ def target(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def oracle(tiny_model_dir):
+    """The same weights, loaded apart: the engine patches its model's CPU kernels (fastpath),
+    and the oracle must not share those patches."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
 def draft(tiny_draft_dir):
     return load_model(ModelConfig(str(tiny_draft_dir), dtype="float32", device="cpu"))
 
@@ -43,10 +52,10 @@ def make_engine(target, kind: str, draft_loaded=None, *, k: int = 4, adaptive: b
     return SpecEngine(target, build_drafter(cfg, target, draft_loaded), verify, cfg)
 
 
-def hf_greedy(target, ids: list[int], max_new: int) -> list[int]:
-    out = target.model.generate(
+def hf_greedy(oracle, ids: list[int], max_new: int) -> list[int]:
+    out = oracle.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        do_sample=False, max_new_tokens=max_new, pad_token_id=target.tokenizer.pad_token_id,
+        do_sample=False, max_new_tokens=max_new, pad_token_id=oracle.generation_config.pad_token_id,
     )
     return out[0, len(ids):].tolist()
 
@@ -56,14 +65,14 @@ def encode(target, text: str) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "model", "self"])
-def test_strict_greedy_matches_transformers_generate(target, draft, kind):
+def test_strict_greedy_matches_transformers_generate(oracle, target, draft, kind):
     drafter_model = {"model": draft, "self": target}.get(kind)
     engine = make_engine(target, "model" if kind == "self" else kind, drafter_model)
     total = {"drafted": 0, "accepted": 0}
     for text in PROMPTS:
         ids = encode(target, text)
         res = engine.generate_ids(ids, SamplingParams(max_tokens=40))
-        assert res.token_ids == hf_greedy(target, ids, 40), text
+        assert res.token_ids == hf_greedy(oracle, ids, 40), text
         total["drafted"] += res.stats.drafted
         total["accepted"] += res.stats.accepted
         assert res.stats.emitted == len(res.token_ids)
@@ -75,13 +84,13 @@ def test_strict_greedy_matches_transformers_generate(target, draft, kind):
         assert total["drafted"] > 0 and total["accepted"] > 0
 
 
-def test_adaptive_draft_length_is_exact_and_deterministic(target):
+def test_adaptive_draft_length_is_exact_and_deterministic(oracle, target):
     engine = make_engine(target, "ngram", adaptive=True, k=8)
     for text in PROMPTS:
         ids = encode(target, text)
         a = engine.generate_ids(ids, SamplingParams(max_tokens=48))
         b = engine.generate_ids(ids, SamplingParams(max_tokens=48))
-        assert a.token_ids == hf_greedy(target, ids, 48)
+        assert a.token_ids == hf_greedy(oracle, ids, 48)
         assert a.stats.to_dict() == b.stats.to_dict()
 
 
@@ -170,12 +179,12 @@ def test_sampling_is_deterministic_per_seed(target, draft):
     assert a.token_ids != c.token_ids
 
 
-def test_max_tokens_and_finish_reason(target):
+def test_max_tokens_and_finish_reason(oracle, target):
     engine = make_engine(target, "ngram", k=6)
     ids = encode(target, PROMPTS[2])
     for n in (1, 2, 5, 17):
         res = engine.generate_ids(ids, SamplingParams(max_tokens=n))
-        ref = hf_greedy(target, ids, n)
+        ref = hf_greedy(oracle, ids, n)
         assert res.token_ids == ref
         eos = target.tokenizer.eos_token_id
         expected = FINISH_STOP if ref and ref[-1] == eos else FINISH_LENGTH
@@ -183,13 +192,13 @@ def test_max_tokens_and_finish_reason(target):
         assert len(res.token_ids) <= n
 
 
-def test_eos_stops_generation(target):
+def test_eos_stops_generation(oracle, target):
     engine = make_engine(target, "ngram")
     eos = target.tokenizer.eos_token_id
     # Make EOS the most likely token after a few steps by biasing the lm_head bias-free:
     # instead, look for a prompt whose greedy continuation contains EOS.
     ids = encode(target, PROMPTS[3])
-    full = hf_greedy(target, ids, 200)
+    full = hf_greedy(oracle, ids, 200)
     res = engine.generate_ids(ids, SamplingParams(max_tokens=200))
     assert res.token_ids == full
     if eos in full:
@@ -217,12 +226,12 @@ def test_stop_string_truncates_text(target):
     assert stop in decoded and stop not in target.tokenizer.decode(res.token_ids[:-1], skip_special_tokens=True)
 
 
-def test_padded_draft_vocabulary(target, tiny_factory, tiny_tokenizer, tmp_path):
+def test_padded_draft_vocabulary(oracle, target, tiny_factory, tiny_tokenizer, tmp_path):
     padded = load_model(ModelConfig(str(tiny_factory(tmp_path / "padded", seed=3, layers=1, vocab_pad=7,
                                                        tokenizer=tiny_tokenizer)), dtype="float32", device="cpu"))
     engine = make_engine(target, "model", padded)
     ids = encode(target, PROMPTS[0])
-    assert engine.generate_ids(ids, SamplingParams(max_tokens=20)).token_ids == hf_greedy(target, ids, 20)
+    assert engine.generate_ids(ids, SamplingParams(max_tokens=20)).token_ids == hf_greedy(oracle, ids, 20)
     # Sampling with draft probabilities of a different width than the target's logits.
     res = engine.generate_ids(ids, SamplingParams(temperature=0.8, max_tokens=20, seed=1))
     assert len(res.token_ids) >= 1

@@ -34,3 +34,49 @@ def test_fastpath_matches_linear_for_every_row_count():
         y = m.head(h)
         torch.testing.assert_close(y, nn.functional.linear(h, ref["head"][0]), rtol=1e-5, atol=1e-5)
     assert BODY_ROWS[0] >= 2 and HEAD_ROWS[0] >= 2  # 1-row decode keeps torch's own kernel
+
+
+def test_gqa_attention_matches_sdpa_with_holes_and_cache():
+    """The GQA-aware attention gives transformers' SDPA logits, with a 2D padding mask and a
+    cache, as the batched engine uses it (and it is what a CPU engine switches to)."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from marscli.fastpath import GQA_SDPA, install_gqa_attention
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
+    m = LlamaForCausalLM(cfg).eval()
+    m.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 64, (3, 20))
+    mask = torch.ones(3, 25, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    mask[1, 7:9] = 0  # holes
+    new = torch.randint(0, 64, (3, 5))
+    pos = torch.arange(20, 25).expand(3, 5)
+
+    def run():
+        c = DynamicCache(config=m.config)
+        m(input_ids=ids, attention_mask=mask[:, :20], past_key_values=c, use_cache=True)
+        return m(input_ids=new, attention_mask=mask, position_ids=pos, past_key_values=c, use_cache=True).logits
+
+    with torch.inference_mode():
+        ref = run()
+        assert install_gqa_attention(m)
+        assert m.config._attn_implementation == GQA_SDPA
+        got = run()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert not install_gqa_attention(m)  # already switched: nothing to do
+
+
+def test_gqa_attention_leaves_plain_multi_head_models_alone():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from marscli.fastpath import install_gqa_attention
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4)
+    m = LlamaForCausalLM(cfg)
+    m.set_attn_implementation("sdpa")
+    assert not install_gqa_attention(m)
+    assert m.config._attn_implementation == "sdpa"
