@@ -62,6 +62,9 @@ EXACT_METHODS = (AR, STRICT)
 DRAFTED_METHODS = (HF_ASSISTED, STRICT, MARS)
 #: Methods with per-step statistics (acceptance, relaxed share, the ideal speedup).
 SPEC_METHODS = (STRICT, MARS)
+#: Methods measured at several batch sizes by --batch-size (transformers refuses assisted
+#: generation at batch size > 1, so hf-assisted is left out).
+BATCHED_METHODS = (HF_GENERATE, AR, STRICT, MARS)
 #: Reference for quality comparisons, in order of preference.
 REFERENCE_METHODS = (HF_GENERATE, AR)
 
@@ -111,6 +114,7 @@ class BenchConfig:
     limit: int | None = None
     report: str | None = None  # path, "-" for stdout, None: no report file
     plot: str | None = None
+    batch_sizes: tuple[int, ...] = ()  # non-empty: also measure batched throughput at these sizes
 
     @property
     def greedy(self) -> bool:
@@ -172,6 +176,10 @@ def check_config(cfg: BenchConfig) -> None:
                 raise UsageError(f"{option} {path}: folder {folder} does not exist")
             if not os.access(folder, os.W_OK):
                 raise UsageError(f"{option} {path}: folder {folder} is not writable")
+    if any(b < 1 for b in cfg.batch_sizes):
+        raise UsageError(f"--batch-size takes integers >= 1, got {','.join(map(str, cfg.batch_sizes))}")
+    if cfg.batch_sizes and not any(m.kind in BATCHED_METHODS for m in cfg.methods):
+        raise UsageError("--batch-size measures " + ", ".join(BATCHED_METHODS) + "; none is in --methods")
     if cfg.plot == "-":
         raise UsageError("--plot needs a file name (a PNG is not written to stdout)")
     if cfg.plot:
@@ -513,6 +521,116 @@ class Bench:
         self.cuda_peak_mib = cuda_peak
         return runs
 
+    def throughput(self, prompts: Sequence[BenchPrompt],
+                   progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+        """Batched throughput: every batched method at every --batch-size over all prompts.
+
+        marscli's methods run through BatchEngine (continuous refill); hf-generate runs
+        transformers' generate() on consecutive left-padded batches (static batching, what
+        its users get). Each row: tokens/s over the whole set, and whether the outputs equal
+        the method's outputs at the first batch size.
+        """
+        import hashlib
+
+        import torch
+
+        from marscli.batch import BatchEngine, batched_drafter_for
+        from marscli.engine import build_drafter
+
+        cfg = self.cfg
+        sampling = cfg.sampling(cfg.seeds[0])
+        cuda = self.target.device.type == "cuda"
+        methods = [m for m in cfg.methods if m.kind in BATCHED_METHODS]
+        total = len(methods) * len(cfg.batch_sizes)
+        rows: list[dict[str, Any]] = []
+        first_outputs: dict[str, list[list[int]]] = {}
+        for m in methods:
+            for bs in cfg.batch_sizes:
+                if cuda:  # pragma: no cover - needs a GPU
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                extra: dict[str, Any] = {}
+                t0 = time.perf_counter()
+                if m.kind == HF_GENERATE:
+                    outputs = self._hf_batched(prompts, sampling, bs)
+                    stats = None
+                else:
+                    dcfg = DraftConfig(kind="none") if m.kind == AR else cfg.draft
+                    vcfg = (VerifyConfig("mars", m.theta, cfg.margin) if m.kind == MARS
+                            else VerifyConfig(margin=cfg.margin))
+                    engine = BatchEngine(self.target, lambda d=dcfg: build_drafter(d, self.target, self.draft),
+                                         vcfg, dcfg, bs,
+                                         batched_drafter=batched_drafter_for(dcfg, self.target, self.draft))
+                    results: dict[int, Any] = {}
+                    for i, res in engine.run(range(len(prompts)), lambda i: (prompts[i].ids, sampling)):
+                        if isinstance(res, BaseException):
+                            raise res
+                        results[i] = res
+                    outputs = [results[i].token_ids for i in range(len(prompts))]
+                    stats = [results[i].stats for i in range(len(prompts))]
+                    extra = {"prefill_seconds": engine.prefill_seconds,
+                             "peak_kv_cache_mib": engine.peak_cache_bytes / _MIB,
+                             "oom_halvings": engine.oom_retries}
+                if cuda:  # pragma: no cover
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+                tokens = sum(len(o) for o in outputs)
+                ref = first_outputs.setdefault(m.name, outputs)
+                row = {
+                    "method": m.name, "kind": m.kind, "batch_size": bs, "prompts": len(prompts),
+                    "completion_tokens": tokens, "seconds": seconds,
+                    "tokens_per_s": metrics.rate(tokens, seconds),
+                    "speedup_vs_first_batch_size": None,
+                    "acceptance_length": (metrics.ratio(sum(s.emitted for s in stats), sum(s.steps for s in stats))
+                                          if stats and self.cfg.draft.kind != "none" and m.kind != AR else None),
+                    "outputs_equal_first_batch_size": sum(a == b for a, b in zip(outputs, ref)),
+                    "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16],
+                    "peak_rss_mib": _round(_peak_rss_mib(), 1),
+                    "cuda_peak_mib": _round(torch.cuda.max_memory_allocated() / _MIB, 1) if cuda else None,
+                    **extra,
+                }
+                base = next(r for r in rows + [row] if r["method"] == m.name)
+                row["speedup_vs_first_batch_size"] = metrics.ratio(row["tokens_per_s"], base["tokens_per_s"])
+                rows.append(row)
+                self.log(f"throughput: {m.name} batch {bs}: {row['tokens_per_s']:.1f} tokens/s")
+                if progress is not None:
+                    progress(len(rows), total)
+        return rows
+
+    def _hf_batched(self, prompts: Sequence[BenchPrompt], sampling: SamplingParams, bs: int) -> list[list[int]]:
+        """transformers' generate() on consecutive batches of `bs` left-padded prompts; each
+        row's completion is cut after its first end-of-sequence token."""
+        import torch
+
+        target = self.target
+        eos = list(target.eos_token_ids)
+        pad = target.tokenizer.pad_token_id
+        pad = pad if pad is not None else eos[0]
+        if not sampling.greedy:
+            torch.manual_seed(sampling.seed)
+        outputs: list[list[int]] = []
+        for start in range(0, len(prompts), bs):
+            chunk = prompts[start: start + bs]
+            width = max(len(p.ids) for p in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for b, p in enumerate(chunk):
+                ids[b, width - len(p.ids):] = torch.tensor(p.ids)
+                mask[b, width - len(p.ids):] = 1
+            max_new = min(self._max_new(p.ids, sampling) for p in chunk)
+            kw: dict[str, Any] = {
+                "attention_mask": mask.to(target.device), "max_new_tokens": max_new, "min_new_tokens": 0,
+                "do_sample": not sampling.greedy, "num_beams": 1, "eos_token_id": eos, "pad_token_id": pad,
+                "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                "temperature": 1.0 if sampling.greedy else sampling.temperature, "top_k": 0, "top_p": 1.0,
+            }
+            with _quiet_transformers():
+                out = target.model.generate(ids.to(target.device), **kw)  # [b, width + new]
+            for row in out[:, width:].tolist():
+                cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+                outputs.append(row[:cut])
+        return outputs
+
     def reference_method(self) -> str | None:
         for kind in REFERENCE_METHODS:
             for m in self.cfg.methods:
@@ -760,6 +878,15 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
         runs = bench.run(prompts, progress.update)
     finally:
         progress.close()
+    throughput: list[dict[str, Any]] = []
+    if cfg.batch_sizes:
+        log(f"throughput: batch sizes {', '.join(map(str, cfg.batch_sizes))} over all {len(prompts)} prompts")
+        progress = _Progress(console, quiet, log)
+        progress.start()
+        try:
+            throughput = bench.throughput(prompts, progress.update)
+        finally:
+            progress.close()
     per_method = summarize(cfg, runs, limit_info)
     cuda_peak = getattr(bench, "cuda_peak_mib", {})
     for name, a in per_method.items():
@@ -788,6 +915,13 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
          "costs t(k+1) (+ k draft forwards) per step, for the draft lengths and acceptance measured; "
          "measured_over_ideal = speedup_vs_ar / ideal_speedup_vs_ar"),
     ]
+    if cfg.batch_sizes:
+        notes.append("throughput: each method decodes all prompts at each --batch-size, sizes in the given "
+                     "order; marscli methods refill a finished row's place at once (continuous batching), "
+                     "hf-generate runs consecutive left-padded batches (static batching); tokens_per_s "
+                     "includes prompt prefill; outputs_equal_first_batch_size counts prompts whose output "
+                     "equals the method's at the first batch size; peak_rss_mib only grows through the run"
+                     + ("" if cfg.greedy else "; sampling: the first seed only"))
     if not cfg.greedy:
         notes.append("sampling: exact match and prefix share compare samples of different methods "
                      "with the same seed (different random streams), so they measure agreement, not "
@@ -806,6 +940,7 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
                         "ngram_max": cfg.draft.ngram_max, "ngram_min": cfg.draft.ngram_min},
             "hf_assisted": bench.hf_assisted,
             "warmup_max_tokens": min(WARMUP_MAX_TOKENS, cfg.max_tokens),
+            "batch_sizes": list(cfg.batch_sizes),
         },
         "environment": _environment(bench),
         "target": bench.target.identity,
@@ -821,6 +956,7 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
         "correctness": {"checked": bool(cfg.greedy and ref and exact_checked), "reference": ref,
                         "methods": exact_checked if cfg.greedy else [], "failures": len(failures)},
         "correctness_failures": failures,
+        "throughput": throughput,
         "runs": [r.to_json() for r in runs],
         "notes": notes,
     }
@@ -985,6 +1121,19 @@ def render_tables(report: dict[str, Any], console) -> None:
         for name, a in spec_methods.items():
             pos.add_row(name, *[_fmt(v, ".2f") for v in a["per_position_acceptance_rate"]])
         console.print(pos)
+    tp = report.get("throughput") or []
+    if tp:
+        t = Table(title="batched throughput (all prompts; tokens/s include prefill)", title_justify="left")
+        for header in ("method", "batch", "tokens", "seconds", "tokens/s", "vs first batch", "tau",
+                       "same output", "prefill s", "peak KV MiB", "peak RSS MiB"):
+            t.add_column(header, justify="left" if header == "method" else "right")
+        for r in tp:
+            t.add_row(r["method"], str(r["batch_size"]), str(r["completion_tokens"]), _fmt(r["seconds"], ".1f"),
+                      _fmt(r["tokens_per_s"], ".1f"), _fmt(r["speedup_vs_first_batch_size"], ".2f") + ("x" if r["speedup_vs_first_batch_size"] else ""),
+                      _fmt(r["acceptance_length"], ".2f"), f"{r['outputs_equal_first_batch_size']}/{r['prompts']}",
+                      _fmt(r.get("prefill_seconds"), ".1f"), _fmt(r.get("peak_kv_cache_mib"), ".1f"),
+                      _fmt(r["peak_rss_mib"], ".0f"))
+        console.print(t)
     p = report["physical_limit"]
     console.print(f"target forward over a {p['context_tokens']}-token context: 1 token {1e3 * p['t_1_s']:.1f} ms, "
                   f"K+1 = {len(p['target_forward_s'])} tokens {1e3 * p['t_k_plus_1_s']:.1f} ms"

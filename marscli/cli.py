@@ -514,6 +514,9 @@ def bench(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     limit: LimitOpt = None,
+    batch_size: Annotated[
+        Optional[str], typer.Option("--batch-size", help="Also measure batched throughput at these batch sizes, comma-separated (e.g. 1,4,8,16): hf-generate, ar, strict and mars each decode all prompts at each size.", rich_help_panel=PANEL_SAMPLING)
+    ] = None,
     report: Annotated[
         Optional[str], typer.Option(help="Write the full JSON report here ('-': stdout).", rich_help_panel=PANEL_OUTPUT)
     ] = None,
@@ -566,6 +569,7 @@ def bench(
             limit=limit,
             report=report,
             plot=plot,
+            batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
         )
         if prof is not None:
             log.info(f"using profile {prof.describe()}: theta {prof.theta:.6g} ({prof.margin})")

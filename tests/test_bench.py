@@ -208,11 +208,45 @@ def test_a_strict_mismatch_is_a_loud_correctness_failure(runner, prompts_file, t
     (["--margin", "odds"], "--margin must be"),
     (["--report", "/nonexistent-dir/r.json"], "folder /nonexistent-dir does not exist"),
     (["--plot", "-"], "--plot needs a file name"),
+    (["--batch-size", "4,0"], "--batch-size takes integers >= 1"),
+    (["--batch-size", "four"], "--batch-size takes comma-separated integers"),
+    (["--batch-size", "4", "--methods", "hf-assisted"], "--batch-size measures hf-generate, ar, strict, mars"),
 ])
 def test_usage_errors_exit_2(runner, prompts_file, tiny_model_dir, args, fragment):
     r = runner.invoke(app, bench_args(prompts_file, tiny_model_dir, *args))
     assert r.exit_code == EXIT_USAGE, r.stderr
     assert fragment in r.stderr and r.stdout == ""
+
+
+def test_batched_throughput_rows_and_batch_invariance(runner, tiny_model_dir, tmp_path):
+    """--batch-size: every batched method at every size over all prompts; marscli's greedy
+    outputs do not depend on the batch size, and ar/strict equal hf-generate's batch-1 ones."""
+    prompts = tmp_path / "many.jsonl"
+    texts = ["hello world, hello marscli; the cat sat on the mat. hello world, hello",
+             "one two three four five six seven eight nine ten one two", "a margin",
+             "speculative decoding drafts tokens and the target verifies them in one pass. speculative",
+             "the quick brown fox"]
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, bench_args(prompts, tiny_model_dir, "--methods", "hf-generate,ar,strict,mars",
+                                      "--theta", "0.5", "--batch-size", "1,3", "--report", str(out)))
+    assert r.exit_code == EXIT_OK, r.stderr
+    rep = json.loads(out.read_text())
+    tp = rep["throughput"]
+    assert [(x["method"], x["batch_size"]) for x in tp] == [
+        (m, b) for m in ("hf-generate", "ar", "strict", "mars@0.5") for b in (1, 3)]
+    assert rep["settings"]["batch_sizes"] == [1, 3]
+    for x in tp:
+        assert x["prompts"] == 5 and x["completion_tokens"] > 0 and x["tokens_per_s"] > 0
+        if x["kind"] != "hf-generate":
+            assert x["outputs_equal_first_batch_size"] == 5, x
+            assert x["prefill_seconds"] >= 0 and x["peak_kv_cache_mib"] > 0
+        assert (x["acceptance_length"] is not None) == (x["kind"] in ("strict", "mars"))
+    sha = {(x["method"], x["batch_size"]): x["outputs_sha256"] for x in tp}
+    assert sha[("ar", 3)] == sha[("strict", 3)] == sha[("hf-generate", 1)]
+    # The per-prompt protocol ran too, and its exactness check agrees.
+    assert rep["correctness"]["failures"] == 0
+    assert "batched throughput" in r.stderr
 
 
 def test_help_has_examples(runner):
