@@ -214,10 +214,12 @@ def check_tree_support(model, cache=None) -> None:
 def _check_cache_layers(cache) -> None:
     from transformers.cache_utils import DynamicLayer
 
+    from marscli.kvcache import GrowingLayer
+
     for i, layer in enumerate(cache.layers):
         # Subclasses keep extra per-position state (sliding windows, indexer keys, quantized
         # residuals) that a gather of keys/values would leave out of step.
-        if type(layer) is not DynamicLayer:
+        if type(layer) not in (DynamicLayer, GrowingLayer):
             raise ValueError(
                 f"draft trees need a plain DynamicCache; layer {i} is a {type(layer).__name__}"
             )

@@ -199,10 +199,13 @@ def plain_logits(model, ids: list[int]) -> torch.Tensor:
         return model(input_ids=L([ids])).logits[0].float()
 
 
-def prefilled(model, past: list[int]):
+def prefilled(model, past: list[int], growing: bool = False):
+    """A cache holding `past`: transformers' own, or marscli's (growing layers, the engine's)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    from marscli.kvcache import new_cache
+
+    cache = new_cache(model) if growing else DynamicCache(config=model.config)
     if past:
         with torch.no_grad():
             model(input_ids=L([past]), past_key_values=cache, use_cache=True)
@@ -267,11 +270,12 @@ def test_empty_tree_and_empty_past():
     assert torch.allclose(logits[0], plain_logits(model, [ROOT_TOKEN])[-1], atol=1e-4)
 
 
+@pytest.mark.parametrize("growing", [False, True], ids=["dynamic", "growing"])
 @pytest.mark.parametrize("path", [[1, 5, 8], [0, 3, 7, 9], [0, 4], [2], []])
-def test_compact_cache_then_decode_equals_fresh_forward(path):
+def test_compact_cache_then_decode_equals_fresh_forward(path, growing):
     model = tiny()
     t = MODEL_TREE
-    cache = prefilled(model, PAST)
+    cache = prefilled(model, PAST, growing)
     with torch.no_grad():
         tree_forward(model, cache, t, ROOT_TOKEN, len(PAST))
     compact_cache(cache, len(PAST), path)
