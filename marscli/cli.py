@@ -135,9 +135,11 @@ MaxTokensOpt = Annotated[int, typer.Option(min=1, help="Most new tokens per reco
 StopOpt = Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).", rich_help_panel=PANEL_SAMPLING)]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL)]
-DeviceMapOpt = Annotated[Optional[str], typer.Option(help="'auto' to spread a model over devices with accelerate.", rich_help_panel=PANEL_MODEL)]
-Load8Opt = Annotated[bool, typer.Option(help="8-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)]
-Load4Opt = Annotated[bool, typer.Option(help="4-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)]
+DeviceMapOpt = Annotated[Optional[str], typer.Option(help="'auto' to spread the target and the draft model over the GPUs (then the CPU) with accelerate, for models larger than one GPU; also balanced, balanced_low_0, sequential. Under a launcher each process takes its share of the machine's GPUs.", rich_help_panel=PANEL_MODEL)]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option(help="With a device map, the most the target may take per device, e.g. '0=20GiB,1=20GiB,cpu=64GiB' (implies --device-map auto).", rich_help_panel=PANEL_MODEL)]
+Load8Opt = Annotated[bool, typer.Option(help="8-bit weights (bitsandbytes; CUDA, or --device cpu for its slow CPU backend). Applies to the draft model too.", rich_help_panel=PANEL_MODEL)]
+Load4Opt = Annotated[bool, typer.Option(help="4-bit NF4 weights (bitsandbytes; CUDA, or --device cpu for its slow CPU backend). Applies to the draft model too.", rich_help_panel=PANEL_MODEL)]
+BnbComputeOpt = Annotated[str, typer.Option("--bnb-compute-dtype", help="dtype of the 4-bit matmuls: auto (= --dtype), float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)]
 LimitOpt = Annotated[Optional[int], typer.Option(min=1, help="Only the first N records.", rich_help_panel=PANEL_OUTPUT)]
 BatchSizeOpt = Annotated[int, typer.Option(
     "--batch-size", min=1, help="Records decoded together, each with its own drafts and acceptance; "
@@ -181,9 +183,26 @@ def _draft_config(draft: str | None, k: int | None, adaptive: bool | None, ngram
 
 
 def _model_configs(target: str | None, draft: DraftConfig, dtype: str, device: str,
-                   device_map: str | None, load_in_8bit: bool, load_in_4bit: bool):
-    tcfg = ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit)
-    dcfg = ModelConfig(draft.model, dtype, device, device_map, load_in_8bit, load_in_4bit) if draft.model else None
+                   device_map: str | None, load_in_8bit: bool, load_in_4bit: bool,
+                   max_memory: str | None = None, bnb_compute_dtype: str = "auto"):
+    """Target and draft model configs. --max-memory bounds the target only: the draft model,
+    loaded after it, is placed by accelerate in the memory left (a device map of its own)."""
+    from marscli.models import DEVICE_MAPS, parse_max_memory
+
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise _fail(UsageError(f"--device-map must be one of {', '.join(DEVICE_MAPS)}, got {device_map!r}"))
+    if bnb_compute_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise _fail(UsageError(f"--bnb-compute-dtype must be auto, float32, bfloat16 or float16, got {bnb_compute_dtype!r}"))
+    pairs = None
+    if max_memory is not None:
+        try:
+            pairs = parse_max_memory(max_memory)
+        except ValueError as e:
+            raise _fail(UsageError(f"--max-memory {e}")) from None
+        device_map = device_map or "auto"
+    tcfg = ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit, pairs, bnb_compute_dtype)
+    dcfg = (ModelConfig(draft.model, dtype, device, device_map, load_in_8bit, load_in_4bit, None, bnb_compute_dtype)
+            if draft.model else None)
     return tcfg, dcfg
 
 
@@ -235,6 +254,8 @@ def generate(
     device_map: DeviceMapOpt = None,
     load_in_8bit: Load8Opt = False,
     load_in_4bit: Load4Opt = False,
+    max_memory: MaxMemoryOpt = None,
+    bnb_compute_dtype: BnbComputeOpt = "auto",
     limit: LimitOpt = None,
     timing: Annotated[
         bool, typer.Option("--timing/--no-timing", help="Include wall-clock timing in results (off: byte-identical reruns).", rich_help_panel=PANEL_OUTPUT)
@@ -280,7 +301,8 @@ def generate(
         target = target if target is not None else prof.target_source
     draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min,
                               prof.data["drafter"] if prof is not None else None)
-    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit)
+    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit,
+                                                 max_memory, bnb_compute_dtype)
     cfg = GenerateConfig(
         input=input,
         output=output,
@@ -353,6 +375,8 @@ def calibrate(
     device_map: DeviceMapOpt = None,
     load_in_8bit: Load8Opt = False,
     load_in_4bit: Load4Opt = False,
+    max_memory: MaxMemoryOpt = None,
+    bnb_compute_dtype: BnbComputeOpt = "auto",
     limit: LimitOpt = None,
     batch_size: BatchSizeOpt = 1,
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
@@ -379,7 +403,8 @@ def calibrate(
     draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min)
     if draft_cfg.kind == "none":
         raise _fail(UsageError("calibrate needs a drafter: --draft ngram or a draft model"))
-    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit)
+    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit,
+                                                 max_memory, bnb_compute_dtype)
     cfg = CalibrateConfig(
         input=input, output=output, name=name, target=target_cfg, draft=draft_cfg,
         draft_model=draft_model_cfg, margin=margin or "logit-ratio", policy=policy,
@@ -550,6 +575,11 @@ def bench(
 
     log = _Log(quiet)
     try:
+        from marscli.distributed import launch_from_env
+
+        if launch_from_env() is not None:
+            raise UsageError("bench times methods against each other in one process: run it "
+                             "without a launcher (accelerate launch, torchrun)")
         _check_choices(margin, dtype, None, None)
         prof = None
         if profile is not None:
@@ -745,8 +775,8 @@ def _start_group(log: _Log):
     if not launch.is_main:
         log.mute()
     group = Group(launch).start()
-    log.info(f"data parallel: {launch.world_size} processes on {launch.machines} machine(s); "
-             f"rank r takes records r, r+{launch.world_size}, ...; rank 0 merges the results")
+    log.info(f"data parallel: {launch.world_size} processes on {launch.machines} machine(s), "
+             f"rank r taking records r, r+{launch.world_size}, ... of those to do")
     return group
 
 
@@ -757,10 +787,14 @@ def _place(model: ModelConfig | None, group) -> ModelConfig | None:
         return model
     import dataclasses
 
-    from marscli.distributed import place_device
+    from marscli.distributed import place_device, rank_max_memory
+
+    from marscli.models import max_memory_dict
 
     if model.device_map is not None:
-        return model  # marscli.models gives each rank its share of the GPUs
+        share = rank_max_memory(group.launch, max_memory_dict(model.max_memory))
+        pairs = None if share is None else tuple((str(k), v) for k, v in share.items())
+        return dataclasses.replace(model, max_memory=pairs)
     return dataclasses.replace(model, device=place_device(model.device, group.launch))
 
 
@@ -772,13 +806,8 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
     Under a launcher (WORLD_SIZE > 1) each process generates its shard into its own part file
     and the main process merges them (marscli.distributed).
     """
-    import dataclasses
-
     group = _start_group(log)
     try:
-        if group is not None:
-            cfg = dataclasses.replace(cfg, target=_place(cfg.target, group),
-                                      draft_model=_place(cfg.draft_model, group))
         with _StopSignals() as signals:
             run = _GenerateRun(cfg, log, signals, group)
             try:
@@ -853,7 +882,7 @@ class _GenerateRun:
         from marscli.profiles import resolve_verification
 
         with step("loading the models") as s:
-            target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log)
+            target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log, group)
             prof = _choose_profile(cfg, target, draft_loaded, log)
             verify_cfg = resolve_verification(cfg.verify, prof, log.info)
             extra["profile"] = prof.reference() if prof is not None else None
@@ -1092,32 +1121,46 @@ def _fail_fast_note(stop: dict) -> str:
 
 
 def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
-    """Collect margins under strict verification, choose theta, write and show the profile."""
+    """Collect margins under strict verification, choose theta, write and show the profile.
+
+    Under a launcher each process collects the margins of its shard of the records; the main
+    process gathers them, merges them in input order (so the profile is the one a single
+    process computes) and alone writes the profile.
+    """
+    group = _start_group(log)
+    try:
+        return _calibrate(cfg, log, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _calibrate(cfg: CalibrateConfig, log: _Log, group) -> int:
     from marscli.calibrate import MarginCollector, analyse, build_profile, plot_profile
     from marscli.config import RecordError, VerifyConfig
+    from marscli.distributed import shard, solo_step
     from marscli.engine import RecordFailure, SpecEngine, build_drafter
     from marscli.errors import InputError
     from marscli.io import read_input
-    from marscli.profiles import default_profile_name, save_profile, user_profile_dir
+    from marscli.profiles import default_profile_name, identity_for_profile, save_profile, user_profile_dir
 
-    items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=True)
-    if not items:
-        raise InputError(f"{cfg.input}: no records to calibrate on")
+    step = group.step if group is not None else solo_step
+    with step("reading the input") as s:
+        if group is not None and cfg.input == "-":
+            raise UsageError("under a launcher every process reads the input itself: give a "
+                             "file, not '-' (stdin)")
+        items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=True)
+        if not items:
+            raise InputError(f"{cfg.input}: no records to calibrate on")
+        s.value = (input_sha, len(items))
+    if group is not None and len(set(s.values)) > 1:
+        raise group.fail_all("the processes read different inputs: every process must see the "
+                             "same input file")
 
-    target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log)
-    engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), VerifyConfig(), cfg.draft)
-    collector = MarginCollector()
-    progress = _Progress(log, len(items), label="calibrating")
-    failed = 0
-    t0 = time.perf_counter()
-
-    def skipped(item, message: str) -> None:
-        nonlocal failed
-        failed += 1
-        log.info(f"{cfg.input}:{item.line}: skipped: {message}")
-        progress.advance(0)
-
-    try:
+    with step("loading the models") as s:
+        target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log, group)
+        engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), VerifyConfig(), cfg.draft)
+        batch = None
         if cfg.batch_size > 1:
             from marscli.batch import BatchEngine, batched_drafter_for
 
@@ -1127,44 +1170,89 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
                                     batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
             except ValueError as e:
                 raise UsageError(str(e)) from None
-            per_record: dict[int, MarginCollector] = {}
+        s.value = (identity_for_profile(target.identity),
+                   identity_for_profile(draft_loaded.identity) if draft_loaded else None)
+    if group is not None and any(v != s.values[0] for v in s.values):
+        differ = [r for r, v in enumerate(s.values) if v != s.values[0]]
+        raise group.fail_all(f"rank(s) {', '.join(map(str, differ))} loaded other models (or "
+                             "dtype, quantization, device type) than rank 0")
 
-            def observer_for(item):
-                per_record[item.index] = MarginCollector()  # a restart starts afresh
-                return per_record[item.index]
+    mine = items if group is None else shard(items, group.rank, group.world_size)
+    collector = MarginCollector()
+    # One collector per record, merged in input order: the profile does not depend on the
+    # batch size or on how many processes shared the records.
+    per_record: dict[int, MarginCollector] = {}
+    progress = _Progress(log, len(items), label="calibrating")
+    failed = 0
+    t0 = time.perf_counter()
 
-            valid = []
-            for item in items:
-                if isinstance(item, RecordError):
-                    skipped(item, item.message)
-                else:
-                    valid.append(item)
-            prepare = lambda it: (engine.encode(it), cfg.sampling.with_overrides(it.overrides))  # noqa: E731
-            for item, res in batch.run(valid, prepare, observer_for=observer_for):
-                if isinstance(res, RecordFailure):
-                    per_record.pop(item.index, None)
-                    skipped(item, res.message)
-                elif isinstance(res, BaseException):
-                    raise res
-                else:
-                    progress.advance(res.completion_tokens)
-            for index in sorted(per_record):  # input order: the profile does not depend on the batch
-                collector.extend(per_record[index])
+    def tick(tokens: int) -> None:
+        if group is not None:
+            group.add_progress(1, tokens)
         else:
-            for item in items:
-                if isinstance(item, RecordError):
-                    skipped(item, item.message)
-                    continue
-                try:
-                    res = engine.generate(item, cfg.sampling.with_overrides(item.overrides), observer=collector)
-                except RecordFailure as e:
-                    skipped(item, e.message)
-                    continue
-                progress.advance(res.completion_tokens)
+            progress.advance(tokens)
+
+    def skipped(item, message: str) -> None:
+        nonlocal failed
+        failed += 1
+        log.note(f"{cfg.input}:{item.line}: skipped: {message}")
+        tick(0)
+
+    pump = contextlib.nullcontext()
+    if group is not None and group.is_main and not log.quiet:
+        from marscli.distributed import ProgressPump
+
+        pump = ProgressPump(group, progress.set)
+    try:
+        with pump:
+            if batch is not None:
+                def observer_for(item):
+                    per_record[item.index] = MarginCollector()  # a restart starts afresh
+                    return per_record[item.index]
+
+                valid = []
+                for item in mine:
+                    if isinstance(item, RecordError):
+                        skipped(item, item.message)
+                    else:
+                        valid.append(item)
+                prepare = lambda it: (engine.encode(it), cfg.sampling.with_overrides(it.overrides))  # noqa: E731
+                for item, res in batch.run(valid, prepare, observer_for=observer_for):
+                    if isinstance(res, RecordFailure):
+                        per_record.pop(item.index, None)
+                        skipped(item, res.message)
+                    elif isinstance(res, BaseException):
+                        raise res
+                    else:
+                        tick(res.completion_tokens)
+            else:
+                for item in mine:
+                    if isinstance(item, RecordError):
+                        skipped(item, item.message)
+                        continue
+                    per_record[item.index] = observer = MarginCollector()
+                    try:
+                        res = engine.generate(item, cfg.sampling.with_overrides(item.overrides), observer=observer)
+                    except RecordFailure as e:
+                        per_record.pop(item.index, None)
+                        skipped(item, e.message)
+                        continue
+                    tick(res.completion_tokens)
+            if group is not None:
+                group.mark_done({"failed": failed})
+                group.wait_all_done()
     except KeyboardInterrupt:
         progress.close()
         log.info("interrupted: no profile written")
         return EXIT_INTERRUPTED
+    if group is not None:
+        gathered = group.gather((per_record, failed), "gathering the margins")
+        if gathered is None:
+            return EXIT_OK  # the main process writes the profile
+        per_record = {i: c for part, _ in gathered for i, c in part.items()}
+        failed = sum(f for _, f in gathered)
+    for index in sorted(per_record):
+        collector.extend(per_record[index])
     progress.close()
     seconds = time.perf_counter() - t0
     data = collector.data(records=len(items) - failed, failed=failed)
@@ -1205,15 +1293,17 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
     return EXIT_RECORDS_FAILED if failed else EXIT_OK
 
 
-def _load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, log: _Log):
-    """Load the target and (if any) the draft model; check their vocabularies agree."""
+def _load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, log: _Log, group=None):
+    """Load the target and (if any) the draft model; check their vocabularies agree.
+    Under a launcher each model goes to this rank's device(s), the draft model's share
+    reckoned with the memory the target left."""
     from marscli.models import check_vocab_compatible, load_model
 
     t0 = time.perf_counter()
-    target = load_model(target_cfg, role="target", log=log.info)
+    target = load_model(_place(target_cfg, group), role="target", log=log.info)
     draft = None
     if draft_cfg is not None:
-        draft = load_model(draft_cfg, role="draft", log=log.info)
+        draft = load_model(_place(draft_cfg, group), role="draft", log=log.info)
         check_vocab_compatible(target, draft)
     log.info(f"loaded {target.identity.get('name')} on {target.device} in {time.perf_counter() - t0:.1f} s")
     return target, draft
