@@ -765,13 +765,16 @@ class _StopSignals:
                 raise _Stop(self._pending)
 
 
-def _start_group(log: _Log):
+def _start_group(log: _Log, input_path: str):
     """The process group of a launched run (accelerate launch, torchrun), or None alone."""
     from marscli.distributed import Group, launch_from_env
 
     launch = launch_from_env()
     if launch is None:
         return None
+    if input_path == "-":
+        raise UsageError("under a launcher every process reads the input itself: give a file, "
+                         "not '-' (stdin)")
     if not launch.is_main:
         log.mute()
     group = Group(launch).start()
@@ -806,7 +809,7 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
     Under a launcher (WORLD_SIZE > 1) each process generates its shard into its own part file
     and the main process merges them (marscli.distributed).
     """
-    group = _start_group(log)
+    group = _start_group(log, cfg.input)
     try:
         with _StopSignals() as signals:
             run = _GenerateRun(cfg, log, signals, group)
@@ -846,9 +849,6 @@ class _GenerateRun:
         step = group.step if group is not None else solo_step
         # Everything that can be checked without the models is checked before loading them.
         with step("reading the input") as s:
-            if group is not None and cfg.input == "-":
-                raise UsageError("under a launcher every process reads the input itself: give a "
-                                 "file, not '-' (stdin)")
             self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input)
             items, input_sha = read_input(cfg.input, limit=cfg.limit,
                                           digest=output.path is not None or group is not None)
@@ -1127,7 +1127,7 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
     process gathers them, merges them in input order (so the profile is the one a single
     process computes) and alone writes the profile.
     """
-    group = _start_group(log)
+    group = _start_group(log, cfg.input)
     try:
         return _calibrate(cfg, log, group)
     finally:
@@ -1146,9 +1146,6 @@ def _calibrate(cfg: CalibrateConfig, log: _Log, group) -> int:
 
     step = group.step if group is not None else solo_step
     with step("reading the input") as s:
-        if group is not None and cfg.input == "-":
-            raise UsageError("under a launcher every process reads the input itself: give a "
-                             "file, not '-' (stdin)")
         items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=True)
         if not items:
             raise InputError(f"{cfg.input}: no records to calibrate on")
