@@ -346,6 +346,19 @@ def test_a_rank_without_heartbeat_is_reported_not_waited_for(monkeypatch):
     assert [p["n"] for p in group.wait_all_done()] == [0, 1, 2]
 
 
+def test_one_bar_counts_every_rank(monkeypatch):
+    from marscli.distributed import ProgressPump
+
+    group = Group(Launch(0, 2, 0, 2))
+    group.store = _FakeStore()
+    seen: list[tuple[int, int]] = []
+    with ProgressPump(group, lambda n, t: seen.append((n, t)), every_s=0.01):
+        group.add_progress(1, 10)  # rank 0's record
+        group.add_progress(1, 7)  # rank 1's, through the shared store
+        time.sleep(0.1)
+    assert seen[-1] == (2, 17)
+
+
 def test_step_failures_are_said_once_by_the_main_process():
     main, other = Group(Launch(0, 2, 0, 2)), Group(Launch(1, 2, 1, 2))
     alike = [(0, (2, "model not found: x", False)), (1, (2, "model not found: x", False))]
