@@ -791,7 +791,6 @@ def _place(model: ModelConfig | None, group) -> ModelConfig | None:
     import dataclasses
 
     from marscli.distributed import place_device, rank_max_memory
-
     from marscli.models import max_memory_dict
 
     if model.device_map is not None:

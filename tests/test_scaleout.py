@@ -88,6 +88,18 @@ def marscli_lines(stderr: bytes) -> list[str]:
     return [line for line in stderr.decode(errors="replace").splitlines() if line.startswith("marscli")]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """In-process runs use one thread, as each launched process does (OMP_NUM_THREADS=1):
+    the same float sums as the launched runs, and no thread contention on a busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def records_file(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("records")
@@ -183,16 +195,9 @@ def test_rank_killed_mid_run_then_resume_completes_without_duplicates(records_fi
 
 def test_calibrate_under_two_processes_writes_the_same_histogram(records_file, tiny_model_dir,
                                                                  tmp_path):
-    import torch
-
     args = ["--target", str(tiny_model_dir), "--max-tokens", "16", "-q"]
     one, two = tmp_path / "one.yaml", tmp_path / "two.yaml"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each launched process (OMP_NUM_THREADS=1): the same float sums
-    try:
-        r = CliRunner().invoke(app, ["calibrate", str(records_file), "-o", str(one), *args])
-    finally:
-        torch.set_num_threads(threads)
+    r = CliRunner().invoke(app, ["calibrate", str(records_file), "-o", str(one), *args])  # 1 thread
     assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
     r2 = run_launch(torchrun_cmd("calibrate", str(records_file), "-o", str(two), *args))
     assert b"exitcode  : 3" in r2.stderr, r2.stderr.decode()
@@ -482,7 +487,7 @@ def test_4bit_on_cpu_profiles_record_the_quantization(tiny_model_dir, tmp_path, 
     compute dtype, and stderr says why."""
     src = write_lines(tmp_path / "in.jsonl", [{"id": str(i), "prompt": f"the quick brown fox {i} the quick"}
                                               for i in range(4)])
-    q4 = ["--target", str(tiny_model_dir), "--device", "cpu", "--load-in-4bit", "--max-tokens", "16"]
+    q4 = ["--target", str(tiny_model_dir), "--device", "cpu", "--load-in-4bit", "--max-tokens", "8"]
     r = CliRunner().invoke(app, ["calibrate", str(src), *q4, "--relax-rate", "0.5", "-q"])
     assert r.exit_code == EXIT_OK, r.stderr
     (made,) = Path(os.environ["MARSCLI_PROFILE_DIR"]).glob("*.yaml")
