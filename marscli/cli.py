@@ -216,6 +216,10 @@ def _model_configs(target: str | None, draft: DraftConfig, dtype: str, device: s
         "  cat prompts.jsonl | marscli generate - --draft ngram | jq -r .output\n\n"
         "  marscli generate prompts.jsonl -o results.jsonl --resume   # finish an interrupted run\n\n"
         "  marscli generate prompts.jsonl --batch-size 8 -o results.jsonl   # 8 records at once\n\n"
+        "  accelerate launch --multi_gpu --num_processes 8 -m marscli generate prompts.jsonl "
+        "-o results.jsonl   # 8 GPUs, one merged file (docs/scaling.md)\n\n"
+        "  marscli generate prompts.jsonl --target ./Llama-3.3-70B-Instruct --device-map auto "
+        "--load-in-4bit   # larger than one GPU\n\n"
         + EXIT_CODES_HELP
     ),
 )
@@ -338,6 +342,7 @@ PANEL_POLICY = "Choosing theta (one policy)"
         "--max-nll-increase 0.02\n\n"
         "  marscli calibrate prompts.jsonl --relax-rate 0.10 --plot calib.png\n\n"
         "  marscli calibrate prompts.jsonl --batch-size 8      # 8 records at once, same profile\n\n"
+        "  torchrun --nproc_per_node 8 -m marscli calibrate prompts.jsonl   # 8 GPUs, one profile\n\n"
         "  marscli calibrate prompts.jsonl --target ./Qwen3-8B --draft ./Qwen3-0.6B "
         "--max-nll-increase 0.02 -o profiles/qwen3-8b.yaml\n\n"
         "Exit codes: 0 profile written; 1 runtime failure; 2 usage, configuration or model error; "
