@@ -72,8 +72,18 @@ def _stderr() -> Console:
 
 
 def _fail(err: MarscliError) -> typer.Exit:
-    _stderr().print(f"marscli: error: {err}", markup=False, soft_wrap=True)
+    # Under a launcher an error every rank shares is printed once, by the main process.
+    if not getattr(err, "reported_elsewhere", False):
+        _stderr().print(f"{_who()}: error: {err}", markup=False, soft_wrap=True)
     return typer.Exit(err.exit_code)
+
+
+def _who() -> str:
+    """'marscli', or 'marscli (rank N)' in a process other than the main one of a launch."""
+    rank = os.environ.get("RANK", "0")
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1") and rank not in ("", "0"):
+        return f"marscli (rank {rank})"
+    return "marscli"
 
 
 def _version_cb(value: bool) -> None:
@@ -125,9 +135,11 @@ MaxTokensOpt = Annotated[int, typer.Option(min=1, help="Most new tokens per reco
 StopOpt = Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).", rich_help_panel=PANEL_SAMPLING)]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL)]
-DeviceMapOpt = Annotated[Optional[str], typer.Option(help="'auto' to spread a model over devices with accelerate.", rich_help_panel=PANEL_MODEL)]
-Load8Opt = Annotated[bool, typer.Option(help="8-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)]
-Load4Opt = Annotated[bool, typer.Option(help="4-bit weights (bitsandbytes, CUDA).", rich_help_panel=PANEL_MODEL)]
+DeviceMapOpt = Annotated[Optional[str], typer.Option(help="'auto' to spread the target and the draft model over the GPUs (then the CPU) with accelerate, for models larger than one GPU; also balanced, balanced_low_0, sequential. Under a launcher each process takes its share of the machine's GPUs.", rich_help_panel=PANEL_MODEL)]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option(help="With a device map, the most the target may take per device, e.g. '0=20GiB,1=20GiB,cpu=64GiB' (implies --device-map auto).", rich_help_panel=PANEL_MODEL)]
+Load8Opt = Annotated[bool, typer.Option(help="8-bit weights (bitsandbytes; CUDA, or --device cpu for its slow CPU backend). Applies to the draft model too.", rich_help_panel=PANEL_MODEL)]
+Load4Opt = Annotated[bool, typer.Option(help="4-bit NF4 weights (bitsandbytes; CUDA, or --device cpu for its slow CPU backend). Applies to the draft model too.", rich_help_panel=PANEL_MODEL)]
+BnbComputeOpt = Annotated[str, typer.Option("--bnb-compute-dtype", help="dtype of the 4-bit matmuls: auto (= --dtype), float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)]
 LimitOpt = Annotated[Optional[int], typer.Option(min=1, help="Only the first N records.", rich_help_panel=PANEL_OUTPUT)]
 BatchSizeOpt = Annotated[int, typer.Option(
     "--batch-size", min=1, help="Records decoded together, each with its own drafts and acceptance; "
@@ -171,9 +183,26 @@ def _draft_config(draft: str | None, k: int | None, adaptive: bool | None, ngram
 
 
 def _model_configs(target: str | None, draft: DraftConfig, dtype: str, device: str,
-                   device_map: str | None, load_in_8bit: bool, load_in_4bit: bool):
-    tcfg = ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit)
-    dcfg = ModelConfig(draft.model, dtype, device, device_map, load_in_8bit, load_in_4bit) if draft.model else None
+                   device_map: str | None, load_in_8bit: bool, load_in_4bit: bool,
+                   max_memory: str | None = None, bnb_compute_dtype: str = "auto"):
+    """Target and draft model configs. --max-memory bounds the target only: the draft model,
+    loaded after it, is placed by accelerate in the memory left (a device map of its own)."""
+    from marscli.models import DEVICE_MAPS, parse_max_memory
+
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise _fail(UsageError(f"--device-map must be one of {', '.join(DEVICE_MAPS)}, got {device_map!r}"))
+    if bnb_compute_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise _fail(UsageError(f"--bnb-compute-dtype must be auto, float32, bfloat16 or float16, got {bnb_compute_dtype!r}"))
+    pairs = None
+    if max_memory is not None:
+        try:
+            pairs = parse_max_memory(max_memory)
+        except ValueError as e:
+            raise _fail(UsageError(f"--max-memory {e}")) from None
+        device_map = device_map or "auto"
+    tcfg = ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit, pairs, bnb_compute_dtype)
+    dcfg = (ModelConfig(draft.model, dtype, device, device_map, load_in_8bit, load_in_4bit, None, bnb_compute_dtype)
+            if draft.model else None)
     return tcfg, dcfg
 
 
@@ -187,6 +216,10 @@ def _model_configs(target: str | None, draft: DraftConfig, dtype: str, device: s
         "  cat prompts.jsonl | marscli generate - --draft ngram | jq -r .output\n\n"
         "  marscli generate prompts.jsonl -o results.jsonl --resume   # finish an interrupted run\n\n"
         "  marscli generate prompts.jsonl --batch-size 8 -o results.jsonl   # 8 records at once\n\n"
+        "  accelerate launch --multi_gpu --num_processes 8 -m marscli generate prompts.jsonl "
+        "-o results.jsonl   # 8 GPUs, one merged file (docs/scaling.md)\n\n"
+        "  marscli generate prompts.jsonl --target ./Llama-3.3-70B-Instruct --device-map auto "
+        "--load-in-4bit   # larger than one GPU\n\n"
         + EXIT_CODES_HELP
     ),
 )
@@ -225,6 +258,8 @@ def generate(
     device_map: DeviceMapOpt = None,
     load_in_8bit: Load8Opt = False,
     load_in_4bit: Load4Opt = False,
+    max_memory: MaxMemoryOpt = None,
+    bnb_compute_dtype: BnbComputeOpt = "auto",
     limit: LimitOpt = None,
     timing: Annotated[
         bool, typer.Option("--timing/--no-timing", help="Include wall-clock timing in results (off: byte-identical reruns).", rich_help_panel=PANEL_OUTPUT)
@@ -270,7 +305,8 @@ def generate(
         target = target if target is not None else prof.target_source
     draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min,
                               prof.data["drafter"] if prof is not None else None)
-    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit)
+    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit,
+                                                 max_memory, bnb_compute_dtype)
     cfg = GenerateConfig(
         input=input,
         output=output,
@@ -306,6 +342,7 @@ PANEL_POLICY = "Choosing theta (one policy)"
         "--max-nll-increase 0.02\n\n"
         "  marscli calibrate prompts.jsonl --relax-rate 0.10 --plot calib.png\n\n"
         "  marscli calibrate prompts.jsonl --batch-size 8      # 8 records at once, same profile\n\n"
+        "  torchrun --nproc_per_node 8 -m marscli calibrate prompts.jsonl   # 8 GPUs, one profile\n\n"
         "  marscli calibrate prompts.jsonl --target ./Qwen3-8B --draft ./Qwen3-0.6B "
         "--max-nll-increase 0.02 -o profiles/qwen3-8b.yaml\n\n"
         "Exit codes: 0 profile written; 1 runtime failure; 2 usage, configuration or model error; "
@@ -343,6 +380,8 @@ def calibrate(
     device_map: DeviceMapOpt = None,
     load_in_8bit: Load8Opt = False,
     load_in_4bit: Load4Opt = False,
+    max_memory: MaxMemoryOpt = None,
+    bnb_compute_dtype: BnbComputeOpt = "auto",
     limit: LimitOpt = None,
     batch_size: BatchSizeOpt = 1,
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
@@ -369,7 +408,8 @@ def calibrate(
     draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min)
     if draft_cfg.kind == "none":
         raise _fail(UsageError("calibrate needs a drafter: --draft ngram or a draft model"))
-    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit)
+    target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit,
+                                                 max_memory, bnb_compute_dtype)
     cfg = CalibrateConfig(
         input=input, output=output, name=name, target=target_cfg, draft=draft_cfg,
         draft_model=draft_model_cfg, margin=margin or "logit-ratio", policy=policy,
@@ -543,6 +583,11 @@ def bench(
 
     log = _Log(quiet)
     try:
+        from marscli.distributed import launch_from_env
+
+        if launch_from_env() is not None:
+            raise UsageError("bench times methods against each other in one process: run it "
+                             "without a launcher (accelerate launch, torchrun)")
         _check_choices(margin, dtype, None, None)
         prof = None
         if profile is not None:
@@ -588,7 +633,20 @@ class _Log:
 
     def __init__(self, quiet: bool):
         self.quiet = quiet
+        self.muted = False
+        self.notes = not quiet
         self.console = _stderr()
+
+    def mute(self) -> None:
+        """Processes other than the main one of a launch say nothing but errors and notes about
+        their own records: the main process speaks for the run."""
+        self.notes = not self.quiet
+        self.quiet = self.muted = True
+
+    def note(self, msg: str) -> None:
+        """A note about one record, which only the process that ran it knows."""
+        if self.notes:
+            self.console.print(f"{_who()}: {msg}", markup=False, soft_wrap=True)
 
     def info(self, msg: str) -> None:
         if not self.quiet:
@@ -596,7 +654,8 @@ class _Log:
 
     def always(self, msg: str) -> None:
         """What the user must see even with --quiet (how to finish an interrupted run)."""
-        self.console.print(f"marscli: {msg}", markup=False, soft_wrap=True)
+        if not self.muted:
+            self.console.print(f"marscli: {msg}", markup=False, soft_wrap=True)
 
 
 class _Progress:
@@ -612,6 +671,7 @@ class _Progress:
         self.t0 = time.perf_counter()
         self.last = self.t0
         self.bar = None
+        self._lock = threading.Lock()
         if not log.quiet and log.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -624,12 +684,23 @@ class _Progress:
             self.bar.start()
 
     def advance(self, tokens: int) -> None:
-        self.done += 1
-        self.tokens += tokens
+        self.set(self.done + 1, self.tokens + tokens)
+
+    def set(self, done: int, tokens: int) -> None:
+        """Absolute progress (a data-parallel run's counters, summed over its processes)."""
+        with self._lock:
+            self._show(done, tokens)
+
+    def _show(self, done: int, tokens: int) -> None:
+        advance = done - self.done
+        if advance <= 0:
+            return
+        self.done = done
+        self.tokens = tokens
         now = time.perf_counter()
         rate = self.tokens / max(now - self.t0, 1e-9)
         if self.bar is not None:
-            self.bar.update(self.task, advance=1, rate=f"{rate:.1f} tok/s")
+            self.bar.update(self.task, advance=advance, rate=f"{rate:.1f} tok/s")
         elif not self.log.quiet and now - self.last >= self.PLAIN_EVERY_S:
             self.last = now
             self.log.info(f"{self.done}/{self.total} records, {self.tokens} tokens, {rate:.1f} tok/s")
@@ -703,32 +774,75 @@ class _StopSignals:
                 raise _Stop(self._pending)
 
 
+def _start_group(log: _Log, input_path: str):
+    """The process group of a launched run (accelerate launch, torchrun), or None alone."""
+    from marscli.distributed import Group, launch_from_env
+
+    launch = launch_from_env()
+    if launch is None:
+        return None
+    if input_path == "-":
+        raise UsageError("under a launcher every process reads the input itself: give a file, "
+                         "not '-' (stdin)")
+    if not launch.is_main:
+        log.mute()
+    group = Group(launch).start()
+    log.info(f"data parallel: {launch.world_size} processes on {launch.machines} machine(s), "
+             f"rank r taking records r, r+{launch.world_size}, ... of those to do")
+    return group
+
+
+def _place(model: ModelConfig | None, group) -> ModelConfig | None:
+    """This rank's device: cuda:LOCAL_RANK for --device auto/cuda, its share of the GPUs for
+    --device-map."""
+    if model is None or group is None:
+        return model
+    import dataclasses
+
+    from marscli.distributed import place_device, rank_max_memory
+    from marscli.models import max_memory_dict
+
+    if model.device_map is not None:
+        share = rank_max_memory(group.launch, max_memory_dict(model.max_memory))
+        pairs = None if share is None else tuple((str(k), v) for k, v in share.items())
+        return dataclasses.replace(model, max_memory=pairs)
+    return dataclasses.replace(model, device=place_device(model.device, group.launch))
+
+
 def run_generate(cfg: GenerateConfig, log: _Log) -> int:
     """Read, load, generate, write results in input order. Returns the exit code.
 
     Ctrl-C, SIGTERM and a closed stdout end the run cleanly: every finished result is on
     disk (or sent) before the exit, and with -o FILE the run can be finished with --resume.
+    Under a launcher (WORLD_SIZE > 1) each process generates its shard into its own part file
+    and the main process merges them (marscli.distributed).
     """
-    with _StopSignals() as signals:
-        run = _GenerateRun(cfg, log, signals)
-        try:
-            return run.execute()
-        except (_Stop, KeyboardInterrupt) as e:
-            signals.stopping = True
-            return run.interrupted(e.signum if isinstance(e, _Stop) else signal.SIGINT)
-        except MarscliError as e:
-            raise run.with_resume_hint(e) from None
-        finally:
-            run.close()
+    group = _start_group(log, cfg.input)
+    try:
+        with _StopSignals() as signals:
+            run = _GenerateRun(cfg, log, signals, group)
+            try:
+                return run.execute()
+            except (_Stop, KeyboardInterrupt) as e:
+                signals.stopping = True
+                return run.interrupted(e.signum if isinstance(e, _Stop) else signal.SIGINT)
+            except MarscliError as e:
+                raise run.with_resume_hint(e) from None
+            finally:
+                run.close()
+    finally:
+        if group is not None:
+            group.close()
 
 
 class _GenerateRun:
     """One `marscli generate` run; holds what the cleanup paths need to report."""
 
-    def __init__(self, cfg: GenerateConfig, log: _Log, signals: _StopSignals):
+    def __init__(self, cfg: GenerateConfig, log: _Log, signals: _StopSignals, group=None):
         self.cfg = cfg
         self.log = log
         self.signals = signals
+        self.group = group  # marscli.distributed.Group under a launcher, else None
         self.output = None  # marscli.io.RunOutput
         self.writer = None  # marscli.io.ResultWriter, once the output is open
         self.progress: _Progress | None = None
@@ -736,50 +850,69 @@ class _GenerateRun:
         self.done_before = 0
 
     def execute(self) -> int:
+        from marscli.distributed import ids_digest, solo_step
         from marscli.io import LOADED_COMPONENTS, RunOutput, read_input, run_fingerprint
 
-        cfg, log = self.cfg, self.log
+        cfg, log, group = self.cfg, self.log, self.group
+        step = group.step if group is not None else solo_step
         # Everything that can be checked without the models is checked before loading them.
-        self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input)
-        items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=output.path is not None)
+        with step("reading the input") as s:
+            self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input)
+            items, input_sha = read_input(cfg.input, limit=cfg.limit,
+                                          digest=output.path is not None or group is not None)
+            # "profile" is known once the target is loaded (a profile matches the loaded weights).
+            extra = {"input": {"sha256": input_sha}, "profile": None}
+            if items:
+                output.check(run_fingerprint(cfg, None, None, extra), ignore=LOADED_COMPONENTS)
+            done = output.done
+            todo = [it for it in items if it.id not in done]
+            s.value = (input_sha, len(items), ids_digest([it.id for it in todo]))
+        if group is not None and len(set(s.values)) > 1:
+            differ = [r for r, v in enumerate(s.values) if v != s.values[0]]
+            raise group.fail_all(
+                f"rank(s) {', '.join(map(str, differ))} read another input or other finished "
+                f"results than rank 0: every process must see the same input file and the "
+                f"output's folder (one machine, or a filesystem shared by the machines)")
         if not items:
-            output.write_empty()
+            if group is None or group.is_main:
+                output.write_empty()
             log.info(f"{cfg.input}: no records; nothing to do")
             return EXIT_OK
-        # "profile" is known once the target is loaded (a profile matches the loaded weights).
-        extra = {"input": {"sha256": input_sha}, "profile": None}
-        output.check(run_fingerprint(cfg, None, None, extra), ignore=LOADED_COMPONENTS)
-        done = output.done
-        todo = [it for it in items if it.id not in done]
         self.total = len(items)
         self.done_before = len(items) - len(todo)
         if output.resuming:
-            torn = f"; cut a torn last line ({output.scan.torn_bytes} bytes)" if output.scan.torn_bytes else ""
-            log.info(f"resuming {output.path}: {self.done_before} of {len(items)} records already done{torn}")
+            torn = f"; cut a torn last line ({output.torn_bytes} bytes)" if output.torn_bytes else ""
+            parts = f" and {len(output.part_scans)} part file(s)" if output.part_scans else ""
+            log.info(f"resuming {output.path}{parts}: {self.done_before} of {len(items)} records "
+                     f"already done{torn}")
 
         from marscli.engine import SpecEngine, build_drafter
         from marscli.profiles import resolve_verification
 
-        target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log)
-        prof = _choose_profile(cfg, target, draft_loaded, log)
-        verify_cfg = resolve_verification(cfg.verify, prof, log.info)
-        extra["profile"] = prof.reference() if prof is not None else None
-        fingerprint = run_fingerprint(
-            cfg, target.identity, draft_loaded.identity if draft_loaded else None, extra,
-            verify=verify_cfg,
-        )
-        if cfg.batch_size > 1:
-            from marscli.batch import BatchEngine, batched_drafter_for
+        with step("loading the models") as s:
+            target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log, group)
+            prof = _choose_profile(cfg, target, draft_loaded, log)
+            verify_cfg = resolve_verification(cfg.verify, prof, log.info)
+            extra["profile"] = prof.reference() if prof is not None else None
+            fingerprint = run_fingerprint(
+                cfg, target.identity, draft_loaded.identity if draft_loaded else None, extra,
+                verify=verify_cfg,
+            )
+            if cfg.batch_size > 1:
+                from marscli.batch import BatchEngine, batched_drafter_for
 
-            try:
-                engine = BatchEngine(target, lambda: build_drafter(cfg.draft, target, draft_loaded),
-                                     verify_cfg, cfg.draft, cfg.batch_size,
-                                     batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
-            except ValueError as e:
-                raise UsageError(str(e)) from None
-            log.info(f"batch size {cfg.batch_size}")
-        else:
-            engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), verify_cfg, cfg.draft)
+                try:
+                    engine = BatchEngine(target, lambda: build_drafter(cfg.draft, target, draft_loaded),
+                                         verify_cfg, cfg.draft, cfg.batch_size,
+                                         batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
+                except ValueError as e:
+                    raise UsageError(str(e)) from None
+                log.info(f"batch size {cfg.batch_size}")
+            else:
+                engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), verify_cfg, cfg.draft)
+            s.value = fingerprint
+        if group is not None:
+            self._check_same_run(s.values)
         vdesc = verify_cfg.mode if verify_cfg.mode == "strict" else f"mars (theta={verify_cfg.theta:g}, {verify_cfg.margin})"
         log.info(f"drafter {cfg.draft.kind}{'' if cfg.draft.kind == 'none' else f' (K<={cfg.draft.num_draft_tokens})'}, verify {vdesc}")
         spec_meta = {
@@ -790,44 +923,143 @@ class _GenerateRun:
             "profile": extra["profile"],
         }
 
-        self.writer = writer = output.open(fingerprint, items)
+        if group is None:
+            self.writer = writer = output.open(fingerprint, items)
+            mine = todo
+        else:
+            writer, mine = self._open_parts(fingerprint, todo)
         failed = sum(done.values())  # earlier results that are errors count too
         totals = _Totals()
         self.progress = _Progress(log, len(todo))
         t_start = time.perf_counter()
         if cfg.batch_size > 1:
-            results = _run_batched(engine, todo, cfg, spec_meta)
+            results = _run_batched(engine, mine, cfg, spec_meta)
         else:
-            results = ((item, *_run_one(engine, item, cfg, spec_meta)) for item in todo)
-        for item, result, seconds in results:
-            error = result.get("error")
-            if error:
-                failed += 1
-                if error["type"] in (ERR_GENERATION_FAILED, ERR_OUT_OF_MEMORY):
-                    log.info(f"record {item.id!r} (line {item.line}) failed: {error['message']}")
-            else:
-                totals.add(result, seconds)
-            with self.signals.deferred():
-                writer.write(item.index, result)
-            self.progress.advance(result["usage"]["completion_tokens"] if result.get("usage") else 0)
-            if writer.broken_pipe:
-                # The reader went away (`| head`): stop quietly, nothing left to say.
-                self.close()
-                _silence_stdout()
-                return EXIT_OK
-            if error and cfg.fail_fast:
-                self.close()
-                log.always(
-                    f"stopped at the first failed record (--fail-fast): id {item.id!r}, "
-                    f"line {item.line}: {error['type']}: {error['message']}"
-                )
-                return EXIT_RECORDS_FAILED
+            results = ((item, *_run_one(engine, item, cfg, spec_meta)) for item in mine)
+        pump = contextlib.nullcontext()
+        if group is not None and group.is_main and not log.quiet:
+            from marscli.distributed import ProgressPump
+
+            pump = ProgressPump(group, self.progress.set)
+        with pump:
+            for item, result, seconds in results:
+                error = result.get("error")
+                if error:
+                    failed += 1
+                    if error["type"] in (ERR_GENERATION_FAILED, ERR_OUT_OF_MEMORY):
+                        self._say(f"record {item.id!r} (line {item.line}) failed: {error['message']}")
+                else:
+                    totals.add(result, seconds)
+                with self.signals.deferred():
+                    writer.write(item.index, result)
+                tokens = result["usage"]["completion_tokens"] if result.get("usage") else 0
+                if group is not None:
+                    group.add_progress(1, tokens)
+                else:
+                    self.progress.advance(tokens)
+                if writer.broken_pipe:
+                    # The reader went away (`| head`): stop quietly, nothing left to say.
+                    self.close()
+                    _silence_stdout()
+                    return EXIT_OK
+                if error and cfg.fail_fast:
+                    stop = {"id": item.id, "line": item.line, "type": error["type"],
+                            "message": error["message"]}
+                    if group is None:
+                        self.close()
+                        log.always(_fail_fast_note(stop))
+                        return EXIT_RECORDS_FAILED
+                    group.request_stop(stop)
+                    break
+                if group is not None and cfg.fail_fast and group.stop_requested():
+                    break
+            if group is not None:
+                return self._finish_group(items, todo, totals, failed - sum(done.values()), t_start)
         self.close()
+        if output.needs_merge(items):
+            output.merge(items)  # a resume over part files, or over an output with gaps
         if cfg.batch_size > 1:
             totals.wall = time.perf_counter() - t_start
         earlier = f"; {self.done_before} more were done before resuming" if self.done_before else ""
         log.info(totals.summary(len(todo), failed - sum(done.values())) + earlier)
         return EXIT_RECORDS_FAILED if failed else EXIT_OK
+
+    # ------------------------------------------------------------------ data parallel
+
+    def _say(self, msg: str) -> None:
+        """A note about one record: every rank says it about its own records (with its rank)."""
+        self.log.note(msg)
+
+    def _check_same_run(self, fingerprints: list[dict]) -> None:
+        from marscli.io import fingerprint_diff
+
+        for r, fp in enumerate(fingerprints):
+            diffs = fingerprint_diff(fingerprints[0], fp)
+            if diffs:
+                raise self.group.fail_all(
+                    f"rank {r} would make other results than rank 0 ({'; '.join(diffs)}; "
+                    "read 'in the existing run' as 'on rank 0'): every process must load the "
+                    "same models, profile and settings")
+
+    def _open_parts(self, fingerprint: dict, todo: list):
+        """Main process: prepare the output; every process: open its part file (after checking
+        it sees what the main process wrote); returns (writer, this rank's records)."""
+        from marscli.distributed import shard
+
+        group, output = self.group, self.output
+        with group.step("opening the output") as s:
+            if group.is_main:
+                s.value = output.prepare_parts(fingerprint)
+        parts_base, probe = s.values[0]
+        with group.step("opening the part files") as s:
+            output.parts_base = parts_base
+            if not os.path.exists(probe):
+                import socket
+
+                hint = (" (results on stdout put the parts in a temporary folder of rank 0's "
+                        "machine: across machines, write them to a file on a shared filesystem "
+                        "with -o FILE)" if output.path is None else "")
+                raise UsageError(
+                    f"rank {group.rank} on {socket.gethostname()} cannot see {probe}, written by "
+                    f"rank 0: every process must see the output's folder (one machine, or a "
+                    f"filesystem shared by the machines){hint}")
+            self.writer = output.open_part(group.rank, group.world_size)
+        if group.is_main:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        return self.writer, shard(todo, group.rank, group.world_size)
+
+    def _finish_group(self, items: list, todo: list, totals: _Totals, failed_now: int,
+                      t_start: float) -> int:
+        """Every rank: close the part and say it is done. The main process waits for the
+        others (the bar moving on), merges the parts into the output, and sums up."""
+        group, log, output = self.group, self.log, self.output
+        self.writer.close()
+        group.mark_done({"totals": totals.to_dict(), "failed": failed_now})
+        if not group.is_main:
+            return EXIT_OK
+        parts = group.wait_all_done()
+        wall = time.perf_counter() - t_start
+        self.close()
+        sys.stdout.flush()
+        report = output.merge(items, stream=sys.stdout.buffer if output.path is None else None)
+        if report.broken_pipe:
+            _silence_stdout()
+            return EXIT_OK
+        stop = group.stop_requested()
+        if stop is not None:
+            log.always(_fail_fast_note(stop) + (
+                f"; the finished results are in {output.path}: rerun with --resume to go on"
+                if output.path is not None else ""))
+            return EXIT_RECORDS_FAILED
+        if report.missing:  # pragma: no cover - every rank finished its shard
+            raise MarscliError(f"{len(report.missing)} records have no result (e.g. id "
+                               f"{report.missing[0]!r})")
+        summed = _Totals.summed([p["totals"] for p in parts], wall)
+        earlier = f"; {self.done_before} more were done before resuming" if self.done_before else ""
+        log.info(summed.summary(len(todo), sum(p["failed"] for p in parts)) + earlier
+                 + f" ({group.world_size} processes)")
+        return EXIT_RECORDS_FAILED if report.failed else EXIT_OK
 
     def close(self) -> None:
         """Stop the progress bar and flush and close the output; safe to call twice."""
@@ -844,7 +1076,22 @@ class _GenerateRun:
         self.close()
         why = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
         out = self.output
-        if self.writer is None:
+        if self.group is not None:
+            if out is not None:
+                out.cleanup()
+            if self.writer is None:
+                self.log.always(f"{why} before generating; no results written")
+            elif out is not None and out.path is not None:
+                self.log.always(
+                    f"{why}: the finished results are in {out.path} and its part files "
+                    f"({os.path.basename(out.path)}.rank*-of-{self.group.world_size}.part); to "
+                    f"finish, rerun the same command with --resume (and the same -o {out.path}), "
+                    "with any number of processes")
+            else:
+                self.log.always(f"{why}: results on stdout come when every process is done, so "
+                                "none were sent; write them to a file (-o FILE) so an interrupted "
+                                "run can be finished with --resume")
+        elif self.writer is None:
             self.log.always(f"{why} before generating; no results written")
         elif out is not None and out.path is not None:
             have = self.done_before + self.writer.written
@@ -862,42 +1109,63 @@ class _GenerateRun:
     def with_resume_hint(self, err: MarscliError) -> MarscliError:
         """A failure after results were written: say they are kept and how to go on."""
         out = self.output
-        if self.writer is None or out is None or out.path is None:
+        if getattr(err, "reported_elsewhere", False):
             return err
+        if self.writer is None or out is None or out.path is None:
+            if out is not None:
+                out.cleanup()
+            return err
+        where = f"{out.path} and its part files" if self.group is not None else out.path
         hinted = MarscliError(
-            f"{err}; the finished results are in {out.path}: rerun with --resume to go on"
+            f"{err}; the finished results are in {where}: rerun with --resume to go on"
         )
         hinted.exit_code = err.exit_code
         return hinted
 
 
+def _fail_fast_note(stop: dict) -> str:
+    return (f"stopped at the first failed record (--fail-fast): id {stop['id']!r}, "
+            f"line {stop['line']}: {stop['type']}: {stop['message']}")
+
+
 def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
-    """Collect margins under strict verification, choose theta, write and show the profile."""
+    """Collect margins under strict verification, choose theta, write and show the profile.
+
+    Under a launcher each process collects the margins of its shard of the records; the main
+    process gathers them, merges them in input order (so the profile is the one a single
+    process computes) and alone writes the profile.
+    """
+    group = _start_group(log, cfg.input)
+    try:
+        return _calibrate(cfg, log, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _calibrate(cfg: CalibrateConfig, log: _Log, group) -> int:
     from marscli.calibrate import MarginCollector, analyse, build_profile, plot_profile
     from marscli.config import RecordError, VerifyConfig
+    from marscli.distributed import shard, solo_step
     from marscli.engine import RecordFailure, SpecEngine, build_drafter
     from marscli.errors import InputError
     from marscli.io import read_input
-    from marscli.profiles import default_profile_name, save_profile, user_profile_dir
+    from marscli.profiles import default_profile_name, identity_for_profile, save_profile, user_profile_dir
 
-    items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=True)
-    if not items:
-        raise InputError(f"{cfg.input}: no records to calibrate on")
+    step = group.step if group is not None else solo_step
+    with step("reading the input") as s:
+        items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=True)
+        if not items:
+            raise InputError(f"{cfg.input}: no records to calibrate on")
+        s.value = (input_sha, len(items))
+    if group is not None and len(set(s.values)) > 1:
+        raise group.fail_all("the processes read different inputs: every process must see the "
+                             "same input file")
 
-    target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log)
-    engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), VerifyConfig(), cfg.draft)
-    collector = MarginCollector()
-    progress = _Progress(log, len(items), label="calibrating")
-    failed = 0
-    t0 = time.perf_counter()
-
-    def skipped(item, message: str) -> None:
-        nonlocal failed
-        failed += 1
-        log.info(f"{cfg.input}:{item.line}: skipped: {message}")
-        progress.advance(0)
-
-    try:
+    with step("loading the models") as s:
+        target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log, group)
+        engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), VerifyConfig(), cfg.draft)
+        batch = None
         if cfg.batch_size > 1:
             from marscli.batch import BatchEngine, batched_drafter_for
 
@@ -907,44 +1175,89 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
                                     batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
             except ValueError as e:
                 raise UsageError(str(e)) from None
-            per_record: dict[int, MarginCollector] = {}
+        s.value = (identity_for_profile(target.identity),
+                   identity_for_profile(draft_loaded.identity) if draft_loaded else None)
+    if group is not None and any(v != s.values[0] for v in s.values):
+        differ = [r for r, v in enumerate(s.values) if v != s.values[0]]
+        raise group.fail_all(f"rank(s) {', '.join(map(str, differ))} loaded other models (or "
+                             "dtype, quantization, device type) than rank 0")
 
-            def observer_for(item):
-                per_record[item.index] = MarginCollector()  # a restart starts afresh
-                return per_record[item.index]
+    mine = items if group is None else shard(items, group.rank, group.world_size)
+    collector = MarginCollector()
+    # One collector per record, merged in input order: the profile does not depend on the
+    # batch size or on how many processes shared the records.
+    per_record: dict[int, MarginCollector] = {}
+    progress = _Progress(log, len(items), label="calibrating")
+    failed = 0
+    t0 = time.perf_counter()
 
-            valid = []
-            for item in items:
-                if isinstance(item, RecordError):
-                    skipped(item, item.message)
-                else:
-                    valid.append(item)
-            prepare = lambda it: (engine.encode(it), cfg.sampling.with_overrides(it.overrides))  # noqa: E731
-            for item, res in batch.run(valid, prepare, observer_for=observer_for):
-                if isinstance(res, RecordFailure):
-                    per_record.pop(item.index, None)
-                    skipped(item, res.message)
-                elif isinstance(res, BaseException):
-                    raise res
-                else:
-                    progress.advance(res.completion_tokens)
-            for index in sorted(per_record):  # input order: the profile does not depend on the batch
-                collector.extend(per_record[index])
+    def tick(tokens: int) -> None:
+        if group is not None:
+            group.add_progress(1, tokens)
         else:
-            for item in items:
-                if isinstance(item, RecordError):
-                    skipped(item, item.message)
-                    continue
-                try:
-                    res = engine.generate(item, cfg.sampling.with_overrides(item.overrides), observer=collector)
-                except RecordFailure as e:
-                    skipped(item, e.message)
-                    continue
-                progress.advance(res.completion_tokens)
+            progress.advance(tokens)
+
+    def skipped(item, message: str) -> None:
+        nonlocal failed
+        failed += 1
+        log.note(f"{cfg.input}:{item.line}: skipped: {message}")
+        tick(0)
+
+    pump = contextlib.nullcontext()
+    if group is not None and group.is_main and not log.quiet:
+        from marscli.distributed import ProgressPump
+
+        pump = ProgressPump(group, progress.set)
+    try:
+        with pump:
+            if batch is not None:
+                def observer_for(item):
+                    per_record[item.index] = MarginCollector()  # a restart starts afresh
+                    return per_record[item.index]
+
+                valid = []
+                for item in mine:
+                    if isinstance(item, RecordError):
+                        skipped(item, item.message)
+                    else:
+                        valid.append(item)
+                prepare = lambda it: (engine.encode(it), cfg.sampling.with_overrides(it.overrides))  # noqa: E731
+                for item, res in batch.run(valid, prepare, observer_for=observer_for):
+                    if isinstance(res, RecordFailure):
+                        per_record.pop(item.index, None)
+                        skipped(item, res.message)
+                    elif isinstance(res, BaseException):
+                        raise res
+                    else:
+                        tick(res.completion_tokens)
+            else:
+                for item in mine:
+                    if isinstance(item, RecordError):
+                        skipped(item, item.message)
+                        continue
+                    per_record[item.index] = observer = MarginCollector()
+                    try:
+                        res = engine.generate(item, cfg.sampling.with_overrides(item.overrides), observer=observer)
+                    except RecordFailure as e:
+                        per_record.pop(item.index, None)
+                        skipped(item, e.message)
+                        continue
+                    tick(res.completion_tokens)
+            if group is not None:
+                group.mark_done({"failed": failed})
+                group.wait_all_done()
     except KeyboardInterrupt:
         progress.close()
         log.info("interrupted: no profile written")
         return EXIT_INTERRUPTED
+    if group is not None:
+        gathered = group.gather((per_record, failed), "gathering the margins")
+        if gathered is None:
+            return EXIT_OK  # the main process writes the profile
+        per_record = {i: c for part, _ in gathered for i, c in part.items()}
+        failed = sum(f for _, f in gathered)
+    for index in sorted(per_record):
+        collector.extend(per_record[index])
     progress.close()
     seconds = time.perf_counter() - t0
     data = collector.data(records=len(items) - failed, failed=failed)
@@ -985,15 +1298,17 @@ def run_calibrate(cfg: CalibrateConfig, log: _Log) -> int:
     return EXIT_RECORDS_FAILED if failed else EXIT_OK
 
 
-def _load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, log: _Log):
-    """Load the target and (if any) the draft model; check their vocabularies agree."""
+def _load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, log: _Log, group=None):
+    """Load the target and (if any) the draft model; check their vocabularies agree.
+    Under a launcher each model goes to this rank's device(s), the draft model's share
+    reckoned with the memory the target left."""
     from marscli.models import check_vocab_compatible, load_model
 
     t0 = time.perf_counter()
-    target = load_model(target_cfg, role="target", log=log.info)
+    target = load_model(_place(target_cfg, group), role="target", log=log.info)
     draft = None
     if draft_cfg is not None:
-        draft = load_model(draft_cfg, role="draft", log=log.info)
+        draft = load_model(_place(draft_cfg, group), role="draft", log=log.info)
         check_vocab_compatible(target, draft)
     log.info(f"loaded {target.identity.get('name')} on {target.device} in {time.perf_counter() - t0:.1f} s")
     return target, draft
@@ -1057,6 +1372,20 @@ class _Totals:
         self.steps += s["steps"]
         self.accepted += s["accepted"]
         self.relaxed += s["relaxed"]
+
+    _SUMMED = ("records", "tokens", "seconds", "steps", "accepted", "relaxed")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self._SUMMED}
+
+    @classmethod
+    def summed(cls, parts: list[dict[str, Any]], wall: float) -> _Totals:
+        """The totals of a data-parallel run: its processes' totals, over its wall time."""
+        t = cls()
+        for k in cls._SUMMED:
+            setattr(t, k, sum(p[k] for p in parts))
+        t.wall = wall
+        return t
 
     def summary(self, total: int, failed: int) -> str:
         seconds = self.wall if self.wall is not None else self.seconds

@@ -95,9 +95,13 @@ class ModelConfig:
     source: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto, cpu, cuda, cuda:N
-    device_map: str | None = None  # "auto" -> accelerate
+    device_map: str | None = None  # "auto" (or balanced, balanced_low_0, sequential) -> accelerate
     load_in_8bit: bool = False
     load_in_4bit: bool = False
+    #: --max-memory as (device, size) pairs, e.g. (("0", "20GiB"), ("cpu", "64GiB")); implies a
+    #: device map. Devices are GPU indices, "cpu" or "disk".
+    max_memory: tuple[tuple[str, str], ...] | None = None
+    bnb_compute_dtype: str = "auto"  # 4-bit matmul dtype: auto (= the model dtype) or a dtype
 
 
 @dataclass

@@ -30,13 +30,17 @@ is stable across runs of the same file (so it can clash with an explicit id "3";
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import math
 import os
+import re
+import shutil
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TextIO
@@ -656,7 +660,16 @@ class ResultWriter:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` (UTF-8) to `path` so readers see the old file or the new one, never half.
+    """Write `text` (UTF-8) to `path` so readers see the old file or the new one, never half."""
+    if not isinstance(text, str):
+        raise TypeError(f"atomic_write_text needs str, got {type(text).__name__}")
+    with atomic_file(path) as f:
+        f.write(text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file that replaces `path` when the block ends without an error.
 
     The temp file sits in the same directory (os.replace must not cross filesystems) and is
     removed if anything fails. The new file keeps the old one's permissions, or gets the
@@ -671,12 +684,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         os.umask(umask)
         mode = 0o666 & ~umask
     tmp = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed below
-        "w", encoding="utf-8", newline="", delete=False, dir=directory,
-        prefix=f".{name}.", suffix=".tmp",
+        "wb", delete=False, dir=directory, prefix=f".{name}.", suffix=".tmp",
     )
     try:
         with tmp:
-            tmp.write(text)
+            yield tmp  # type: ignore[misc]
             tmp.flush()
             os.fsync(tmp.fileno())
         os.chmod(tmp.name, mode)
@@ -813,6 +825,7 @@ class OutputScan:
     done: dict[str, bool] = field(default_factory=dict)  # id -> its result carries an error
     keep_bytes: int = 0  # length of the prefix made of complete lines
     torn_bytes: int = 0  # bytes after it: a last line cut short by a crash, dropped on resume
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (offset, length)
 
 
 def scan_output(path: str | os.PathLike) -> OutputScan:
@@ -845,6 +858,7 @@ def scan_output(path: str | os.PathLike) -> OutputScan:
                     "run without --resume to start over (this overwrites the file)"
                 )
             scan.done[rid] = _has_error(raw)
+            scan.spans[rid] = (scan.keep_bytes, len(raw))
             scan.keep_bytes += len(raw)
     return scan
 
@@ -902,6 +916,125 @@ def write_sidecar(path: str | os.PathLike, fingerprint: dict[str, Any], *, note:
         raise MarscliError(f"cannot write run sidecar {os.fspath(path)}: {e.strerror or e}") from None
 
 
+# Data-parallel runs (marscli.distributed) write one part file per process beside the output,
+# `results.jsonl.rank1-of-8.part`: plain result lines in the order that process finished them.
+# The parts live under the output's sidecar like the output itself: a fresh run removes stale
+# parts before writing its sidecar, --resume counts the ids in the output AND in every part as
+# done (whichever run or rank wrote them), and the end of a run merges everything into the
+# output in input order (`merge_results`) and removes the parts.
+
+PART_SUFFIX = ".part"
+_PART_NAME = re.compile(r"\.rank(\d+)-of-(\d+)" + re.escape(PART_SUFFIX))
+
+
+def part_path(output: str | os.PathLike, rank: int, world_size: int) -> str:
+    return f"{os.fspath(output)}.rank{rank}-of-{world_size}{PART_SUFFIX}"
+
+
+def find_parts(output: str | os.PathLike) -> list[str]:
+    """The part files beside `output` (any number of processes), ordered by (world, rank)."""
+    output = os.fspath(output)
+    folder = os.path.dirname(output) or "."
+    name = os.path.basename(output)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = []
+    for n in names:
+        m = _PART_NAME.fullmatch(n[len(name):]) if n.startswith(name) else None
+        if m is not None:
+            found.append(((int(m.group(2)), int(m.group(1))), os.path.join(folder, n)))
+    return [p for _, p in sorted(found)]
+
+
+def remove_parts(output: str | os.PathLike) -> None:
+    for p in find_parts(output):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise MarscliError(f"cannot remove part file {p}: {e.strerror or e}") from None
+
+
+@dataclass
+class MergeReport:
+    """What `merge_results` wrote."""
+
+    written: int = 0
+    failed: int = 0  # results that carry an error
+    missing: list[str] = field(default_factory=list)  # ids of records with no result (in order)
+    broken_pipe: bool = False
+
+
+def merge_results(sources: list[str], items: Iterable[Request | RecordError],
+                  dest: str | BinaryIO) -> MergeReport:
+    """Write every result found in `sources` to `dest` in input order, once per id.
+
+    sources: result files (the output, then parts), earlier ones winning when an id appears in
+    several (a merge cut short between replacing the output and removing the parts). Only
+    complete lines count. dest: a path, replaced atomically (it may be one of the sources), or
+    a binary stream (stdout). Lines whose id is no record of `items` (a --limit lowered since)
+    are kept after the others, in source order.
+    """
+    where: dict[str, tuple[int, int, int]] = {}  # id -> (source, offset, length)
+    errors: dict[str, bool] = {}
+    for n, src in enumerate(sources):
+        scan = scan_output(src)
+        for rid, (offset, length) in scan.spans.items():
+            if rid not in where:
+                where[rid] = (n, offset, length)
+                errors[rid] = scan.done[rid]
+    report = MergeReport()
+    order: list[str] = []
+    for it in items:
+        if it.id in where:
+            order.append(it.id)
+        else:
+            report.missing.append(it.id)
+    listed = set(order)
+    order += [rid for rid in where if rid not in listed]
+    report.failed = sum(errors[rid] for rid in order)
+
+    def copy(out: BinaryIO) -> None:
+        handles = [open(src, "rb") for src in sources]  # noqa: SIM115 - closed below
+        try:
+            for rid in order:
+                n, offset, length = where[rid]
+                handles[n].seek(offset)
+                out.write(handles[n].read(length))
+                report.written += 1
+        finally:
+            for h in handles:
+                h.close()
+
+    if isinstance(dest, (str, os.PathLike)):
+        try:
+            with atomic_file(dest) as f:
+                copy(f)
+        except OSError as e:
+            raise MarscliError(f"cannot write merged results to {os.fspath(dest)}: "
+                               f"{e.strerror or e}") from None
+    else:
+        try:
+            copy(dest)
+            dest.flush()
+        except BrokenPipeError:
+            report.broken_pipe = True
+    return report
+
+
+class PartWriter(ResultWriter):
+    """One process's part file: appends each result the moment it is finished (any order),
+    flushed line by line; merge_results puts them in input order later."""
+
+    def write(self, index: int, result: dict) -> None:
+        if self._closed:
+            raise ValueError("PartWriter is closed")
+        self._emit(result)
+
+
 class RunOutput:
     """Where a run's results go: stdout, or `-o FILE` with its sidecar; fresh or resumed.
 
@@ -910,7 +1043,11 @@ class RunOutput:
     be resumed fails at once); `check(fp, ignore=LOADED_COMPONENTS)` once the input is read;
     `open(fp, items)` once models are loaded: it refuses a resume whose fingerprint differs,
     then truncates (fresh) or cuts the torn tail (resume), writes the sidecar, and returns
-    the ResultWriter.
+    the ResultWriter. If `needs_merge(items)` after the run, `merge(items)` puts the output in
+    input order (a resume over part files, or over an output with gaps).
+
+    A data-parallel run instead calls `prepare_parts` on the main process, `open_part` on
+    every process, and `merge` on the main process at the end.
     """
 
     def __init__(self, path: str | None, *, resume: bool, input_path: str | None = None):
@@ -918,15 +1055,23 @@ class RunOutput:
         self.resume = resume
         self.previous: dict[str, Any] | None = None  # the existing run's fingerprint
         self.scan = OutputScan()
+        self.part_scans: dict[str, OutputScan] = {}  # resume: the parts found beside the output
+        self.parts_base: str | None = self.path  # part files are named after it
+        self._done: dict[str, bool] | None = None
+        self._temp_dir: str | None = None
         if self.path is None:
             if resume:
                 raise UsageError("--resume needs -o FILE: results written to stdout cannot be resumed")
             return
         _check_writable(self.path, input_path)
-        if resume and os.path.exists(self.path):
-            self.scan = scan_output(self.path)
-            self.previous = read_sidecar(sidecar_path(self.path))
-            if self.previous is None and self.scan.done:
+        if resume:
+            if os.path.exists(self.path):
+                self.scan = scan_output(self.path)
+            for p in find_parts(self.path):
+                self.part_scans[p] = scan_output(p)
+            if os.path.exists(self.path) or self.part_scans:
+                self.previous = read_sidecar(sidecar_path(self.path))
+            if self.previous is None and (self.scan.done or any(s.done for s in self.part_scans.values())):
                 raise UsageError(
                     f"cannot resume {self.path}: its sidecar {sidecar_path(self.path)} is "
                     "missing, so nothing says which settings made it; run without --resume "
@@ -936,12 +1081,25 @@ class RunOutput:
     @property
     def resuming(self) -> bool:
         """True when there are finished results to keep."""
-        return self.previous is not None and bool(self.scan.done)
+        return self.previous is not None and bool(self._all_done())
 
     @property
     def done(self) -> dict[str, bool]:
-        """Ids already in the output (resume) -> whether that result is an error."""
-        return self.scan.done if self.resuming else {}
+        """Ids already in the output or its parts (resume) -> whether that result is an error."""
+        return self._all_done() if self.previous is not None else {}
+
+    def _all_done(self) -> dict[str, bool]:
+        if self._done is None:
+            done = dict(self.scan.done)
+            for s in self.part_scans.values():
+                for rid, err in s.done.items():
+                    done.setdefault(rid, err)
+            self._done = done
+        return self._done
+
+    @property
+    def torn_bytes(self) -> int:
+        return self.scan.torn_bytes + sum(s.torn_bytes for s in self.part_scans.values())
 
     def check(self, fingerprint: dict[str, Any], *, ignore: Iterable[str] = ()) -> None:
         if not self.resuming:
@@ -955,30 +1113,109 @@ class RunOutput:
                 "(this overwrites the file)"
             )
 
+    def _cut_torn_tail(self) -> None:
+        if self.path is not None and os.path.exists(self.path):
+            try:
+                os.truncate(self.path, self.scan.keep_bytes)  # drop a torn last line
+            except OSError as e:
+                raise MarscliError(f"cannot resume {self.path}: {e.strerror or e}") from None
+
+    def _start_fresh(self, fingerprint: dict[str, Any]) -> ResultWriter:
+        # Output first, parts second, sidecar last: a crash in between leaves an empty output
+        # (and maybe stale parts made under the old sidecar, which a resume may use as they
+        # are: the old sidecar describes them), never old results under a new fingerprint.
+        assert self.path is not None
+        writer = ResultWriter(self.path)
+        try:
+            remove_parts(self.path)
+            write_sidecar(sidecar_path(self.path), fingerprint,
+                          note=f"settings of the run that writes {os.path.basename(self.path)}; "
+                               "used by --resume")
+        except BaseException:
+            writer.close()
+            raise
+        return writer
+
     def open(self, fingerprint: dict[str, Any], items: Iterable[Request | RecordError]) -> ResultWriter:
         if self.path is None:
             return ResultWriter(None)
         self.check(fingerprint)
         if self.resuming:
-            try:
-                os.truncate(self.path, self.scan.keep_bytes)  # drop a torn last line
-            except OSError as e:
-                raise MarscliError(f"cannot resume {self.path}: {e.strerror or e}") from None
-            skip = [it.index for it in items if it.id in self.scan.done]
+            self._cut_torn_tail()
+            done = self.done
+            skip = [it.index for it in items if it.id in done]
             return ResultWriter(self.path, append=True, skip=skip)
-        # Output first, sidecar second: a crash in between leaves an empty output, which a
-        # resume treats as nothing done, never old results under a new fingerprint.
-        writer = ResultWriter(self.path)
-        write_sidecar(sidecar_path(self.path), fingerprint,
-                      note=f"settings of the run that writes {os.path.basename(self.path)}; "
-                           "used by --resume")
-        return writer
+        return self._start_fresh(fingerprint)
+
+    def needs_merge(self, items: list[Request | RecordError]) -> bool:
+        """After a resume: is the output not simply in input order (parts, or gaps)?"""
+        if self.path is None or not self.resuming:
+            return False
+        if self.part_scans:
+            return True
+        have = list(self.scan.done)
+        return have != [it.id for it in items[: len(have)]]
+
+    # ------------------------------------------------------------------ data-parallel runs
+
+    def prepare_parts(self, fingerprint: dict[str, Any]) -> tuple[str, str]:
+        """Main process, before any part is written: start fresh (empty output, no stale
+        parts, new sidecar) or keep what a resume found; returns (parts_base, probe), where
+        probe is a file every process must see (a check for a shared filesystem)."""
+        if self.path is None:  # stdout: the parts go to a temporary folder
+            self._temp_dir = tempfile.mkdtemp(prefix="marscli-parts-")
+            self.parts_base = os.path.join(self._temp_dir, "results.jsonl")
+        else:
+            self.check(fingerprint)
+            if self.resuming:
+                self._cut_torn_tail()
+            else:
+                self._start_fresh(fingerprint).close()
+        assert self.parts_base is not None
+        probe = f"{self.parts_base}.probe-{uuid.uuid4().hex[:12]}"
+        try:
+            open(probe, "wb").close()
+        except OSError as e:
+            raise MarscliError(f"cannot write beside {self.parts_base}: {e.strerror or e}") from None
+        return self.parts_base, probe
+
+    def open_part(self, rank: int, world_size: int) -> PartWriter:
+        """This process's part file, appended to (a resumed part keeps its complete lines)."""
+        assert self.parts_base is not None
+        path = part_path(self.parts_base, rank, world_size)
+        scan = self.part_scans.get(path)
+        if scan is not None and scan.torn_bytes:
+            try:
+                os.truncate(path, scan.keep_bytes)
+            except OSError as e:
+                raise MarscliError(f"cannot resume {path}: {e.strerror or e}") from None
+        return PartWriter(path, append=True)
+
+    def merge(self, items: list[Request | RecordError], stream: BinaryIO | None = None) -> MergeReport:
+        """Merge the output and every part into the output (or `stream` for stdout runs) in
+        input order, then remove the parts."""
+        assert self.parts_base is not None
+        sources = find_parts(self.parts_base)
+        if self.path is not None and os.path.exists(self.path):
+            sources.insert(0, self.path)
+        report = merge_results(sources, items, self.path if self.path is not None else stream)
+        if self.path is not None:
+            remove_parts(self.path)
+        self.cleanup()
+        return report
+
+    def cleanup(self) -> None:
+        """Remove a stdout run's temporary part folder."""
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
 
     def write_empty(self) -> None:
         """An input without records: a fresh run leaves an empty output and no sidecar."""
         if self.path is None or self.resume:
             return
         ResultWriter(self.path).close()
+        remove_parts(self.path)
         try:
             os.unlink(sidecar_path(self.path))
         except FileNotFoundError:

@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -444,24 +445,92 @@ def _resolve_dtype(cfg: ModelConfig, device: torch.device, log: Log | None) -> t
     return dtype
 
 
-def _quantization(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """(label, BitsAndBytesConfig) or (None, None). Checked before any weight is read."""
+#: Device maps accelerate computes by itself (transformers' from_pretrained device_map strings).
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*[KMGT]i?B$", re.IGNORECASE)
+
+
+def parse_max_memory(text: str) -> tuple[tuple[str, str], ...]:
+    """'0=20GiB,1=20GiB,cpu=64GiB' -> (("0", "20GiB"), ("1", "20GiB"), ("cpu", "64GiB")).
+
+    Raises ValueError naming the bad part (the CLI turns it into a usage error).
+    """
+    pairs: list[tuple[str, str]] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, size = part.partition("=")
+        key, size = key.strip().lower(), size.strip()
+        if not sep or not size:
+            raise ValueError(f"{part!r}: expected DEVICE=SIZE, e.g. 0=20GiB or cpu=64GiB")
+        if not (key.isdigit() or key in ("cpu", "disk")):
+            raise ValueError(f"{part!r}: the device must be a GPU index, cpu or disk")
+        if not _SIZE.match(size):
+            raise ValueError(f"{part!r}: the size must be a number with a unit, e.g. 20GiB or 500MB")
+        if any(k == key for k, _ in pairs):
+            raise ValueError(f"{part!r}: device {key} is given twice")
+        pairs.append((key, size))
+    if not pairs:
+        raise ValueError("expected DEVICE=SIZE pairs, e.g. 0=20GiB,cpu=64GiB")
+    return tuple(pairs)
+
+
+def max_memory_dict(pairs: tuple[tuple[str, str], ...] | None) -> dict[Any, str] | None:
+    """What from_pretrained takes: GPU indices as ints."""
+    if pairs is None:
+        return None
+    return {int(k) if k.isdigit() else k: v for k, v in pairs}
+
+
+def _quantization(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, log: Log | None = None):
+    """(label, BitsAndBytesConfig) or (None, None). Checked before any weight is read.
+
+    The label goes into the model's identity (and so into profiles and run fingerprints): it
+    names everything that changes the numbers, so a profile calibrated under another
+    quantization or compute dtype is not picked for this one.
+    """
     if cfg.load_in_4bit and cfg.load_in_8bit:
         raise ModelLoadError("--load-in-4bit and --load-in-8bit are mutually exclusive")
     if not (cfg.load_in_4bit or cfg.load_in_8bit):
+        if cfg.bnb_compute_dtype not in (None, "auto"):
+            raise ModelLoadError("--bnb-compute-dtype needs --load-in-4bit")
         return None, None
     option = "--load-in-4bit" if cfg.load_in_4bit else "--load-in-8bit"
-    if not torch.cuda.is_available():
-        raise ModelLoadError(f"{option} needs a CUDA GPU (bitsandbytes); none is available")
-    if device.type != "cuda":
+    explicit_cpu = (cfg.device or "").strip().lower() == "cpu"
+    if device.type != "cuda" and not explicit_cpu:
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"{option} needs a CUDA GPU (bitsandbytes); none is available "
+                                 "(--device cpu runs bitsandbytes' CPU backend instead: slow, for "
+                                 "trying things out)")
         raise ModelLoadError(f"{option} needs a CUDA GPU (bitsandbytes); --device is {device}")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelLoadError(f"{option} needs bitsandbytes, which is not installed: "
+                             "pip install bitsandbytes")
+    if device.type == "cpu":
+        import logging
+
+        # On CPU bitsandbytes warns at import about an optional hub kernel, and 8-bit warns at
+        # every matmul that it casts to float16: stderr belongs to marscli's own progress.
+        for name in ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        if log is not None:
+            log(f"{option} on CPU: bitsandbytes' CPU kernels are slow; use a CUDA GPU for speed")
     from transformers import BitsAndBytesConfig
 
     if cfg.load_in_4bit:
-        return "4bit", BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        compute = dtype if cfg.bnb_compute_dtype in (None, "auto") else _DTYPES.get(cfg.bnb_compute_dtype)
+        if compute is None:
+            raise ModelLoadError(f"--bnb-compute-dtype {cfg.bnb_compute_dtype}: expected auto, "
+                                 f"{', '.join(_DTYPES)}")
+        label = f"bnb-4bit-nf4-{str(compute).removeprefix('torch.')}"
+        return label, BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute
         )
-    return "8bit", BitsAndBytesConfig(load_in_8bit=True)
+    if cfg.bnb_compute_dtype not in (None, "auto"):
+        raise ModelLoadError("--bnb-compute-dtype applies to --load-in-4bit only (8-bit matmuls "
+                             "run in float16)")
+    return "bnb-8bit", BitsAndBytesConfig(load_in_8bit=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -516,7 +585,12 @@ def load_model(
     # With device_map the map places the weights; the device still picks the "auto" dtype.
     device = _resolve_device(cfg)
     dtype = _resolve_dtype(cfg, device, log)
-    quant_label, quant_config = _quantization(cfg, device, dtype)
+    quant_label, quant_config = _quantization(cfg, device, dtype, log)
+    device_map: Any = cfg.device_map
+    if device_map is None and cfg.max_memory is not None:
+        device_map = "auto"  # --max-memory only means something to a device map
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise ModelLoadError(f"--device-map {device_map}: expected {', '.join(DEVICE_MAPS)}")
 
     resolved = _resolve_source(cfg.source, role)
     sha256: str | None = None
@@ -529,13 +603,14 @@ def load_model(
         folder = convert_gguf(resolved.path, log=log, sha256=sha256)
 
     kwargs: dict[str, Any] = {"dtype": dtype}
-    device_map: Any = cfg.device_map
     if quant_config is not None:
         kwargs["quantization_config"] = quant_config
-        if device_map is None:
-            device_map = {"": device.index}
+        if device_map is None:  # bitsandbytes quantizes while placing: the whole model on device
+            device_map = {"": str(device)}
     if device_map is not None:
         kwargs["device_map"] = device_map
+        if cfg.max_memory is not None:
+            kwargs["max_memory"] = max_memory_dict(cfg.max_memory)
 
     what = f"{role} model {resolved.source}"
     try:
@@ -558,6 +633,8 @@ def load_model(
         except RuntimeError as exc:  # CUDA out of memory included
             raise ModelLoadError(f"cannot move {what} to {device}: {_reason(exc)}") from None
     else:
+        # Placed by the map (or by bitsandbytes): never .to() it. Inputs go where the
+        # embedding layer is; accelerate's hooks move activations between devices.
         device = model.get_input_embeddings().weight.device
     model.eval()
     for p in model.parameters():
@@ -566,7 +643,7 @@ def load_model(
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad; it is masked anyway
 
-    device_label = f"{cfg.device_map}-map" if cfg.device_map is not None else str(device)
+    device_label = f"{device_map}-map" if isinstance(device_map, str) else str(device)
     identity = {
         "name": resolved.name,
         "source": resolved.source,

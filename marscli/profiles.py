@@ -542,7 +542,7 @@ def match_problems(profile: Profile, target_identity: dict[str, Any],
     problems = []
     for key in ("dtype", "quantization", "device_type"):
         if prof_target.get(key) != want.get(key):
-            problems.append(f"{key} {prof_target.get(key)} (loaded: {want.get(key)})")
+            problems.append(f"{key} {prof_target.get(key) or 'none'} (loaded: {want.get(key) or 'none'})")
     return problems
 
 
