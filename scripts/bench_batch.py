@@ -68,10 +68,12 @@ def run_one(args) -> dict:
     engine = BatchEngine(target, lambda: build_drafter(dcfg, target), VerifyConfig(), dcfg, args.one)
     records = load_records(args.prompts, args.per_file)
     sampling = SamplingParams(max_tokens=args.max_tokens)
-    prompts = {it.index: engine.fit_prompt(engine.tokenize(it), truncate="left",
-                                           max_tokens=args.max_tokens)[0] for it in records}
+    # Keyed by position: a record's index is its line in its own file, so records of
+    # different files share indices.
+    prompts = [engine.fit_prompt(engine.tokenize(it), truncate="left", max_tokens=args.max_tokens)[0]
+               for it in records]
     # Warm up kernels and allocator outside the timed run.
-    list(engine.run([records[0]], lambda it: (prompts[it.index][-64:], SamplingParams(max_tokens=8))))
+    list(engine.run([0], lambda i: (prompts[i][-64:], SamplingParams(max_tokens=8))))
     engine.peak_cache_bytes = 0
     engine.prefill_seconds = 0.0
     if target.device.type == "cuda":
@@ -81,12 +83,12 @@ def run_one(args) -> dict:
     tokens = 0
     steps = 0
     outputs = {}
-    for it, res in engine.run(records, lambda it: (prompts[it.index], sampling)):
+    for i, res in engine.run(range(len(records)), lambda i: (prompts[i], sampling)):
         if isinstance(res, BaseException):
             raise res
         tokens += res.completion_tokens
         steps += res.stats.steps
-        outputs[it.index] = res.token_ids
+        outputs[i] = res.token_ids
     if target.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -94,7 +96,8 @@ def run_one(args) -> dict:
     out = {
         "batch_size": args.one,
         "records": len(records),
-        "prompt_tokens": sum(len(p) for p in prompts.values()),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "distinct_prompts": len({tuple(p) for p in prompts}),
         "tokens": tokens,
         "seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / seconds, 2),
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"batch {bs}: {row['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
     base = rows[0]["tokens_per_s"]
-    print(f"{rows[0]['records']} records ({rows[0]['prompt_tokens']} prompt tokens), "
+    print(f"{rows[0]['records']} records ({rows[0]['distinct_prompts']} distinct, {rows[0]['prompt_tokens']} prompt tokens), "
           f"max {args.max_tokens} new tokens, ngram K<={args.num_draft_tokens}, strict greedy, "
           f"{rows[0]['device']}, {args.dtype}\n")
     dbase = rows[0]["decode_tokens_per_s"]
