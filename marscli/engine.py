@@ -13,6 +13,7 @@ per-row draft lengths, and drafters work per sequence.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -162,6 +163,15 @@ class SpecEngine:
         self.verify_cfg = verify_cfg
         self.k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
         self.theta = verify_cfg.effective_theta
+        # A drafter that drafts from the target's hidden states (EAGLE-3) names the layers it
+        # reads; every target forward pass then captures them (no second pass).
+        layers = getattr(drafter, "feature_layers", None)
+        self.tap = None
+        if layers:
+            from marscli.eagle3 import FeatureTap
+
+            self.tap = FeatureTap(self.model, layers)
+        self.last_features: torch.Tensor | None = None  # [B, S, F] from the newest forward pass
         if self.device.type == "cpu":
             from marscli.fastpath import install_cpu_fastpath
 
@@ -231,11 +241,12 @@ class SpecEngine:
         cache = new_cache(self.model)
         if len(prompt_ids) > 1:  # prefill all but the pending last token; its logits are not needed
             self._forward(list(prompt_ids[:-1]), cache, logits_to_keep=1)
+            s.observe_prefill(self.last_features)
         while not s.done:
             drafts, proposal = s.propose()
             base = cache.get_seq_length()
             logits = self._forward([s.seq[-1]] + drafts, cache)  # [1, k+1, V]
-            n = s.commit(drafts, proposal, logits)
+            n = s.commit(drafts, proposal, logits, features=self.last_features)
             rollback(cache, base + 1 + n)
         return s.result()
 
@@ -243,9 +254,22 @@ class SpecEngine:
 
     def _forward(self, ids: list[int], cache, logits_to_keep: int = 0) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True,
-                         logits_to_keep=logits_to_keep)
+        with self.capture():
+            out = self.model(input_ids=x, past_key_values=cache, use_cache=True,
+                             logits_to_keep=logits_to_keep)
         return out.logits  # [1, len(ids) or logits_to_keep, V]
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Run a target forward pass inside this to leave its features in last_features
+        ([B, S, F]; None when the drafter reads none)."""
+        if self.tap is None:
+            self.last_features = None
+            yield
+            return
+        with self.tap.capture():
+            yield
+        self.last_features = self.tap.features
 
 
 def verify_step(d: torch.Tensor, logits: torch.Tensor, proposal: Proposal, sampling: SamplingParams,
@@ -314,10 +338,17 @@ class Sequence:
         proposal = self.drafter.propose(self.seq, k_cap) if k_cap > 0 else Proposal([])
         return proposal.tokens[:k_cap], proposal
 
-    def commit(self, drafts: list[int], proposal: Proposal, logits: torch.Tensor) -> int:
+    def observe_prefill(self, features: torch.Tensor | None) -> None:
+        """Hand the prefill's target features [1, S, F] to a drafter that reads them."""
+        if features is not None:
+            self.drafter.observe(features[0])
+
+    def commit(self, drafts: list[int], proposal: Proposal, logits: torch.Tensor,
+               features: torch.Tensor | None = None) -> int:
         """Verify this step's drafts against the target's logits [1, k+1, V] for
         [pending, drafts]; extend the sequence; return the number of accepted drafts (the
-        caller keeps the pending token and that many drafts in its cache)."""
+        caller keeps the pending token and that many drafts in its cache). features
+        [1, k+1, F]: the same pass's target features, for a drafter that reads them."""
         k = len(drafts)
         assert logits.shape[:2] == (1, k + 1), (tuple(logits.shape), k)
         eng = self.engine
@@ -347,6 +378,8 @@ class Sequence:
         self.seq.extend(emitted)
         out = self.out
         out.extend(emitted)
+        if features is not None:  # the positions the target keeps: pending + accepted drafts
+            self.drafter.observe(features[0, : len(emitted)])
         self.drafter.accepted(k, n, self.seq)
         if self.on_step is not None:
             self.on_step(len(emitted))
@@ -381,6 +414,20 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None):
     from marscli.drafters.ngram import NgramDrafter, NoDrafter
 
     device_type = target.device.type
+    if draft_cfg.kind == "eagle3":
+        from marscli.drafters.eagle3 import Eagle3Drafter, TreeShape
+
+        if draft_model is None:
+            raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.eagle3.load_head)")
+        head = getattr(draft_model, "head", draft_model)
+        tree = (TreeShape(draft_cfg.tree_depth, draft_cfg.tree_top_k, draft_cfg.tree_tokens)
+                if draft_cfg.tree else None)
+        t_params = sum(p.numel() for p in target.model.parameters())
+        h_params = sum(p.numel() for p in head.parameters())
+        cost = CostModel.for_device(device_type, draft_step=h_params / max(t_params, 1))
+        vocab = target.model.get_output_embeddings().weight.shape[0]
+        return Eagle3Drafter(head, draft_cfg.num_draft_tokens, vocab_size=vocab, cost=cost,
+                             adaptive=draft_cfg.adaptive, tree=tree)
     if draft_cfg.kind == "none":
         return NoDrafter()
     if draft_cfg.kind == "ngram":

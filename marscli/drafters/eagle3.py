@@ -1,0 +1,223 @@
+"""EAGLE-3 drafter: a one-layer head drafting from the target's own hidden states.
+
+The engine hands the drafter the target's features of every position it commits
+(``observe``): from the prefill, then from each verification pass (the pending token and the
+accepted drafts). The head's KV cache holds one committed entry per committed position but
+the last: entry j pairs the target features at j with token j+1, and its output predicts
+token j+2 (see marscli.eagle3). Drafting appends entries built from the head's own outputs;
+they are dropped again before the next step, and the accepted tokens re-enter the cache with
+the target's real features (what the published code does with its "stable" cache).
+
+Two ways to draft:
+
+- chain (``propose``): top-1 (greedy) or a sample from the head's distribution q (sampling;
+  q is returned as the proposal's probabilities over the target vocabulary, so strict
+  speculative sampling uses the real q), K tokens, K chosen adaptively as for the other drafters;
+- tree (``propose_tree``): EAGLE-2's dynamic tree. The head takes the top-k tokens after the
+  pending one; then, ``depth`` times, it expands the top-k nodes of the newest level (by
+  cumulative draft log-probability), each into its top-k children, in one head pass per level;
+  finally the best ``tokens - 1`` nodes of everything generated are kept (ancestors rank ahead
+  of their descendants, so the kept set is a tree). Paths hold up to depth + 1 drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from marscli.config import SamplingParams
+from marscli.drafters.base import AcceptanceTracker, CostModel, Proposal
+from marscli.eagle3 import Eagle3Head
+from marscli.verify import sample_from, sampling_probs
+
+#: Parent of a depth-1 node (its parent is the pending token, the tree's root).
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE's tree settings: expansions after the first top-k (``depth``: paths hold up to
+    depth + 1 drafts), branching (``top_k``) and tree size counting the root (``tokens``:
+    tokens - 1 draft nodes). The MARS reference runs depth 6-7, top-k 10, 50-60 tokens."""
+
+    depth: int
+    top_k: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.depth < 0 or self.top_k < 1 or self.tokens < 2:
+            raise ValueError(f"tree needs depth >= 0, top-k >= 1 and tokens >= 2, got {self}")
+
+    @property
+    def max_path(self) -> int:
+        return self.depth + 1
+
+
+class Eagle3Drafter:
+    """Drafts with an EAGLE-3 head for one sequence at a time (one per batch row)."""
+
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int, cost: CostModel | None = None,
+                 adaptive: bool = True, tree: TreeShape | None = None):
+        self.head = head
+        self.k_max = k_max
+        self.vocab_size = vocab_size  # the target's logits width
+        self.cost = cost or CostModel()
+        self.adaptive = adaptive
+        self.tree = tree
+        self.device = head.device
+        self.start([])
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers whose input hidden states the engine must hand over (observe)."""
+        return self.head.feature_layers
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+              generator: torch.Generator | None = None) -> None:
+        self.sampling = sampling or SamplingParams()
+        self.generator = generator
+        self.tracker = AcceptanceTracker(self.k_max, self.cost, adaptive=self.adaptive)
+        self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # committed entries' keys, values
+        self.n = 0  # committed head entries (= committed positions with features, but the last)
+        self.pending: list[torch.Tensor] = []  # target features not yet in the head's cache
+        self.last_out: torch.Tensor | None = None  # [H] output of the newest committed entry
+
+    # ------------------------------------------------------------------ target features
+
+    def observe(self, features: torch.Tensor) -> None:
+        """Target features [S, n_features] of the next S committed positions, in order."""
+        assert features.dim() == 2 and features.shape[1] == self.head.n_features, tuple(features.shape)
+        if features.shape[0]:
+            self.pending.append(features)
+
+    def _catch_up(self, seq: list[int]) -> bool:
+        """Put the pending features into the cache as committed entries; True when the head
+        is ready to draft the token after seq[-1]."""
+        if self.pending:
+            feats = torch.cat(self.pending, 0) if len(self.pending) > 1 else self.pending[0]
+            self.pending = []
+            P = feats.shape[0]
+            assert self.n + P <= len(seq) - 1, (self.n, P, len(seq))
+            dev = self.device
+            tokens = torch.tensor([seq[self.n + 1: self.n + 1 + P]], dtype=torch.long, device=dev)
+            pos = torch.arange(self.n, self.n + P, device=dev).unsqueeze(0)
+            out, k, v = self.head(feats.unsqueeze(0).to(dev), tokens, pos, self.past, target_features=True)
+            self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2),
+                                                          torch.cat([self.past[1], v], 2))
+            self.n += P
+            self.last_out = out[0, -1]
+        return self.last_out is not None and self.n == len(seq) - 1
+
+    # ------------------------------------------------------------------ chain
+
+    @torch.inference_mode()
+    def propose(self, seq: list[int], k_max: int) -> Proposal:
+        k = self.tracker.choose_k(k_max)
+        if k <= 0 or not self._catch_up(seq):
+            return Proposal([])
+        head, dev = self.head, self.device
+        past = self.past
+        out = self.last_out.view(1, 1, -1)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        s = self.sampling
+        for i in range(k):
+            logits = head.draft_logits(out[0, -1])  # [draft_vocab]
+            if s.greedy:
+                d = logits.argmax().view(1)
+            else:
+                q = sampling_probs(logits.unsqueeze(0), s.temperature, s.top_k, s.top_p)  # [1, Dv]
+                u = torch.rand(1, generator=self.generator)
+                d = sample_from(q.cpu(), u).to(dev)
+                probs.append(head.target_probs(q[0], self.vocab_size))
+            tok = head.to_target(d)  # [1]
+            tokens.append(int(tok))
+            if i + 1 < k:  # the last draft needs no head pass
+                pos = torch.tensor([[self.n + i]], device=dev)
+                out, kk, vv = head(out, tok.view(1, 1), pos, past, target_features=False)
+                past = (torch.cat([past[0], kk], 2), torch.cat([past[1], vv], 2))
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
+        self.tracker.update(proposed, accepted)
+
+    # ------------------------------------------------------------------ tree
+
+    @torch.inference_mode()
+    def propose_tree(self, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
+        """EAGLE-2 dynamic tree after seq -> (tokens [N], parents [N] (ROOT or an earlier
+        index), scores [N] cumulative draft log-probabilities); nodes in generation order, so
+        parents come first. Paths are cut at max_path drafts (the remaining budget)."""
+        shape = self.tree
+        assert shape is not None, "propose_tree needs a TreeShape"
+        levels = min(shape.max_path, max_path)
+        if levels <= 0 or not self._catch_up(seq):
+            return [], [], []
+        head, dev = self.head, self.device
+        K = shape.top_k
+        lp = torch.log_softmax(head.draft_logits(self.last_out), -1)  # [Dv]
+        top = torch.topk(lp, min(K, lp.shape[-1]))
+        # Every generated node: target token, parent node index (ROOT), cumulative score.
+        tok_chunks = [head.to_target(top.indices)]
+        par_chunks = [torch.full_like(top.indices, ROOT)]
+        score_chunks = [top.values]
+        n_nodes = top.indices.numel()
+        frontier = torch.arange(n_nodes, device=dev)  # node ids to expand next
+        f_scores = top.values
+        f_tokens = tok_chunks[0]
+        f_hidden = self.last_out.view(1, 1, -1).expand(1, n_nodes, -1)  # their parents' outputs
+        f_parent_entry = torch.full((n_nodes,), -1, dtype=torch.long, device=dev)
+        T = self.n
+        keys, values = self.past
+        anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [E, E] ancestor-or-self of tree entries
+        for level in range(1, levels):
+            F = frontier.numel()
+            E = anc.shape[0]
+            # A frontier node sees every committed entry, its ancestors' entries and itself.
+            rows = torch.zeros(F, E, dtype=torch.bool, device=dev)
+            has_parent = f_parent_entry >= 0
+            if E and bool(has_parent.any()):
+                rows[has_parent] = anc[f_parent_entry[has_parent]]
+            mask = torch.cat([torch.ones(F, T, dtype=torch.bool, device=dev), rows,
+                              torch.eye(F, dtype=torch.bool, device=dev)], 1)[None, None]
+            pos = torch.full((1, F), T + level - 1, device=dev)
+            out, k, v = head(f_hidden, f_tokens.view(1, F), pos, (keys, values), mask, target_features=False)
+            keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+            new_anc = torch.zeros(E + F, E + F, dtype=torch.bool, device=dev)
+            new_anc[:E, :E] = anc
+            new_anc[E:, :E] = rows
+            new_anc[E:, E:] = torch.eye(F, dtype=torch.bool, device=dev)
+            anc = new_anc
+            # Each frontier node's top-k children, scored by cumulative log-probability.
+            lp = torch.log_softmax(head.draft_logits(out[0]), -1)  # [F, Dv]
+            top = torch.topk(lp, min(K, lp.shape[-1]), dim=-1)
+            cum = (f_scores.unsqueeze(1) + top.values).reshape(-1)  # [F * K]
+            child_parent = frontier.repeat_interleave(top.indices.shape[1])
+            child_tok = head.to_target(top.indices.reshape(-1))
+            tok_chunks.append(child_tok)
+            par_chunks.append(child_parent)
+            score_chunks.append(cum)
+            child_ids = torch.arange(n_nodes, n_nodes + cum.numel(), device=dev)
+            n_nodes += cum.numel()
+            if level + 1 >= levels:
+                break
+            best = torch.topk(cum, min(K, cum.numel())).indices
+            frontier = child_ids[best]
+            f_scores = cum[best]
+            f_tokens = child_tok[best]
+            parent_row = best // top.indices.shape[1]  # which frontier node each came from
+            f_hidden = out[:, parent_row]
+            f_parent_entry = E + parent_row
+        tokens = torch.cat(tok_chunks).tolist()
+        parents = torch.cat(par_chunks).tolist()
+        scores = torch.cat(score_chunks).float().tolist()
+        # Rerank: the best tokens - 1 nodes; ties go to the earlier node, so a parent (never
+        # scored below its child, and generated earlier) always ranks ahead of its children.
+        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: shape.tokens - 1]
+        keep.sort()
+        new_index = {old: new for new, old in enumerate(keep)}
+        out_parents = [ROOT if parents[i] == ROOT else new_index[parents[i]] for i in keep]
+        return [tokens[i] for i in keep], out_parents, [scores[i] for i in keep]
