@@ -75,6 +75,9 @@ class BatchEngine:
         # The single-record engine lends its prompt handling, eos set, theta, forward and CPU
         # fast path; the rows share its settings.
         self.single = SpecEngine(target, drafter_factory(), verify_cfg, draft_cfg)
+        if self.single.tree is not None:
+            raise ValueError("draft trees run one record at a time (batch size 1); "
+                             "use chain drafting to batch")
         self.batch_size = batch_size
         self.device = target.device
         # A draft model that drafts for all rows in one forward pass per draft position; its
@@ -231,6 +234,7 @@ class BatchEngine:
             # Prefilled alone, exactly as SpecEngine does: no padding ever enters a prompt pass.
             c = new_cache(self.model)
             self.single._forward(list(ids[:-1]), c, logits_to_keep=1)
+            seq.observe_prefill(self.single.last_features)
             self._last_prefill = [(layer.keys, layer.values) for layer in c.layers]
         return _Row(item, ids, sampling, seq, len(ids) - 1)
 
@@ -250,13 +254,16 @@ class BatchEngine:
         npos = torch.tensor([r.npos for r in rows], dtype=torch.long)
         pos = npos[:, None] + torch.arange(K + 1)[None, :]  # [B, K+1]
         ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
-        logits = self.kv.forward(ids, new_mask, pos).logits  # [B, K+1, V]
+        with self.single.capture():  # the target features, for drafters that read them
+            logits = self.kv.forward(ids, new_mask, pos).logits  # [B, K+1, V]
+        features = self.single.last_features  # [B, K+1, F] or None
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
         assert logits.shape[:2] == (B, K + 1), tuple(logits.shape)
         finished = []
         for b, (r, (drafts, proposal)) in enumerate(zip(rows, plans)):
             k = len(drafts)
-            n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1])
+            n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1],
+                             features=None if features is None else features[b: b + 1, : k + 1])
             new_mask[b, 1 + n:] = 0
             r.npos += 1 + n
             if r.seq.done:

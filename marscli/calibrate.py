@@ -523,6 +523,8 @@ def build_profile(*, name: str, cal: Calibration, data: MarginData, target_ident
             "adaptive": draft_cfg.adaptive,
             "ngram_max": draft_cfg.ngram_max if draft_cfg.kind == "ngram" else None,
             "ngram_min": draft_cfg.ngram_min if draft_cfg.kind == "ngram" else None,
+            **({"tree": {"depth": draft_cfg.tree_depth, "top_k": draft_cfg.tree_top_k,
+                         "tokens": draft_cfg.tree_tokens}} if getattr(draft_cfg, "tree", False) else {}),
         },
         "verification": {"margin": cal.margin, "theta": cal.theta},
         "policy": {"name": cal.policy, "value": cal.policy_value},

@@ -59,6 +59,9 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_hist: list[int] = field(default_factory=list)  # steps by number of accepted drafts
+    # Tree steps: drafted/accepted count path positions (depths); tree_nodes counts the nodes
+    # the target scored.
+    tree_nodes: int = 0
 
     def __post_init__(self) -> None:
         k = max(self.k_max, 0)
@@ -96,6 +99,7 @@ class SpecStats:
             "accepted_per_position": self.accepted_per_position,
             "drafted_per_position": self.drafted_per_position,
             "accepted_per_step_hist": self.accepted_hist,
+            **({"tree_nodes": self.tree_nodes} if self.tree_nodes else {}),
         }
 
 
@@ -144,6 +148,11 @@ class StepObservation:
     u_accept: torch.Tensor | None  # [1, k] the acceptance uniforms (sampling only)
     draft_probs: torch.Tensor | None  # [1, k, V] q (sampling with a model drafter only)
     emitted: int  # tokens this step added to the completion (after stopping rules)
+    # Tree steps (EAGLE-3 trees): drafts/logits above are the accepted path and its rows
+    # ([1, n] and [1, n+1, V]); result is the tree verifier's; these hold the whole tree.
+    tree: Any = None  # marscli.tree.DraftTree
+    tree_logits: torch.Tensor | None = None  # [N+1, V] rows: root, then node i at i + 1
+    tree_u_accept: torch.Tensor | None = None  # [N] acceptance uniforms (sampling only)
 
 
 class SpecEngine:
@@ -172,6 +181,13 @@ class SpecEngine:
 
             self.tap = FeatureTap(self.model, layers)
         self.last_features: torch.Tensor | None = None  # [B, S, F] from the newest forward pass
+        # Tree drafting (EAGLE-3 --tree-*): paths hold at most max_path drafts.
+        self.tree = getattr(drafter, "tree", None)
+        if self.tree is not None:
+            from marscli.tree import check_tree_support
+
+            check_tree_support(self.model)
+            self.k_max = self.tree.max_path
         if self.device.type == "cpu":
             from marscli.fastpath import install_cpu_fastpath
 
@@ -243,12 +259,33 @@ class SpecEngine:
             self._forward(list(prompt_ids[:-1]), cache, logits_to_keep=1)
             s.observe_prefill(self.last_features)
         while not s.done:
+            if self.tree is not None:
+                self._tree_step(s, cache)
+                continue
             drafts, proposal = s.propose()
             base = cache.get_seq_length()
             logits = self._forward([s.seq[-1]] + drafts, cache)  # [1, k+1, V]
             n = s.commit(drafts, proposal, logits, features=self.last_features)
             rollback(cache, base + 1 + n)
         return s.result()
+
+    def _tree_step(self, s: Sequence, cache) -> None:
+        """One step with a draft tree: one target pass over root + all nodes (tree mask and
+        tree position ids), verification along the tree, then only the accepted path stays
+        in the cache."""
+        from marscli.tree import compact_cache, tree_forward
+
+        tree = s.propose_tree()
+        base = cache.get_seq_length()
+        if len(tree) == 0:  # nothing to draft (budget, or no features yet): a plain step
+            logits = self._forward([s.seq[-1]], cache)  # [1, 1, V]
+            s.commit([], Proposal([]), logits, features=self.last_features)
+            rollback(cache, base + 1)
+            return
+        with self.capture():
+            logits, _ = tree_forward(self.model, cache, tree, s.seq[-1], base)  # [N+1, V]
+        path = s.commit_tree(tree, logits, features=self.last_features)
+        compact_cache(cache, base, path)
 
     # ------------------------------------------------------------------ internals
 
@@ -356,9 +393,70 @@ class Sequence:
         res, u_accept, q = verify_step(d, logits, proposal, self.sampling, self.gen,
                                        eng.theta, eng.verify_cfg.margin)
         n = int(res.num_accepted[0])
-        emitted = drafts[:n] + [int(res.next_token[0])]
-        remaining = self.max_new - len(self.out)
+        relaxed = int(res.relaxed[0, :n].sum()) if k else 0
+        decided = min(n + 1, k)
+        relaxable = int(res.relaxable[0, :decided].sum()) if k else 0
+        emitted = self._finish_step(
+            drafts[:n] + [int(res.next_token[0])], k, n, relaxed, relaxable,
+            lambda e: StepObservation(d, logits, res, self.sampling, u_accept, q, e))
+        if features is not None:  # the positions the target keeps: pending + accepted drafts
+            self.drafter.observe(features[0, : len(emitted)])
+        self.drafter.accepted(k, n, self.seq)
+        return n
 
+    # ------------------------------------------------------------------ trees
+
+    def propose_tree(self):
+        """The draft tree for the next step (paths cut to what the remaining budget can use)."""
+        from marscli.tree import DraftTree
+
+        k_cap = self.k_cap()
+        tokens, parents, _ = self.drafter.propose_tree(self.seq, k_cap) if k_cap > 0 else ([], [], [])
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def commit_tree(self, tree, logits: torch.Tensor, features: torch.Tensor | None = None) -> list[int]:
+        """Verify a draft tree against the target's logits [N+1, V] for [pending, nodes];
+        extend the sequence; return the accepted path (node indices; the caller keeps the
+        pending token and the path in its cache). features [1, N+1, F]: the same pass's."""
+        from marscli.tree import verify_tree
+
+        N = len(tree)
+        assert logits.shape[0] == N + 1, (tuple(logits.shape), N)
+        eng = self.engine
+        s = self.sampling
+        u_accept = u_sample = None
+        if not s.greedy:  # a fixed number of draws per step (N + 1), as in the chain case
+            u_accept = torch.rand(N, generator=self.gen).to(logits.device)
+            u_sample = torch.rand(1, generator=self.gen).to(logits.device)
+        res = verify_tree(tree, logits, theta=eng.theta, margin=eng.verify_cfg.margin,
+                          temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                          u_accept=u_accept, u_sample=u_sample)
+        path = [int(i) for i in res.path]
+        n = len(path)
+        depth = int(tree.depth().max()) if N else 0
+        tokens = tree.tokens.tolist()
+        rows = [0] + [i + 1 for i in path]  # logits rows that decided something
+        relaxed = sum(bool(r) for r in res.relaxed)  # per accepted node
+        decided = rows[: min(n + 1, depth)]  # rows whose children were judged
+        relaxable = int(res.relaxable[torch.tensor(decided, dtype=torch.long)].sum()) if decided else 0
+        self.stats.tree_nodes += N
+        emitted = self._finish_step(
+            [tokens[i] for i in path] + [int(res.next_token)], depth, n, relaxed, relaxable,
+            lambda e: StepObservation(
+                tree.tokens[path].view(1, n) if n else torch.zeros(1, 0, dtype=torch.long),
+                logits[rows].unsqueeze(0), res, s, None, None, e, tree=tree, tree_logits=logits,
+                tree_u_accept=u_accept))
+        if features is not None:
+            self.drafter.observe(features[0, rows][: len(emitted)])
+        self.drafter.accepted(depth, n, self.seq)
+        return path
+
+    def _finish_step(self, emitted: list[int], k: int, n: int, relaxed: int, relaxable: int,
+                     observation: Callable[[int], StepObservation]) -> list[int]:
+        """Stopping rules, statistics, observer and sequence update for one verified step;
+        returns the tokens the step really added."""
+        eng = self.engine
+        remaining = self.max_new - len(self.out)
         # Stopping: EOS ends the sequence after it; max tokens cuts the step short.
         stop_at = None
         for i, t in enumerate(emitted):
@@ -369,18 +467,12 @@ class Sequence:
             emitted = emitted[:stop_at]
             self.finish = FINISH_STOP
         emitted = emitted[:remaining]
-        relaxed = int(res.relaxed[0, :n].sum()) if k else 0
-        decided = min(n + 1, k)
-        relaxable = int(res.relaxable[0, :decided].sum()) if k else 0
         self.stats.record_step(k, n, relaxed, relaxable, len(emitted))
         if self.observer is not None:
-            self.observer(StepObservation(d, logits, res, self.sampling, u_accept, q, len(emitted)))
+            self.observer(observation(len(emitted)))
         self.seq.extend(emitted)
         out = self.out
         out.extend(emitted)
-        if features is not None:  # the positions the target keeps: pending + accepted drafts
-            self.drafter.observe(features[0, : len(emitted)])
-        self.drafter.accepted(k, n, self.seq)
         if self.on_step is not None:
             self.on_step(len(emitted))
         if self.stopper is not None:
@@ -397,7 +489,7 @@ class Sequence:
             else:
                 self.checked_chars = len(decoded)  # the loop's last decode was the whole completion
         self.done = self.finish == FINISH_STOP or len(out) >= self.max_new
-        return n
+        return emitted
 
     def result(self) -> GenerationResult:
         text = self.text
