@@ -573,12 +573,12 @@ def load_head(source: str, target, *, log=None) -> LoadedHead:
         raise ModelLoadError(f"EAGLE-3 head {cfg_path}: cannot read config: {exc}") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"EAGLE-3 head {cfg_path}: not a JSON object")
-    cfg = HeadConfig.from_dict(raw, str(cfg_path))
+    cfg = HeadConfig.from_dict(raw, f"EAGLE-3 head {cfg_path}")
     weights = next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
     if weights is None:
         raise ModelLoadError(f"EAGLE-3 head {folder}: no {' or '.join(WEIGHT_FILES)}")
     sd = _read_weights(weights)
-    layers, sd = check_head(sd, cfg, target.model, str(weights), str(cfg_path))
+    layers, sd = check_head(sd, cfg, target.model, str(weights), f"EAGLE-3 head {cfg_path}")
     emb = target.model.get_input_embeddings().weight
     head = build_head(sd, cfg, target.model, layers, emb.dtype, emb.device)
     if log:
