@@ -30,6 +30,7 @@ from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     CalibrateConfig,
     PAPER_THETA,
+    TREE_DEFAULTS,
     DraftConfig,
     GenerateConfig,
     ModelConfig,
@@ -149,10 +150,6 @@ BatchSizeOpt = Annotated[int, typer.Option(
     "a finished record's place goes to the next one. Same outputs as 1 (the default).",
     rich_help_panel=PANEL_MODEL)]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.", rich_help_panel=PANEL_OUTPUT)]
-
-
-#: EAGLE-3's own defaults (eagle/model/ea_model.py): depth 7, top-k 10, 60 tokens.
-TREE_DEFAULTS = (7, 10, 60)
 
 
 def _check_choices(margin: str | None, dtype: str, ngram_min: int | None, ngram_max: int | None) -> None:
@@ -545,8 +542,8 @@ def _show_profile(p, con: Console) -> None:
 def bench(
     input: Annotated[str, typer.Argument(help="JSONL file of prompts (any format generate reads), or '-' for stdin.")],
     methods: Annotated[
-        str, typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta).", rich_help_panel=PANEL_VERIFY)
-    ] = "hf-generate,hf-assisted,ar,strict,mars",
+        Optional[str], typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta); with an EAGLE-3 drafter also strict-tree, mars-tree (tree drafting). Default: hf-generate,hf-assisted,ar,strict,mars; with --draft eagle3:... hf-generate,ar,strict,strict-tree,mars,mars-tree.", rich_help_panel=PANEL_VERIFY)
+    ] = None,
     theta: Annotated[
         Optional[str], typer.Option(help=f"MARS thresholds, comma-separated. Default: the --profile's theta, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)
     ] = None,
@@ -586,6 +583,8 @@ def bench(
     See docs/benchmarks.md for every column.
     """
     from marscli.bench import (
+        DEFAULT_EAGLE3_METHODS,
+        DEFAULT_METHODS,
         BenchConfig,
         parse_float_list,
         parse_int_list,
@@ -609,6 +608,8 @@ def bench(
         draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, None, None,
                                   prof.data["drafter"] if prof is not None else None,
                                   tree=(tree_depth, tree_top_k, tree_tokens))
+        if methods is None:
+            methods = DEFAULT_EAGLE3_METHODS if draft_cfg.kind == "eagle3" else DEFAULT_METHODS
         cfg = BenchConfig(
             input=input,
             methods=parse_methods(methods, thetas or (PAPER_THETA,)),

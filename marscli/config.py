@@ -20,6 +20,9 @@ STRICT_THETA = math.inf
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 8
+#: EAGLE-3 tree drafting defaults, EAGLE-3's own (eagle/model/ea_model.py): depth 7, top-k 10,
+#: 60 tokens (the MARS paper's runs: depth 6-7, top-k 10, 50-60 tokens).
+TREE_DEFAULTS = (7, 10, 60)
 
 
 @dataclass(frozen=True)

@@ -556,3 +556,114 @@ def test_tree_calibration_records_path_and_siblings(target, heads):
     assert (nodes[on_path, TREE_COLS.index("rank")] == 1).all()  # strict greedy: path nodes are top-1
     # The chain view holds the path and one rejected child per step that had children left.
     assert data.positions >= int(data.step_n.sum())
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _jsonl(path: Path, prompts) -> Path:
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+def test_cli_generate_chain_and_tree(target_dir, fitted_dir, references, tmp_path):
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+
+    src = _jsonl(tmp_path / "in.jsonl", PROMPTS)
+    base = ["generate", str(src), "--target", str(target_dir), "--draft", f"eagle3:{fitted_dir}",
+            "--max-tokens", str(MAX_NEW), "--token-ids", "--no-timing", "--dtype", "float32", "--device", "cpu"]
+    runner = CliRunner()
+    for extra in ([], ["--batch-size", "2"], ["--tree-depth", "3", "--tree-top-k", "3", "--tree-tokens", "12"]):
+        r = runner.invoke(app, base + ["--verify", "strict"] + extra)
+        assert r.exit_code == 0, r.stderr
+        res = [json.loads(line) for line in r.stdout.splitlines()]
+        assert [x["token_ids"] for x in res] == [references[p] for p in PROMPTS]
+        assert all(x["spec"]["drafter"] == "eagle3" for x in res)
+        if extra and extra[0] == "--tree-depth":
+            assert "eagle3 tree (depth 3, top-k 3, 12 tokens)" in r.stderr
+            assert all(x["spec"]["tree_nodes"] > 0 for x in res)
+    # MARS on a tree through the command line
+    r = runner.invoke(app, base + ["--verify", "mars", "--theta", "0.5", "--tree-depth", "2"])
+    assert r.exit_code == 0, r.stderr
+    assert "mars (theta=0.5" in r.stderr
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--tree-depth", "3", "--batch-size", "2"], "tree drafting runs one record at a time"),
+    (["--draft", "ngram", "--tree-depth", "3"], "need an EAGLE-3 drafter"),
+    (["--draft", "eagle3:"], "needs the head's folder"),
+])
+def test_cli_usage_errors(target_dir, fitted_dir, tmp_path, args, fragment):
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+
+    src = _jsonl(tmp_path / "in.jsonl", PROMPTS[:1])
+    argv = ["generate", str(src), "--target", str(target_dir)]
+    if "--draft" not in args:
+        argv += ["--draft", f"eagle3:{fitted_dir}"]
+    r = CliRunner().invoke(app, argv + args)
+    assert r.exit_code == 2 and fragment in r.stderr, r.stderr
+    assert r.stdout == ""
+
+
+def test_cli_mismatched_head_fails_with_one_line(tiny_model_dir, random_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+
+    src = _jsonl(tmp_path / "in.jsonl", PROMPTS[:1])
+    r = CliRunner().invoke(app, ["generate", str(src), "--target", str(tiny_model_dir),
+                                 "--draft", f"eagle3:{random_dir}"])
+    assert r.exit_code == 2, r.stderr
+    line = [l for l in r.stderr.splitlines() if l.startswith("marscli: error:")]
+    assert len(line) == 1 and "fc.weight" in line[0] and str(random_dir) in line[0]
+
+
+@pytest.mark.parametrize("tree", [[], ["--tree-depth", "3", "--tree-top-k", "3", "--tree-tokens", "12"]])
+def test_cli_calibrate_with_eagle3(target_dir, fitted_dir, tmp_path, tree):
+    import yaml
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+
+    src = _jsonl(tmp_path / "in.jsonl", PROMPTS + HELD_OUT)
+    out = tmp_path / "prof.yaml"
+    r = CliRunner().invoke(app, ["calibrate", str(src), "--target", str(target_dir), "--draft",
+                                 f"eagle3:{fitted_dir}", "--max-tokens", "16", "--relax-rate", "0.3",
+                                 "-o", str(out), "-q"] + tree)
+    assert r.exit_code == 0, r.stderr
+    prof = yaml.safe_load(out.read_text())
+    assert prof["drafter"]["kind"] == "eagle3"
+    assert prof["drafter"]["model"]["fingerprint"]
+    assert (prof["drafter"].get("tree") or {}).get("depth") == (3 if tree else None)
+    # generate finds the profile for this target and head by itself
+    g = CliRunner().invoke(app, ["generate", str(src), "--target", str(target_dir), "--draft",
+                                 f"eagle3:{fitted_dir}", "--max-tokens", "4", "--profile", str(out)])
+    assert g.exit_code == 0, g.stderr
+    assert "mars (theta=" in g.stderr
+
+
+def test_cli_bench_compares_chain_and_tree(target_dir, fitted_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+
+    src = _jsonl(tmp_path / "in.jsonl", PROMPTS[:3])
+    rep = tmp_path / "bench.json"
+    r = CliRunner().invoke(app, ["bench", str(src), "--target", str(target_dir), "--draft", f"eagle3:{fitted_dir}",
+                                 "--max-tokens", "16", "--tree-depth", "3", "--tree-top-k", "3",
+                                 "--tree-tokens", "12", "--theta", "0.5", "--report", str(rep), "-q"])
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(rep.read_text())
+    methods = report["methods"]
+    assert set(methods) == {"hf-generate", "ar", "strict", "strict-tree", "mars@0.5", "mars-tree@0.5"}
+    assert report["correctness"]["failures"] == 0
+    assert set(report["correctness"]["methods"]) >= {"strict", "strict-tree"}
+    assert methods["strict-tree"]["acceptance_length"] > 1.5 and methods["strict"]["acceptance_length"] > 1.5
+    assert report["settings"]["drafter"]["tree"] == {"depth": 3, "top_k": 3, "tokens": 12}
+    bad = CliRunner().invoke(app, ["bench", str(src), "--target", str(target_dir), "--draft", f"eagle3:{fitted_dir}",
+                                   "--methods", "hf-assisted,strict"])
+    assert bad.exit_code == 2 and "no assisted generation" in bad.stderr

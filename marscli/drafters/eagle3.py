@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from marscli.config import SamplingParams
+from marscli.config import TREE_DEFAULTS, SamplingParams
 from marscli.drafters.base import AcceptanceTracker, CostModel, Proposal
 from marscli.eagle3 import Eagle3Head
 from marscli.verify import sample_from, sampling_probs
@@ -52,6 +52,10 @@ class TreeShape:
     @property
     def max_path(self) -> int:
         return self.depth + 1
+
+
+#: EAGLE-3's own defaults (eagle/model/ea_model.py): depth 7, top-k 10, 60 tokens.
+DEFAULT_TREE = TreeShape(*TREE_DEFAULTS)
 
 
 class Eagle3Drafter:
