@@ -184,9 +184,13 @@ class SpecEngine:
         # Tree drafting (EAGLE-3 --tree-*): paths hold at most max_path drafts.
         self.tree = getattr(drafter, "tree", None)
         if self.tree is not None:
+            from marscli.errors import UsageError
             from marscli.tree import check_tree_support
 
-            check_tree_support(self.model)
+            try:
+                check_tree_support(self.model)
+            except ValueError as e:  # sliding windows, flash attention...: chain drafting still works
+                raise UsageError(f"--tree-*: {e}") from None
             self.k_max = self.tree.max_path
         if self.device.type == "cpu":
             from marscli.fastpath import install_cpu_fastpath

@@ -42,6 +42,7 @@ PROMPTS = [
 HELD_OUT = ["quick brown", "seven eight nine", "the lazy dog", "world, hello", "tokens verify"]
 MAX_NEW = 24
 FIT_STEPS = 200
+SHARPEN = 0.05  # temperature of the fitted head's targets
 TREE = dict(tree_depth=3, tree_top_k=3, tree_tokens=12)
 
 
@@ -104,7 +105,9 @@ def fit_head(target, seqs: torch.Tensor, *, steps: int, seed: int = 0, draft_voc
     B, L = seqs.shape
     S = L - 1
     in_draft = head.to_target(torch.arange(head.d2t.shape[0]))
-    p = torch.softmax(logits[..., in_draft], -1)  # [B, L, Dv] target distribution on the draft vocabulary
+    # The target distribution on the draft vocabulary, sharpened: the tiny random target is
+    # nearly uniform (its top-2 logits are close), which would teach a flat head.
+    p = torch.softmax(logits[..., in_draft] / SHARPEN, -1)  # [B, L, Dv]
     hid, toks, pos = feats[:, :S], seqs[:, 1:], torch.arange(S).expand(B, S)
     head.train().requires_grad_(True)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3, weight_decay=0.0)
