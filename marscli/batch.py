@@ -262,8 +262,10 @@ class BatchEngine:
         finished = []
         for b, (r, (drafts, proposal)) in enumerate(zip(rows, plans)):
             k = len(drafts)
-            n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1],
-                             features=None if features is None else features[b: b + 1, : k + 1])
+            if features is None:
+                n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1])
+            else:
+                n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1], features=features[b: b + 1, : k + 1])
             new_mask[b, 1 + n:] = 0
             r.npos += 1 + n
             if r.seq.done:
@@ -401,10 +403,17 @@ class HoleCache:
 
 def batched_drafter_for(draft_cfg: DraftConfig, target, draft_model) -> BatchedModelDrafter | None:
     """The batched form of the drafter build_drafter makes, where there is one (a draft
-    model without sliding-window layers); None for drafters that run per row (ngram, none,
-    a windowed draft model: BatchEngine then gives each row its own drafter)."""
+    model without sliding-window layers, an EAGLE-3 head drafting chains); None for drafters
+    that run per row (ngram, none, a windowed draft model: BatchEngine then gives each row
+    its own drafter)."""
     from marscli.engine import build_drafter
 
+    if draft_cfg.kind == "eagle3" and not draft_cfg.tree:
+        from marscli.drafters.eagle3 import BatchedEagle3Drafter
+
+        one = build_drafter(draft_cfg, target, draft_model)  # its cost model and vocabulary width
+        return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size, cost=one.cost,
+                                    adaptive=one.adaptive)
     if draft_cfg.kind != "model":
         return None
     if any(getattr(layer, "is_sliding", False) for layer in new_cache(draft_model.model).layers):

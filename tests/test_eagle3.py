@@ -391,12 +391,19 @@ def test_chain_strict_greedy_equals_generate(target, heads, references, which):
         assert st["tau"] > 1.5, st  # the fitted head really drafts what the target says
 
 
-def test_chain_adaptive_and_batched_equal_single(target, heads, references):
-    from marscli.batch import BatchEngine
+@pytest.mark.parametrize("head_batched", [True, False])
+def test_chain_adaptive_and_batched_equal_single(target, heads, references, head_batched):
+    """Batch decoding gives every record what it gets alone: with the head's passes batched
+    over the rows (what the CLI uses) and with one head pass per row."""
+    from marscli.batch import BatchEngine, batched_drafter_for
+    from marscli.drafters.eagle3 import BatchedEagle3Drafter
 
     cfg = DraftConfig(kind="eagle3", model="x", num_draft_tokens=5, adaptive=True)
     single = SpecEngine(target, build_drafter(cfg, target, heads["fitted"]), VerifyConfig(), cfg)
-    batch = BatchEngine(target, lambda: build_drafter(cfg, target, heads["fitted"]), VerifyConfig(), cfg, 3)
+    bd = batched_drafter_for(cfg, target, heads["fitted"]) if head_batched else None
+    assert isinstance(bd, BatchedEagle3Drafter) or not head_batched
+    batch = BatchEngine(target, lambda: build_drafter(cfg, target, heads["fitted"]), VerifyConfig(), cfg, 3,
+                        batched_drafter=bd)
     for s in (SamplingParams(max_tokens=MAX_NEW), SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=5)):
         a = {p: single.generate_ids(target.tokenizer(p).input_ids, s) for p in PROMPTS}
         b = dict(batch.run(PROMPTS, lambda p: (target.tokenizer(p).input_ids, s)))

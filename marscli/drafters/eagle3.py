@@ -225,3 +225,172 @@ class Eagle3Drafter:
         new_index = {old: new for new, old in enumerate(keep)}
         out_parents = [ROOT if parents[i] == ROOT else new_index[parents[i]] for i in keep]
         return [tokens[i] for i in keep], out_parents, [scores[i] for i in keep]
+
+
+# ---------------------------------------------------------------------------- batched chains
+
+
+def _left_pad_kv(t: torch.Tensor, length: int) -> torch.Tensor:
+    """[1, kv, T, hd] -> [1, kv, length, hd], zeros on the left."""
+    extra = length - t.shape[2]
+    if extra <= 0:
+        return t
+    return torch.cat([t.new_zeros(t.shape[:2] + (extra,) + t.shape[3:]), t], 2)
+
+
+class BatchedEagle3Drafter:
+    """Chain drafting for a whole batch: the rows' catch-up entries in one head pass and then
+    one head pass per draft position for all rows (instead of one pass per row and position).
+
+    Each row is an Eagle3Drafter (its own committed cache, features, acceptance tracker and
+    random generator); this class only runs their head passes together. The rows' committed
+    caches are left-padded to a common length for each step; padding is masked out, so a
+    row drafts what it would alone, up to float summation order. Rows follow the target's
+    batch (marscli.batch.BatchEngine adds and drops them together).
+    """
+
+    def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int, cost: CostModel | None = None,
+                 adaptive: bool = True):
+        self.head = head
+        self.k_max = k_max
+        self.vocab_size = vocab_size
+        self.cost = cost or CostModel()
+        self.adaptive = adaptive
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows: list[_BatchRow] = []
+
+    def new_handle(self) -> _BatchRow:
+        return _BatchRow(self)
+
+    def prefill(self, ids: list[int]):
+        return None  # the head's prompt entries come from the target's prefill features (observe)
+
+    def add(self, handle: _BatchRow, kv, ids: list[int]) -> None:
+        self.rows.append(handle)
+
+    def keep(self, keep: list[int]) -> None:
+        self.rows = [self.rows[b] for b in keep]
+
+    @torch.inference_mode()
+    def propose_all(self, seqs: list[list[int]], k_caps: list[int]) -> None:
+        """Compute every row's next proposal (left in its handle for Sequence.propose)."""
+        rows, head = self.rows, self.head
+        assert len(seqs) == len(k_caps) == len(rows)
+        dev = head.device
+        ks = []
+        for r, seq, cap in zip(rows, seqs, k_caps):
+            r.next = Proposal([])
+            k = r.tracker.choose_k(cap) if cap > 0 else 0
+            ks.append(k)
+        active = [b for b, k in enumerate(ks) if k > 0]
+        if not active:
+            return
+        # 1. Catch-up: every active row's pending target features, in one padded pass.
+        self._catch_up([rows[b] for b in active], [seqs[b] for b in active])
+        active = [b for b in active if rows[b].ready(seqs[b])]
+        if not active:
+            return
+        B = len(active)
+        act = [rows[b] for b in active]
+        T = max(r.n for r in act)
+        keys = torch.cat([_left_pad_kv(r.past[0], T) for r in act], 0)  # [B, kv, T, hd]
+        values = torch.cat([_left_pad_kv(r.past[1], T) for r in act], 0)
+        valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
+        for i, r in enumerate(act):
+            valid[i, T - r.n:] = True
+        out = torch.stack([r.last_out for r in act]).unsqueeze(1)  # [B, 1, H]
+        tokens: list[list[int]] = [[] for _ in act]
+        probs: list[list[torch.Tensor]] = [[] for _ in act]
+        kmax = max(ks[b] for b in active)
+        for i in range(kmax):
+            logits = head.draft_logits(out[:, 0])  # [B, Dv]
+            toks = torch.zeros(B, dtype=torch.long, device=dev)
+            for j, r in enumerate(act):
+                if i >= ks[active[j]]:
+                    continue
+                s = r.sampling
+                if s.greedy:
+                    d = logits[j].argmax().view(1)
+                else:
+                    q = sampling_probs(logits[j: j + 1], s.temperature, s.top_k, s.top_p)  # [1, Dv]
+                    u = torch.rand(1, generator=r.generator)
+                    d = sample_from(q.cpu(), u).to(dev)
+                    probs[j].append(head.target_probs(q[0], self.vocab_size))
+                tok = head.to_target(d)
+                toks[j] = tok[0]
+                tokens[j].append(int(tok))
+            if i + 1 >= kmax:
+                break
+            pos = torch.tensor([[r.n + i] for r in act], device=dev)
+            mask = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)[:, None, None, :]
+            out, k, v = head(out, toks.view(B, 1), pos, (keys, values), mask, target_features=False)
+            keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+            valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
+        for j, r in enumerate(act):
+            r.next = Proposal(tokens[j][: ks[active[j]]], torch.stack(probs[j]) if probs[j] else None)
+
+    def _catch_up(self, rows: list[_BatchRow], seqs: list[list[int]]) -> None:
+        todo = [(r, s) for r, s in zip(rows, seqs) if r.pending]
+        if not todo:
+            return
+        head, dev = self.head, self.head.device
+        feats = [torch.cat(r.pending, 0) for r, _ in todo]
+        P = max(f.shape[0] for f in feats)
+        T = max(r.n for r, _ in todo)
+        B = len(todo)
+        F = feats[0].shape[1]
+        x = torch.zeros(B, P, F, dtype=feats[0].dtype, device=dev)
+        tok = torch.zeros(B, P, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, P, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, 1, P, T + P, dtype=torch.bool, device=dev)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        for i, ((r, seq), f) in enumerate(zip(todo, feats)):
+            p = f.shape[0]
+            assert r.n + p <= len(seq) - 1, (r.n, p, len(seq))
+            x[i, :p] = f.to(dev)
+            tok[i, :p] = torch.tensor(seq[r.n + 1: r.n + 1 + p], dtype=torch.long, device=dev)
+            pos[i] = r.n + torch.arange(P, device=dev)
+            mask[i, 0, :, T - r.n: T] = True  # the row's committed entries (left-padded)
+            mask[i, 0, :, T:] = causal
+        if T:
+            keys = torch.cat([_left_pad_kv(r.past[0], T) if r.past is not None else
+                              head_kv_zeros(head, T, dev) for r, _ in todo], 0)
+            values = torch.cat([_left_pad_kv(r.past[1], T) if r.past is not None else
+                                head_kv_zeros(head, T, dev) for r, _ in todo], 0)
+            past = (keys, values)
+        else:
+            past = None
+        out, k, v = head(x, tok, pos, past, mask, target_features=True)
+        for i, ((r, _), f) in enumerate(zip(todo, feats)):
+            p = f.shape[0]
+            kk, vv = k[i: i + 1, :, :p], v[i: i + 1, :, :p]
+            r.past = (kk, vv) if r.past is None else (torch.cat([r.past[0], kk], 2), torch.cat([r.past[1], vv], 2))
+            r.n += p
+            r.last_out = out[i, p - 1]
+            r.pending = []
+
+
+def head_kv_zeros(head: Eagle3Head, T: int, dev) -> torch.Tensor:
+    a = head.midlayer.self_attn
+    return torch.zeros(1, a.nkv, T, a.hd, dtype=head.dtype, device=dev)
+
+
+class _BatchRow(Eagle3Drafter):
+    """One row's handle on a BatchedEagle3Drafter: an Eagle3Drafter whose proposal was
+    computed for all rows at once just before Sequence.propose asks for it."""
+
+    def __init__(self, owner: BatchedEagle3Drafter):
+        self.owner = owner
+        self.next: Proposal | None = None
+        super().__init__(owner.head, owner.k_max, vocab_size=owner.vocab_size, cost=owner.cost,
+                         adaptive=owner.adaptive)
+
+    def ready(self, seq: list[int]) -> bool:
+        return self.last_out is not None and self.n == len(seq) - 1
+
+    def propose(self, seq: list[int], k_max: int) -> Proposal:
+        assert self.next is not None, "BatchedEagle3Drafter.propose_all must run first"
+        proposal, self.next = self.next, None
+        return proposal
