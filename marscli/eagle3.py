@@ -368,7 +368,8 @@ class FeatureTap:
             for h in handles:
                 h.remove()
         if len(got) == len(self.layer_ids):
-            self.features = torch.cat([got[i] for i in self.layer_ids], dim=-1)
+            dev = got[self.layer_ids[-1]].device  # layers may sit on several GPUs (device_map)
+            self.features = torch.cat([got[i].to(dev) for i in self.layer_ids], dim=-1)
 
 
 # --------------------------------------------------------------------------------------------
