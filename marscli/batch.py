@@ -75,6 +75,9 @@ class BatchEngine:
         # The single-record engine lends its prompt handling, eos set, theta, forward and CPU
         # fast path; the rows share its settings.
         self.single = SpecEngine(target, drafter_factory(), verify_cfg, draft_cfg)
+        if self.single.tree is not None:
+            raise ValueError("draft trees run one record at a time (batch size 1); "
+                             "use chain drafting to batch")
         self.batch_size = batch_size
         self.device = target.device
         # A draft model that drafts for all rows in one forward pass per draft position; its
@@ -231,6 +234,7 @@ class BatchEngine:
             # Prefilled alone, exactly as SpecEngine does: no padding ever enters a prompt pass.
             c = new_cache(self.model)
             self.single._forward(list(ids[:-1]), c, logits_to_keep=1)
+            seq.observe_prefill(self.single.last_features)
             self._last_prefill = [(layer.keys, layer.values) for layer in c.layers]
         return _Row(item, ids, sampling, seq, len(ids) - 1)
 
@@ -250,13 +254,18 @@ class BatchEngine:
         npos = torch.tensor([r.npos for r in rows], dtype=torch.long)
         pos = npos[:, None] + torch.arange(K + 1)[None, :]  # [B, K+1]
         ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
-        logits = self.kv.forward(ids, new_mask, pos).logits  # [B, K+1, V]
+        with self.single.capture():  # the target features, for drafters that read them
+            logits = self.kv.forward(ids, new_mask, pos).logits  # [B, K+1, V]
+        features = self.single.last_features  # [B, K+1, F] or None
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
         assert logits.shape[:2] == (B, K + 1), tuple(logits.shape)
         finished = []
         for b, (r, (drafts, proposal)) in enumerate(zip(rows, plans)):
             k = len(drafts)
-            n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1])
+            if features is None:
+                n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1])
+            else:
+                n = r.seq.commit(drafts, proposal, logits[b: b + 1, : k + 1], features=features[b: b + 1, : k + 1])
             new_mask[b, 1 + n:] = 0
             r.npos += 1 + n
             if r.seq.done:
@@ -394,10 +403,17 @@ class HoleCache:
 
 def batched_drafter_for(draft_cfg: DraftConfig, target, draft_model) -> BatchedModelDrafter | None:
     """The batched form of the drafter build_drafter makes, where there is one (a draft
-    model without sliding-window layers); None for drafters that run per row (ngram, none,
-    a windowed draft model: BatchEngine then gives each row its own drafter)."""
+    model without sliding-window layers, an EAGLE-3 head drafting chains); None for drafters
+    that run per row (ngram, none, a windowed draft model: BatchEngine then gives each row
+    its own drafter)."""
     from marscli.engine import build_drafter
 
+    if draft_cfg.kind == "eagle3" and not draft_cfg.tree:
+        from marscli.drafters.eagle3 import BatchedEagle3Drafter
+
+        one = build_drafter(draft_cfg, target, draft_model)  # its cost model and vocabulary width
+        return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size, cost=one.cost,
+                                    adaptive=one.adaptive)
     if draft_cfg.kind != "model":
         return None
     if any(getattr(layer, "is_sliding", False) for layer in new_cache(draft_model.model).layers):

@@ -9,6 +9,9 @@ Methods, all on the same target, drafter, prompts, max tokens, temperature and s
 - ``ar``: marscli's engine with no drafter (plain decoding through the same loop).
 - ``strict``: marscli speculative decoding with exact verification.
 - ``mars@THETA``: marscli with margin-aware verification, one method per theta.
+- ``strict-tree`` and ``mars-tree@THETA`` (EAGLE-3 drafters only): the same with the head
+  drafting an EAGLE-2 dynamic tree (the --tree-* settings, else EAGLE-3's defaults) instead of
+  a chain, so chain and tree compare side by side. ``strict``/``mars`` then draft chains.
 
 Protocol: every method runs once on the first prompt (warm-up, not measured); then, per seed
 and per prompt, every method runs once, the order rotating from prompt to prompt, so machine
@@ -54,16 +57,24 @@ HF_ASSISTED = "hf-assisted"
 AR = "ar"
 STRICT = "strict"
 MARS = "mars"
-ALL_METHODS = (HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS)
-DEFAULT_METHODS = ",".join(ALL_METHODS)
+STRICT_TREE = "strict-tree"
+MARS_TREE = "mars-tree"
+ALL_METHODS = (HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS, STRICT_TREE, MARS_TREE)
+DEFAULT_METHODS = ",".join((HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS))
+#: The default for an EAGLE-3 drafter: transformers has no EAGLE-3 assisted generation, and
+#: chain and tree drafting compare side by side.
+DEFAULT_EAGLE3_METHODS = ",".join((HF_GENERATE, AR, STRICT, STRICT_TREE, MARS, MARS_TREE))
 #: Methods whose greedy output must equal the reference method's token for token.
-EXACT_METHODS = (AR, STRICT)
+EXACT_METHODS = (AR, STRICT, STRICT_TREE)
 #: Methods that need a drafter.
-DRAFTED_METHODS = (HF_ASSISTED, STRICT, MARS)
+DRAFTED_METHODS = (HF_ASSISTED, STRICT, MARS, STRICT_TREE, MARS_TREE)
 #: Methods with per-step statistics (acceptance, relaxed share, the ideal speedup).
-SPEC_METHODS = (STRICT, MARS)
+SPEC_METHODS = (STRICT, MARS, STRICT_TREE, MARS_TREE)
+#: Methods that verify with MARS (one per theta) and methods that draft trees.
+MARS_METHODS = (MARS, MARS_TREE)
+TREE_METHODS = (STRICT_TREE, MARS_TREE)
 #: Methods measured at several batch sizes by --batch-size (transformers refuses assisted
-#: generation at batch size > 1, so hf-assisted is left out).
+#: generation at batch size > 1, and draft trees run one record at a time).
 BATCHED_METHODS = (HF_GENERATE, AR, STRICT, MARS)
 #: Reference for quality comparisons, in order of preference.
 REFERENCE_METHODS = (HF_GENERATE, AR)
@@ -133,7 +144,7 @@ def parse_methods(text: str, thetas: Sequence[float]) -> tuple[MethodSpec, ...]:
     for name in names:
         if name not in ALL_METHODS:
             raise UsageError(f"unknown method {name!r} in --methods; choose from {', '.join(ALL_METHODS)}")
-        specs = ([MethodSpec(f"{MARS}@{t:g}", MARS, t) for t in thetas] if name == MARS
+        specs = ([MethodSpec(f"{name}@{t:g}", name, t) for t in thetas] if name in MARS_METHODS
                  else [MethodSpec(name, name)])
         out.extend(s for s in specs if s not in out)
     return tuple(out)
@@ -160,6 +171,12 @@ def parse_int_list(text: str, option: str) -> tuple[int, ...]:
 
 
 def check_config(cfg: BenchConfig) -> None:
+    trees = [m.name for m in cfg.methods if m.kind in TREE_METHODS]
+    if trees and cfg.draft.kind != "eagle3":
+        raise UsageError(f"{', '.join(trees)} draft trees with an EAGLE-3 head: --draft eagle3:PATH")
+    if cfg.draft.kind == "eagle3" and any(m.kind == HF_ASSISTED for m in cfg.methods):
+        raise UsageError("transformers has no assisted generation with an EAGLE-3 head: drop "
+                         "hf-assisted from --methods")
     if cfg.draft.kind == "none":
         drafted = [m.name for m in cfg.methods if m.kind in DRAFTED_METHODS]
         if drafted:
@@ -343,8 +360,9 @@ class Bench:
             elif m.kind == HF_ASSISTED:
                 self.runners[m.name] = self._hf_runner(self._assisted_kwargs())
             else:
-                dcfg = none_cfg if m.kind == AR else cfg.draft
-                vcfg = VerifyConfig("mars", m.theta, cfg.margin) if m.kind == MARS else VerifyConfig(margin=cfg.margin)
+                dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
+                vcfg = (VerifyConfig("mars", m.theta, cfg.margin) if m.kind in MARS_METHODS
+                        else VerifyConfig(margin=cfg.margin))
                 engine = SpecEngine(target, build_drafter(dcfg, target, draft), vcfg, dcfg)
                 self.engines[m.name] = engine
                 self.runners[m.name] = self._engine_runner(engine)
@@ -475,9 +493,11 @@ class Bench:
         """Median target forward time for n = 1..K+1 new tokens over a cached context of
         `ids`, and the draft model's for one token."""
         k = self.cfg.draft.num_draft_tokens if self.cfg.draft.kind != "none" else 0
+        if any(m.kind in TREE_METHODS for m in self.cfg.methods):  # a tree pass scores N+1 tokens
+            k = max(k, chain_or_tree(self.cfg.draft, True).tree_tokens - 1)
         t_target = _forward_times(self.target.model, self.target.device, ids, k + 1)
         t_draft = None
-        if self.draft is not None:
+        if self.draft is not None and self.cfg.draft.kind != "eagle3":  # a head has no forward of its own here
             t_draft = _forward_times(self.draft.model, self.draft.device, ids, 1)[0]
         return {
             "context_tokens": len(ids),
@@ -745,7 +765,9 @@ def aggregate(runs: Sequence[Run], spec: MethodSpec, t_target: Sequence[float] |
         app = [sum(s.accepted_per_position[i] for s in stats) for i in range(k)]
         dpp = [sum(s.drafted_per_position[i] for s in stats) for i in range(k)]
         k_counts = metrics.steps_by_draft_length(dpp, steps)
-        ideal = metrics.ideal_speedup(k_counts, emitted, t_target, t_draft) if t_target else None
+        # A tree step's cost is that of its N+1 tokens, not of its depth: no ideal for trees.
+        ideal = (metrics.ideal_speedup(k_counts, emitted, t_target, t_draft)
+                 if t_target and spec.kind not in TREE_METHODS else None)
         out.update({
             "steps": steps, "drafted": drafted, "accepted": accepted, "relaxed": relaxed,
             "acceptance_length": metrics.ratio(emitted, steps),
@@ -831,7 +853,11 @@ def run_bench(cfg: BenchConfig, log: Log, *, console=None, quiet: bool = False) 
     t_load = time.perf_counter()
     target = load_model(cfg.target, role="target", log=log)
     draft = None
-    if cfg.draft_model is not None:
+    if cfg.draft_model is not None and cfg.draft.kind == "eagle3":
+        from marscli.eagle3 import load_head
+
+        draft = load_head(str(cfg.draft_model.source), target, log=log)
+    elif cfg.draft_model is not None:
         draft = load_model(cfg.draft_model, role="draft", log=log)
         check_vocab_compatible(target, draft)
     log(f"loaded {target.name} on {target.device} in {time.perf_counter() - t_load:.1f} s")
@@ -934,10 +960,11 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
             "methods": [m.name for m in cfg.methods],
             "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seeds": list(cfg.seeds),
             "limit": cfg.limit, "margin": cfg.margin,
-            "thetas": [m.theta for m in cfg.methods if m.kind == MARS],
+            "thetas": sorted({m.theta for m in cfg.methods if m.kind in MARS_METHODS}),
             "drafter": {"kind": cfg.draft.kind, "model": cfg.draft.model,
                         "num_draft_tokens": cfg.draft.num_draft_tokens, "adaptive": cfg.draft.adaptive,
-                        "ngram_max": cfg.draft.ngram_max, "ngram_min": cfg.draft.ngram_min},
+                        "ngram_max": cfg.draft.ngram_max, "ngram_min": cfg.draft.ngram_min,
+                        **_tree_settings(cfg)},
             "hf_assisted": bench.hf_assisted,
             "warmup_max_tokens": min(WARMUP_MAX_TOKENS, cfg.max_tokens),
             "batch_sizes": list(cfg.batch_sizes),
@@ -961,6 +988,28 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
         "notes": notes,
     }
     return _json_safe(report)
+
+
+def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
+    """The drafter of a chain method (no tree) or of a tree method (the --tree-* settings,
+    else EAGLE-3's defaults)."""
+    from dataclasses import replace
+
+    if not tree:
+        return replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
+    if draft.tree:
+        return draft
+    from marscli.drafters.eagle3 import DEFAULT_TREE
+
+    return replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
+                   tree_tokens=DEFAULT_TREE.tokens)
+
+
+def _tree_settings(cfg: BenchConfig) -> dict[str, Any]:
+    if not any(m.kind in TREE_METHODS for m in cfg.methods):
+        return {}
+    t = chain_or_tree(cfg.draft, True)
+    return {"tree": {"depth": t.tree_depth, "top_k": t.tree_top_k, "tokens": t.tree_tokens}}
 
 
 def target_is_cpu(bench: Bench) -> bool:
@@ -1160,6 +1209,9 @@ PLOT_PANELS = (
 )
 
 
+_PLOT_COLORS = {MARS: "tab:red", MARS_TREE: "tab:purple", STRICT_TREE: "tab:green"}
+
+
 def write_plot(report: dict[str, Any], path: str) -> None:
     """Speedup against quality, one point per method, MARS thetas joined by a line."""
     try:
@@ -1177,20 +1229,21 @@ def write_plot(report: dict[str, Any], path: str) -> None:
         raise UsageError("--plot: the report has no quality figure to plot")
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
     for ax, (field_, label) in zip(axes[0], panels):
-        mars_pts = []
-        for name, a in sorted(methods.items(), key=lambda kv: (kv[1]["kind"] == MARS, kv[1]["theta"] or 0.0)):
+        mars_pts: dict[str, list] = {MARS: [], MARS_TREE: []}
+        for name, a in sorted(methods.items(), key=lambda kv: (kv[1]["kind"] in MARS_METHODS, kv[1]["theta"] or 0.0)):
             x, y = a.get(x_field), a.get(field_)
             if x is None or y is None:
                 continue
             spread = a.get("spread") or {}
             ax.errorbar(x, y, xerr=spread.get(x_field), yerr=spread.get(field_), fmt="o",
-                        color="tab:red" if a["kind"] == MARS else "tab:blue", capsize=3)
+                        color=_PLOT_COLORS.get(a["kind"], "tab:blue"), capsize=3)
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-            if a["kind"] == MARS:
-                mars_pts.append((x, y))
-        if len(mars_pts) > 1:
-            xs, ys = zip(*mars_pts)
-            ax.plot(xs, ys, "-", color="tab:red", alpha=0.5)
+            if a["kind"] in mars_pts:
+                mars_pts[a["kind"]].append((x, y))
+        for kind, pts in mars_pts.items():
+            if len(pts) > 1:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, "-", color=_PLOT_COLORS[kind], alpha=0.5)
         ax.set_xlabel(f"speedup ({x_field.removeprefix('speedup_vs_').replace('_', '-')} = 1)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

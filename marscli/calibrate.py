@@ -58,6 +58,7 @@ class MarginCollector:
         self.step_n: list[int] = []
         self.step_emitted: list[int] = []
         self._rows: list[np.ndarray] = []  # per step: [k, len(_COLS)] float64
+        self._tree_rows: list[np.ndarray] = []  # per tree step: [nodes, len(TREE_COLS)]
 
     def __call__(self, obs) -> None:
         import torch
@@ -71,6 +72,9 @@ class MarginCollector:
             top2,
         )
 
+        if getattr(obs, "tree", None) is not None:
+            self._tree_step(obs)
+            return
         k = obs.drafts.shape[1]
         n = int(obs.result.num_accepted[0])
         self.step_k.append(k)
@@ -107,17 +111,81 @@ class MarginCollector:
             raise RuntimeError(f"calibration replay disagrees with strict verification: {replayed} != {n}")
         self._rows.append(cols.cpu().numpy())
 
+    def _tree_step(self, obs) -> None:
+        """A tree step (EAGLE-3 trees). For the replay, the step is laid out as a chain: the
+        accepted path, then one rejected child of its last node (the target's top-1 among
+        them, else its top-2, else the drafter's first), as MARS would try it first. Every
+        node on the path and every sibling of a path node (children of the rows the path
+        passed through, the last one included) also goes to tree_nodes."""
+        import torch
+
+        from marscli.tree import ROOT
+        from marscli.verify import LOGIT_RATIO, PROB_RATIO, margin_statistic, sampling_probs, top2
+
+        tree, L, res, s = obs.tree, obs.tree_logits.float(), obs.result, obs.sampling
+        path = [int(i) for i in res.path]
+        n = len(path)
+        z1, z2, t1, t2 = top2(L)  # [N+1] each
+        stat_l = margin_statistic(z1, z2, LOGIT_RATIO).double()
+        stat_p = margin_statistic(z1, z2, PROB_RATIO).double()
+        p = torch.softmax(L, -1) if s.greedy else sampling_probs(L, s.temperature, s.top_k, s.top_p)
+        logp = torch.log(p.double())  # [N+1, V]
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        t1l, t2l = t1.tolist(), t2.tolist()
+
+        def row(i: int) -> int:
+            return 0 if parents[i] == ROOT else parents[i] + 1
+
+        def cols(i: int, ok: float) -> list[float]:
+            r, d = row(i), tokens[i]
+            rank = RANK_TOP1 if d == t1l[r] else RANK_TOP2 if d == t2l[r] else RANK_OTHER
+            return [float(stat_l[r]), float(stat_p[r]), float(z1[r]), rank, float(logp[r, t1l[r]]),
+                    float(logp[r, t2l[r]]), float(logp[r, d]), ok]
+
+        if s.greedy and any(tokens[i] != t1l[row(i)] for i in path):
+            raise RuntimeError("calibration replay disagrees with strict tree verification: "
+                               "an accepted node is not the target's top-1")
+        kids = tree.child_lists()
+        last = 0 if not path else path[-1] + 1
+        chain = [cols(i, 1.0) for i in path]
+        rejected = kids[last]
+        if rejected:
+            pick = next((c for c in rejected if tokens[c] == t1l[last]), None)
+            if pick is None:
+                pick = next((c for c in rejected if tokens[c] == t2l[last]), rejected[0])
+            chain.append(cols(pick, 0.0))
+        self.step_k.append(len(chain))
+        self.step_n.append(n)
+        self.step_emitted.append(obs.emitted)
+        if chain:
+            self._rows.append(np.asarray(chain, dtype=np.float64))
+        on_path = set(path)
+        step = len(self.step_k) - 1
+        nodes = []
+        for depth, r in enumerate([0] + [i + 1 for i in path], start=1):
+            for c in kids[r]:
+                nodes.append(cols(c, 1.0 if c in on_path else 0.0) + [step, depth, float(c in on_path)])
+        if nodes:
+            self._tree_rows.append(np.asarray(nodes, dtype=np.float64))
+
     def extend(self, other: MarginCollector) -> None:
         """Append another collector's steps after this one's (batched calibration collects
         per record and merges in input order, so the data do not depend on the batch)."""
         self.step_k += other.step_k
         self.step_n += other.step_n
         self.step_emitted += other.step_emitted
+        base = len(self.step_k) - len(other.step_k)
+        for t in other._tree_rows:  # step numbers continue after this collector's
+            t = t.copy()
+            t[:, len(_COLS)] += base
+            self._tree_rows.append(t)
         self._rows += other._rows
 
     def data(self, records: int, failed: int = 0) -> MarginData:
         rows = np.concatenate(self._rows) if self._rows else np.zeros((0, len(_COLS)))
+        tree = np.concatenate(self._tree_rows) if self._tree_rows else np.zeros((0, len(TREE_COLS)))
         return MarginData(
+            tree_nodes=tree,
             step_k=np.asarray(self.step_k, dtype=np.int64),
             step_n=np.asarray(self.step_n, dtype=np.int64),
             tokens=int(sum(self.step_emitted)),
@@ -128,6 +196,15 @@ class MarginCollector:
 
 
 _COLS = ("logit_ratio", "prob_ratio", "z1", "rank", "logp1", "logp2", "logp_draft", "strict_ok")
+#: Columns of MarginData.tree_nodes: those of a position (strict_ok: accepted), then the step
+#: number, the node's depth and whether it is on the accepted path.
+TREE_COLS = _COLS + ("step", "depth", "on_path")
+
+
+def _offset_steps(tree_nodes: np.ndarray, by: int) -> np.ndarray:
+    out = tree_nodes.copy()
+    out[:, len(_COLS)] += by
+    return out
 
 
 @dataclass
@@ -147,6 +224,8 @@ class MarginData:
     logp2: np.ndarray  # [P]
     logp_draft: np.ndarray  # [P]
     strict_ok: np.ndarray  # [P] 1.0 where strict verification accepts the draft on its own
+    # Tree steps only: one row per node on the accepted path or beside it ([T, len(TREE_COLS)]).
+    tree_nodes: np.ndarray = field(default_factory=lambda: np.zeros((0, len(TREE_COLS))))
     _grid: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -172,6 +251,9 @@ class MarginData:
             records=sum(p.records for p in parts),
             failed_records=sum(p.failed_records for p in parts),
             **{name: np.concatenate([getattr(p, name) for p in parts]) for name in _COLS},
+            tree_nodes=np.concatenate([_offset_steps(p.tree_nodes, sum(q.steps for q in parts[:i]))
+                                       for i, p in enumerate(parts)]) if parts else
+            np.zeros((0, len(TREE_COLS))),
         )
 
     # ------------------------------------------------------------------ replay
@@ -523,6 +605,8 @@ def build_profile(*, name: str, cal: Calibration, data: MarginData, target_ident
             "adaptive": draft_cfg.adaptive,
             "ngram_max": draft_cfg.ngram_max if draft_cfg.kind == "ngram" else None,
             "ngram_min": draft_cfg.ngram_min if draft_cfg.kind == "ngram" else None,
+            **({"tree": {"depth": draft_cfg.tree_depth, "top_k": draft_cfg.tree_top_k,
+                         "tokens": draft_cfg.tree_tokens}} if getattr(draft_cfg, "tree", False) else {}),
         },
         "verification": {"margin": cal.margin, "theta": cal.theta},
         "policy": {"name": cal.policy, "value": cal.policy_value},

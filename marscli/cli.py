@@ -30,6 +30,7 @@ from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     CalibrateConfig,
     PAPER_THETA,
+    TREE_DEFAULTS,
     DraftConfig,
     GenerateConfig,
     ModelConfig,
@@ -102,9 +103,15 @@ def _root(
 
 
 def parse_draft(draft: str) -> tuple[str, str | None]:
-    """'none' | 'ngram' | a model path or hub id -> (kind, model)."""
+    """'none' | 'ngram' | 'eagle3:PATH' | a model path or hub id -> (kind, model)."""
     if draft in ("none", "ngram"):
         return draft, None
+    if draft.startswith("eagle3:"):
+        head = draft[len("eagle3:"):]
+        if not head:
+            raise _fail(UsageError("--draft eagle3: needs the head's folder or hub id, e.g. "
+                                   "--draft eagle3:./EAGLE3-LLaMA3.1-Instruct-8B"))
+        return "eagle3", head
     return "model", draft
 
 
@@ -114,7 +121,16 @@ TargetOpt = Annotated[
     typer.Option(help="Target model: local dir, .gguf file or hub id from the local cache. Default: embedded SmolLM2-135M-Instruct (or the --profile's target).", rich_help_panel=PANEL_MODEL),
 ]
 DraftOpt = Annotated[
-    Optional[str], typer.Option(help="Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding) or a draft model path / hub id.", rich_help_panel=PANEL_DRAFT)
+    Optional[str], typer.Option(help="Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model path / hub id, or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).", rich_help_panel=PANEL_DRAFT)
+]
+TreeDepthOpt = Annotated[
+    Optional[int], typer.Option("--tree-depth", min=0, max=32, help="EAGLE-3 tree drafting: expansions after the first top-k (EAGLE's depth; paths hold up to depth+1 drafts). Any --tree-* option turns tree drafting on (default depth 7).", rich_help_panel=PANEL_DRAFT)
+]
+TreeTopKOpt = Annotated[
+    Optional[int], typer.Option("--tree-top-k", min=1, max=64, help="EAGLE-3 tree drafting: children per expanded node and nodes expanded per level (default 10).", rich_help_panel=PANEL_DRAFT)
+]
+TreeTokensOpt = Annotated[
+    Optional[int], typer.Option("--tree-tokens", min=2, max=1024, help="EAGLE-3 tree drafting: tokens per tree counting the root, i.e. tokens-1 draft nodes (EAGLE's total_token; default 60).", rich_help_panel=PANEL_DRAFT)
 ]
 NumDraftOpt = Annotated[
     Optional[int], typer.Option("--num-draft-tokens", "-k", min=1, max=64, help=f"Most draft tokens per step (K); default {DEFAULT_NUM_DRAFT_TOKENS}.", rich_help_panel=PANEL_DRAFT)
@@ -158,13 +174,29 @@ def _check_choices(margin: str | None, dtype: str, ngram_min: int | None, ngram_
 
 
 def _draft_config(draft: str | None, k: int | None, adaptive: bool | None, ngram_max: int | None,
-                  ngram_min: int | None, profile_drafter: dict | None = None) -> DraftConfig:
-    """Command line > profile > defaults for the drafter."""
+                  ngram_min: int | None, profile_drafter: dict | None = None,
+                  tree: tuple[int | None, int | None, int | None] = (None, None, None)) -> DraftConfig:
+    """Command line > profile > defaults for the drafter. tree: --tree-depth, --tree-top-k,
+    --tree-tokens as given (any of them turns EAGLE-3 tree drafting on)."""
     pd = profile_drafter or {}
     if draft is None and pd:
-        draft = pd["kind"] if pd["kind"] != "model" else (pd["model"] or {}).get("source")
+        if pd["kind"] == "model":
+            draft = (pd["model"] or {}).get("source")
+        elif pd["kind"] == "eagle3":
+            draft = "eagle3:" + str((pd["model"] or {}).get("source"))
+        else:
+            draft = pd["kind"]
     kind, model = parse_draft(draft or "ngram")
     from_profile = bool(pd) and pd["kind"] == kind
+    prof_tree = (pd.get("tree") or {}) if from_profile else {}
+    if any(v is not None for v in tree) or prof_tree:
+        if kind != "eagle3":
+            raise _fail(UsageError("--tree-depth, --tree-top-k and --tree-tokens need an EAGLE-3 "
+                                   "drafter (--draft eagle3:PATH)"))
+        depth, top_k, tokens = (v if v is not None else prof_tree.get(key, default)
+                                for v, key, default in zip(tree, ("depth", "top_k", "tokens"), TREE_DEFAULTS))
+    else:
+        depth = top_k = tokens = None
 
     def pick(cli, key, default):
         if cli is not None:
@@ -179,6 +211,7 @@ def _draft_config(draft: str | None, k: int | None, adaptive: bool | None, ngram
         pick(ngram_max, "ngram_max", 3),
         pick(ngram_min, "ngram_min", 1),
         pick(adaptive, "adaptive", True),
+        depth, top_k, tokens,
     )
 
 
@@ -234,6 +267,9 @@ def generate(
     adaptive: AdaptiveOpt = None,
     ngram_max: NgramMaxOpt = None,
     ngram_min: NgramMinOpt = None,
+    tree_depth: TreeDepthOpt = None,
+    tree_top_k: TreeTopKOpt = None,
+    tree_tokens: TreeTokensOpt = None,
     verify: Annotated[
         Optional[str], typer.Option(help="'strict' (exact) or 'mars' (relax at low-margin positions). Default: mars when a calibrated profile matches the target and drafter, else strict.", rich_help_panel=PANEL_VERIFY)
     ] = None,
@@ -304,7 +340,11 @@ def generate(
             raise _fail(e)
         target = target if target is not None else prof.target_source
     draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min,
-                              prof.data["drafter"] if prof is not None else None)
+                              prof.data["drafter"] if prof is not None else None,
+                              tree=(tree_depth, tree_top_k, tree_tokens))
+    if draft_cfg.tree and batch_size > 1:
+        raise _fail(UsageError("EAGLE-3 tree drafting runs one record at a time: drop --batch-size "
+                               "or the --tree-* options (chain drafting batches)"))
     target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit,
                                                  max_memory, bnb_compute_dtype)
     cfg = GenerateConfig(
@@ -369,6 +409,9 @@ def calibrate(
     adaptive: AdaptiveOpt = None,
     ngram_max: NgramMaxOpt = None,
     ngram_min: NgramMinOpt = None,
+    tree_depth: TreeDepthOpt = None,
+    tree_top_k: TreeTopKOpt = None,
+    tree_tokens: TreeTokensOpt = None,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
@@ -405,7 +448,11 @@ def calibrate(
     policy, value = chosen[0] if chosen else (POLICY_MAX_NLL, DEFAULT_MAX_NLL_INCREASE)
     if theta is not None and not math.isfinite(theta):
         raise _fail(UsageError("--theta must be a finite number"))
-    draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min)
+    draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min,
+                              tree=(tree_depth, tree_top_k, tree_tokens))
+    if draft_cfg.tree and batch_size > 1:
+        raise _fail(UsageError("EAGLE-3 tree drafting runs one record at a time: drop --batch-size "
+                               "or the --tree-* options (chain drafting batches)"))
     if draft_cfg.kind == "none":
         raise _fail(UsageError("calibrate needs a drafter: --draft ngram or a draft model"))
     target_cfg, draft_model_cfg = _model_configs(target, draft_cfg, dtype, device, device_map, load_in_8bit, load_in_4bit,
@@ -448,6 +495,8 @@ def profile_list() -> None:
             continue
         d = p.data
         drafter = d["drafter"]["kind"] if d["drafter"]["kind"] != "model" else d["drafter"]["model"]["name"]
+        if d["drafter"]["kind"] == "eagle3" and d["drafter"]["model"]:
+            drafter = f"eagle3:{d['drafter']['model']['name']}" + (" (tree)" if d["drafter"].get("tree") else "")
         quant = d["target"]["quantization"]
         table.add_row(p.name, d["target"]["name"], d["target"]["dtype"] + (f"/{quant}" if quant else ""),
                       drafter, p.margin, f"{p.theta:.6g}", f"{d['policy']['name']} {d['policy']['value']:g}", str(f))
@@ -533,8 +582,8 @@ def _show_profile(p, con: Console) -> None:
 def bench(
     input: Annotated[str, typer.Argument(help="JSONL file of prompts (any format generate reads), or '-' for stdin.")],
     methods: Annotated[
-        str, typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta).", rich_help_panel=PANEL_VERIFY)
-    ] = "hf-generate,hf-assisted,ar,strict,mars",
+        Optional[str], typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta); with an EAGLE-3 drafter also strict-tree, mars-tree (tree drafting). Default: hf-generate,hf-assisted,ar,strict,mars; with --draft eagle3:... hf-generate,ar,strict,strict-tree,mars,mars-tree.", rich_help_panel=PANEL_VERIFY)
+    ] = None,
     theta: Annotated[
         Optional[str], typer.Option(help=f"MARS thresholds, comma-separated. Default: the --profile's theta, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)
     ] = None,
@@ -546,6 +595,9 @@ def bench(
     draft: DraftOpt = None,
     num_draft_tokens: NumDraftOpt = None,
     adaptive: AdaptiveOpt = None,
+    tree_depth: TreeDepthOpt = None,
+    tree_top_k: TreeTopKOpt = None,
+    tree_tokens: TreeTokensOpt = None,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; the same for every method.", rich_help_panel=PANEL_SAMPLING)] = 0.0,
     seeds: Annotated[
         str, typer.Option(help="Comma-separated seeds; with --temperature > 0 every method runs once per seed.", rich_help_panel=PANEL_SAMPLING)
@@ -574,6 +626,8 @@ def bench(
     See docs/benchmarks.md for every column.
     """
     from marscli.bench import (
+        DEFAULT_EAGLE3_METHODS,
+        DEFAULT_METHODS,
         BenchConfig,
         parse_float_list,
         parse_int_list,
@@ -600,7 +654,10 @@ def bench(
         if prof is not None and prof.theta not in thetas:
             thetas = (*thetas, prof.theta)
         draft_cfg = _draft_config(draft, num_draft_tokens, adaptive, None, None,
-                                  prof.data["drafter"] if prof is not None else None)
+                                  prof.data["drafter"] if prof is not None else None,
+                                  tree=(tree_depth, tree_top_k, tree_tokens))
+        if methods is None:
+            methods = DEFAULT_EAGLE3_METHODS if draft_cfg.kind == "eagle3" else DEFAULT_METHODS
         cfg = BenchConfig(
             input=input,
             methods=parse_methods(methods, thetas or (PAPER_THETA,)),
@@ -890,7 +947,7 @@ class _GenerateRun:
         from marscli.profiles import resolve_verification
 
         with step("loading the models") as s:
-            target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log, group)
+            target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log, group, cfg.draft.kind)
             prof = _choose_profile(cfg, target, draft_loaded, log)
             verify_cfg = resolve_verification(cfg.verify, prof, log.info)
             extra["profile"] = prof.reference() if prof is not None else None
@@ -914,7 +971,7 @@ class _GenerateRun:
         if group is not None:
             self._check_same_run(s.values)
         vdesc = verify_cfg.mode if verify_cfg.mode == "strict" else f"mars (theta={verify_cfg.theta:g}, {verify_cfg.margin})"
-        log.info(f"drafter {cfg.draft.kind}{'' if cfg.draft.kind == 'none' else f' (K<={cfg.draft.num_draft_tokens})'}, verify {vdesc}")
+        log.info(f"drafter {_drafter_desc(cfg.draft)}, verify {vdesc}")
         spec_meta = {
             "drafter": cfg.draft.kind,
             "verify": verify_cfg.mode,
@@ -1163,7 +1220,7 @@ def _calibrate(cfg: CalibrateConfig, log: _Log, group) -> int:
                              "same input file")
 
     with step("loading the models") as s:
-        target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log, group)
+        target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log, group, cfg.draft.kind)
         engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), VerifyConfig(), cfg.draft)
         batch = None
         if cfg.batch_size > 1:
@@ -1298,16 +1355,29 @@ def _calibrate(cfg: CalibrateConfig, log: _Log, group) -> int:
     return EXIT_RECORDS_FAILED if failed else EXIT_OK
 
 
-def _load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, log: _Log, group=None):
-    """Load the target and (if any) the draft model; check their vocabularies agree.
-    Under a launcher each model goes to this rank's device(s), the draft model's share
-    reckoned with the memory the target left."""
+def _drafter_desc(d: DraftConfig) -> str:
+    if d.kind == "none":
+        return "none"
+    if d.tree:
+        return f"{d.kind} tree (depth {d.tree_depth}, top-k {d.tree_top_k}, {d.tree_tokens} tokens)"
+    return f"{d.kind} (K<={d.num_draft_tokens})"
+
+
+def _load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, log: _Log, group=None,
+                 kind: str = "model"):
+    """Load the target and (if any) the draft model or EAGLE-3 head (kind "eagle3"); check
+    that they fit each other. Under a launcher each model goes to this rank's device(s), the
+    draft model's share reckoned with the memory the target left."""
     from marscli.models import check_vocab_compatible, load_model
 
     t0 = time.perf_counter()
     target = load_model(_place(target_cfg, group), role="target", log=log.info)
     draft = None
-    if draft_cfg is not None:
+    if draft_cfg is not None and kind == "eagle3":
+        from marscli.eagle3 import load_head
+
+        draft = load_head(str(draft_cfg.source), target, log=log.info)
+    elif draft_cfg is not None:
         draft = load_model(_place(draft_cfg, group), role="draft", log=log.info)
         check_vocab_compatible(target, draft)
     log.info(f"loaded {target.identity.get('name')} on {target.device} in {time.perf_counter() - t0:.1f} s")

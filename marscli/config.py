@@ -20,6 +20,9 @@ STRICT_THETA = math.inf
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 8
+#: EAGLE-3 tree drafting defaults, EAGLE-3's own (eagle/model/ea_model.py): depth 7, top-k 10,
+#: 60 tokens (the MARS paper's runs: depth 6-7, top-k 10, 50-60 tokens).
+TREE_DEFAULTS = (7, 10, 60)
 
 
 @dataclass(frozen=True)
@@ -75,17 +78,27 @@ class VerifyRequest:
 class DraftConfig:
     """Which drafter proposes tokens and how many.
 
-    kind: "none" (plain autoregressive decoding), "ngram" (prompt lookup) or "model".
+    kind: "none" (plain autoregressive decoding), "ngram" (prompt lookup), "model" (a draft
+    model) or "eagle3" (an EAGLE-3 head drafting from the target's hidden states).
     num_draft_tokens: the most drafts per step (K). With adaptive=True the engine drafts fewer
     when drafts are unlikely to pass, using a deterministic cost model (see marscli.drafters).
+    tree_depth / tree_top_k / tree_tokens (eagle3 only): draft an EAGLE-2 dynamic tree instead
+    of a chain (see marscli.drafters.eagle3.TreeShape); all three or none.
     """
 
-    kind: Literal["none", "ngram", "model"] = "ngram"
-    model: str | None = None  # path or hub id when kind == "model"
+    kind: Literal["none", "ngram", "model", "eagle3"] = "ngram"
+    model: str | None = None  # path or hub id when kind is "model" or "eagle3"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     ngram_max: int = 3
     ngram_min: int = 1
     adaptive: bool = True
+    tree_depth: int | None = None
+    tree_top_k: int | None = None
+    tree_tokens: int | None = None
+
+    @property
+    def tree(self) -> bool:
+        return self.tree_depth is not None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ per-row draft lengths, and drafters work per sequence.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_hist: list[int] = field(default_factory=list)  # steps by number of accepted drafts
+    # Tree steps: drafted/accepted count path positions (depths); tree_nodes counts the nodes
+    # the target scored.
+    tree_nodes: int = 0
 
     def __post_init__(self) -> None:
         k = max(self.k_max, 0)
@@ -95,6 +99,7 @@ class SpecStats:
             "accepted_per_position": self.accepted_per_position,
             "drafted_per_position": self.drafted_per_position,
             "accepted_per_step_hist": self.accepted_hist,
+            **({"tree_nodes": self.tree_nodes} if self.tree_nodes else {}),
         }
 
 
@@ -143,6 +148,11 @@ class StepObservation:
     u_accept: torch.Tensor | None  # [1, k] the acceptance uniforms (sampling only)
     draft_probs: torch.Tensor | None  # [1, k, V] q (sampling with a model drafter only)
     emitted: int  # tokens this step added to the completion (after stopping rules)
+    # Tree steps (EAGLE-3 trees): drafts/logits above are the accepted path and its rows
+    # ([1, n] and [1, n+1, V]); result is the tree verifier's; these hold the whole tree.
+    tree: Any = None  # marscli.tree.DraftTree
+    tree_logits: torch.Tensor | None = None  # [N+1, V] rows: root, then node i at i + 1
+    tree_u_accept: torch.Tensor | None = None  # [N] acceptance uniforms (sampling only)
 
 
 class SpecEngine:
@@ -162,6 +172,26 @@ class SpecEngine:
         self.verify_cfg = verify_cfg
         self.k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
         self.theta = verify_cfg.effective_theta
+        # A drafter that drafts from the target's hidden states (EAGLE-3) names the layers it
+        # reads; every target forward pass then captures them (no second pass).
+        layers = getattr(drafter, "feature_layers", None)
+        self.tap = None
+        if layers:
+            from marscli.eagle3 import FeatureTap
+
+            self.tap = FeatureTap(self.model, layers)
+        self.last_features: torch.Tensor | None = None  # [B, S, F] from the newest forward pass
+        # Tree drafting (EAGLE-3 --tree-*): paths hold at most max_path drafts.
+        self.tree = getattr(drafter, "tree", None)
+        if self.tree is not None:
+            from marscli.errors import UsageError
+            from marscli.tree import check_tree_support
+
+            try:
+                check_tree_support(self.model)
+            except ValueError as e:  # sliding windows, flash attention...: chain drafting still works
+                raise UsageError(f"--tree-*: {e}") from None
+            self.k_max = self.tree.max_path
         if self.device.type == "cpu":
             from marscli.fastpath import install_cpu_fastpath
 
@@ -231,21 +261,56 @@ class SpecEngine:
         cache = new_cache(self.model)
         if len(prompt_ids) > 1:  # prefill all but the pending last token; its logits are not needed
             self._forward(list(prompt_ids[:-1]), cache, logits_to_keep=1)
+            s.observe_prefill(self.last_features)
         while not s.done:
+            if self.tree is not None:
+                self._tree_step(s, cache)
+                continue
             drafts, proposal = s.propose()
             base = cache.get_seq_length()
             logits = self._forward([s.seq[-1]] + drafts, cache)  # [1, k+1, V]
-            n = s.commit(drafts, proposal, logits)
+            n = s.commit(drafts, proposal, logits, features=self.last_features)
             rollback(cache, base + 1 + n)
         return s.result()
+
+    def _tree_step(self, s: Sequence, cache) -> None:
+        """One step with a draft tree: one target pass over root + all nodes (tree mask and
+        tree position ids), verification along the tree, then only the accepted path stays
+        in the cache."""
+        from marscli.tree import compact_cache, tree_forward
+
+        tree = s.propose_tree()
+        base = cache.get_seq_length()
+        if len(tree) == 0:  # nothing to draft (budget, or no features yet): a plain step
+            logits = self._forward([s.seq[-1]], cache)  # [1, 1, V]
+            s.commit([], Proposal([]), logits, features=self.last_features)
+            rollback(cache, base + 1)
+            return
+        with self.capture():
+            logits, _ = tree_forward(self.model, cache, tree, s.seq[-1], base)  # [N+1, V]
+        path = s.commit_tree(tree, logits, features=self.last_features)
+        compact_cache(cache, base, path)
 
     # ------------------------------------------------------------------ internals
 
     def _forward(self, ids: list[int], cache, logits_to_keep: int = 0) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True,
-                         logits_to_keep=logits_to_keep)
+        with self.capture():
+            out = self.model(input_ids=x, past_key_values=cache, use_cache=True,
+                             logits_to_keep=logits_to_keep)
         return out.logits  # [1, len(ids) or logits_to_keep, V]
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Run a target forward pass inside this to leave its features in last_features
+        ([B, S, F]; None when the drafter reads none)."""
+        if self.tap is None:
+            self.last_features = None
+            yield
+            return
+        with self.tap.capture():
+            yield
+        self.last_features = self.tap.features
 
 
 def verify_step(d: torch.Tensor, logits: torch.Tensor, proposal: Proposal, sampling: SamplingParams,
@@ -314,10 +379,17 @@ class Sequence:
         proposal = self.drafter.propose(self.seq, k_cap) if k_cap > 0 else Proposal([])
         return proposal.tokens[:k_cap], proposal
 
-    def commit(self, drafts: list[int], proposal: Proposal, logits: torch.Tensor) -> int:
+    def observe_prefill(self, features: torch.Tensor | None) -> None:
+        """Hand the prefill's target features [1, S, F] to a drafter that reads them."""
+        if features is not None:
+            self.drafter.observe(features[0])
+
+    def commit(self, drafts: list[int], proposal: Proposal, logits: torch.Tensor,
+               features: torch.Tensor | None = None) -> int:
         """Verify this step's drafts against the target's logits [1, k+1, V] for
         [pending, drafts]; extend the sequence; return the number of accepted drafts (the
-        caller keeps the pending token and that many drafts in its cache)."""
+        caller keeps the pending token and that many drafts in its cache). features
+        [1, k+1, F]: the same pass's target features, for a drafter that reads them."""
         k = len(drafts)
         assert logits.shape[:2] == (1, k + 1), (tuple(logits.shape), k)
         eng = self.engine
@@ -325,9 +397,70 @@ class Sequence:
         res, u_accept, q = verify_step(d, logits, proposal, self.sampling, self.gen,
                                        eng.theta, eng.verify_cfg.margin)
         n = int(res.num_accepted[0])
-        emitted = drafts[:n] + [int(res.next_token[0])]
-        remaining = self.max_new - len(self.out)
+        relaxed = int(res.relaxed[0, :n].sum()) if k else 0
+        decided = min(n + 1, k)
+        relaxable = int(res.relaxable[0, :decided].sum()) if k else 0
+        emitted = self._finish_step(
+            drafts[:n] + [int(res.next_token[0])], k, n, relaxed, relaxable,
+            lambda e: StepObservation(d, logits, res, self.sampling, u_accept, q, e))
+        if features is not None:  # the positions the target keeps: pending + accepted drafts
+            self.drafter.observe(features[0, : len(emitted)])
+        self.drafter.accepted(k, n, self.seq)
+        return n
 
+    # ------------------------------------------------------------------ trees
+
+    def propose_tree(self):
+        """The draft tree for the next step (paths cut to what the remaining budget can use)."""
+        from marscli.tree import DraftTree
+
+        k_cap = self.k_cap()
+        tokens, parents, _ = self.drafter.propose_tree(self.seq, k_cap) if k_cap > 0 else ([], [], [])
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def commit_tree(self, tree, logits: torch.Tensor, features: torch.Tensor | None = None) -> list[int]:
+        """Verify a draft tree against the target's logits [N+1, V] for [pending, nodes];
+        extend the sequence; return the accepted path (node indices; the caller keeps the
+        pending token and the path in its cache). features [1, N+1, F]: the same pass's."""
+        from marscli.tree import verify_tree
+
+        N = len(tree)
+        assert logits.shape[0] == N + 1, (tuple(logits.shape), N)
+        eng = self.engine
+        s = self.sampling
+        u_accept = u_sample = None
+        if not s.greedy:  # a fixed number of draws per step (N + 1), as in the chain case
+            u_accept = torch.rand(N, generator=self.gen).to(logits.device)
+            u_sample = torch.rand(1, generator=self.gen).to(logits.device)
+        res = verify_tree(tree, logits, theta=eng.theta, margin=eng.verify_cfg.margin,
+                          temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                          u_accept=u_accept, u_sample=u_sample)
+        path = [int(i) for i in res.path]
+        n = len(path)
+        depth = int(tree.depth().max()) if N else 0
+        tokens = tree.tokens.tolist()
+        rows = [0] + [i + 1 for i in path]  # logits rows that decided something
+        relaxed = sum(bool(r) for r in res.relaxed)  # per accepted node
+        decided = rows[: min(n + 1, depth)]  # rows whose children were judged
+        relaxable = int(res.relaxable[torch.tensor(decided, dtype=torch.long)].sum()) if decided else 0
+        self.stats.tree_nodes += N
+        emitted = self._finish_step(
+            [tokens[i] for i in path] + [int(res.next_token)], depth, n, relaxed, relaxable,
+            lambda e: StepObservation(
+                tree.tokens[path].view(1, n) if n else torch.zeros(1, 0, dtype=torch.long),
+                logits[rows].unsqueeze(0), res, s, None, None, e, tree=tree, tree_logits=logits,
+                tree_u_accept=u_accept))
+        if features is not None:
+            self.drafter.observe(features[0, rows][: len(emitted)])
+        self.drafter.accepted(depth, n, self.seq)
+        return path
+
+    def _finish_step(self, emitted: list[int], k: int, n: int, relaxed: int, relaxable: int,
+                     observation: Callable[[int], StepObservation]) -> list[int]:
+        """Stopping rules, statistics, observer and sequence update for one verified step;
+        returns the tokens the step really added."""
+        eng = self.engine
+        remaining = self.max_new - len(self.out)
         # Stopping: EOS ends the sequence after it; max tokens cuts the step short.
         stop_at = None
         for i, t in enumerate(emitted):
@@ -338,16 +471,12 @@ class Sequence:
             emitted = emitted[:stop_at]
             self.finish = FINISH_STOP
         emitted = emitted[:remaining]
-        relaxed = int(res.relaxed[0, :n].sum()) if k else 0
-        decided = min(n + 1, k)
-        relaxable = int(res.relaxable[0, :decided].sum()) if k else 0
         self.stats.record_step(k, n, relaxed, relaxable, len(emitted))
         if self.observer is not None:
-            self.observer(StepObservation(d, logits, res, self.sampling, u_accept, q, len(emitted)))
+            self.observer(observation(len(emitted)))
         self.seq.extend(emitted)
         out = self.out
         out.extend(emitted)
-        self.drafter.accepted(k, n, self.seq)
         if self.on_step is not None:
             self.on_step(len(emitted))
         if self.stopper is not None:
@@ -364,7 +493,7 @@ class Sequence:
             else:
                 self.checked_chars = len(decoded)  # the loop's last decode was the whole completion
         self.done = self.finish == FINISH_STOP or len(out) >= self.max_new
-        return n
+        return emitted
 
     def result(self) -> GenerationResult:
         text = self.text
@@ -381,6 +510,20 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None):
     from marscli.drafters.ngram import NgramDrafter, NoDrafter
 
     device_type = target.device.type
+    if draft_cfg.kind == "eagle3":
+        from marscli.drafters.eagle3 import Eagle3Drafter, TreeShape
+
+        if draft_model is None:
+            raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.eagle3.load_head)")
+        head = getattr(draft_model, "head", draft_model)
+        tree = (TreeShape(draft_cfg.tree_depth, draft_cfg.tree_top_k, draft_cfg.tree_tokens)
+                if draft_cfg.tree else None)
+        t_params = sum(p.numel() for p in target.model.parameters())
+        h_params = sum(p.numel() for p in head.parameters())
+        cost = CostModel.for_device(device_type, draft_step=h_params / max(t_params, 1))
+        vocab = target.model.get_output_embeddings().weight.shape[0]
+        return Eagle3Drafter(head, draft_cfg.num_draft_tokens, vocab_size=vocab, cost=cost,
+                             adaptive=draft_cfg.adaptive, tree=tree)
     if draft_cfg.kind == "none":
         return NoDrafter()
     if draft_cfg.kind == "ngram":

@@ -751,6 +751,8 @@ def run_fingerprint(
         drafter.update(num_draft_tokens=d.num_draft_tokens, adaptive=d.adaptive)
     if d.kind == "ngram":
         drafter.update(ngram_max=d.ngram_max, ngram_min=d.ngram_min)
+    if getattr(d, "tree", False):
+        drafter.update(tree={"depth": d.tree_depth, "top_k": d.tree_top_k, "tokens": d.tree_tokens})
     v = verify if verify is not None else cfg.verify
     s = cfg.sampling
     fp: dict[str, Any] = {

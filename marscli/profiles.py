@@ -212,13 +212,16 @@ _SCHEMA = _mapping({
     "marscli_version": _string,
     "target": _identity,
     "drafter": _mapping({
-        "kind": _choice("ngram", "model"),
+        "kind": _choice("ngram", "model", "eagle3"),
         "model": _nullable(_identity),
         "num_draft_tokens": _integer(lo=1),
         "adaptive": _boolean,
         "ngram_max": _nullable(_integer(lo=1)),
         "ngram_min": _nullable(_integer(lo=1)),
-    }),
+        # eagle3 tree drafting (EAGLE's depth, top_k, total tokens); absent or null: chain
+        "tree": _nullable(_mapping({"depth": _integer(lo=0), "top_k": _integer(lo=1),
+                                    "tokens": _integer(lo=2)})),
+    }, optional=("tree",)),
     "verification": _mapping({
         "margin": _choice("logit-ratio", "prob-ratio"),
         "theta": _number(),
@@ -534,7 +537,7 @@ def match_problems(profile: Profile, target_identity: dict[str, Any],
     prof_drafter = profile.data["drafter"]
     if prof_drafter["kind"] != drafter["kind"]:
         return None
-    if drafter["kind"] == "model":
+    if drafter["kind"] in ("model", "eagle3"):  # a draft model or head: the same weights
         if prof_drafter["model"] is None or drafter["model"] is None:
             return None
         if not same_weights(prof_drafter["model"], drafter["model"]):
@@ -576,7 +579,12 @@ def find_matching_profile(target_identity: dict[str, Any], drafter: dict[str, An
 def default_profile_name(target_name: str, drafter_kind: str, draft_name: str | None,
                          dtype: str, quantization: str | None) -> str:
     """A file-name-safe profile name, e.g. smollm2-135m-instruct.ngram.float32."""
-    parts = [target_name, draft_name if drafter_kind == "model" and draft_name else drafter_kind, dtype]
+    drafter = drafter_kind
+    if drafter_kind == "model" and draft_name:
+        drafter = draft_name
+    elif drafter_kind == "eagle3" and draft_name:
+        drafter = f"eagle3-{draft_name}"
+    parts = [target_name, drafter, dtype]
     if quantization:
         parts.append(quantization)
     slug = ".".join(re.sub(r"[^a-z0-9]+", "-", str(x).lower()).strip("-") for x in parts)

@@ -1,0 +1,396 @@
+"""EAGLE-3 drafter: a one-layer head drafting from the target's own hidden states.
+
+The engine hands the drafter the target's features of every position it commits
+(``observe``): from the prefill, then from each verification pass (the pending token and the
+accepted drafts). The head's KV cache holds one committed entry per committed position but
+the last: entry j pairs the target features at j with token j+1, and its output predicts
+token j+2 (see marscli.eagle3). Drafting appends entries built from the head's own outputs;
+they are dropped again before the next step, and the accepted tokens re-enter the cache with
+the target's real features (what the published code does with its "stable" cache).
+
+Two ways to draft:
+
+- chain (``propose``): top-1 (greedy) or a sample from the head's distribution q (sampling;
+  q is returned as the proposal's probabilities over the target vocabulary, so strict
+  speculative sampling uses the real q), K tokens, K chosen adaptively as for the other drafters;
+- tree (``propose_tree``): EAGLE-2's dynamic tree. The head takes the top-k tokens after the
+  pending one; then, ``depth`` times, it expands the top-k nodes of the newest level (by
+  cumulative draft log-probability), each into its top-k children, in one head pass per level;
+  finally the best ``tokens - 1`` nodes of everything generated are kept (ancestors rank ahead
+  of their descendants, so the kept set is a tree). Paths hold up to depth + 1 drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from marscli.config import TREE_DEFAULTS, SamplingParams
+from marscli.drafters.base import AcceptanceTracker, CostModel, Proposal
+from marscli.eagle3 import Eagle3Head
+from marscli.verify import sample_from, sampling_probs
+
+#: Parent of a depth-1 node (its parent is the pending token, the tree's root).
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE's tree settings: expansions after the first top-k (``depth``: paths hold up to
+    depth + 1 drafts), branching (``top_k``) and tree size counting the root (``tokens``:
+    tokens - 1 draft nodes). The MARS reference runs depth 6-7, top-k 10, 50-60 tokens."""
+
+    depth: int
+    top_k: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.depth < 0 or self.top_k < 1 or self.tokens < 2:
+            raise ValueError(f"tree needs depth >= 0, top-k >= 1 and tokens >= 2, got {self}")
+
+    @property
+    def max_path(self) -> int:
+        return self.depth + 1
+
+
+#: EAGLE-3's own defaults (eagle/model/ea_model.py): depth 7, top-k 10, 60 tokens.
+DEFAULT_TREE = TreeShape(*TREE_DEFAULTS)
+
+
+class Eagle3Drafter:
+    """Drafts with an EAGLE-3 head for one sequence at a time (one per batch row)."""
+
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int, cost: CostModel | None = None,
+                 adaptive: bool = True, tree: TreeShape | None = None):
+        self.head = head
+        self.k_max = k_max
+        self.vocab_size = vocab_size  # the target's logits width
+        self.cost = cost or CostModel()
+        self.adaptive = adaptive
+        self.tree = tree
+        self.device = head.device
+        self.start([])
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers whose input hidden states the engine must hand over (observe)."""
+        return self.head.feature_layers
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+              generator: torch.Generator | None = None) -> None:
+        self.sampling = sampling or SamplingParams()
+        self.generator = generator
+        self.tracker = AcceptanceTracker(self.k_max, self.cost, adaptive=self.adaptive)
+        self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # committed entries' keys, values
+        self.n = 0  # committed head entries (= committed positions with features, but the last)
+        self.pending: list[torch.Tensor] = []  # target features not yet in the head's cache
+        self.last_out: torch.Tensor | None = None  # [H] output of the newest committed entry
+
+    # ------------------------------------------------------------------ target features
+
+    def observe(self, features: torch.Tensor) -> None:
+        """Target features [S, n_features] of the next S committed positions, in order."""
+        assert features.dim() == 2 and features.shape[1] == self.head.n_features, tuple(features.shape)
+        if features.shape[0]:
+            self.pending.append(features)
+
+    def _catch_up(self, seq: list[int]) -> bool:
+        """Put the pending features into the cache as committed entries; True when the head
+        is ready to draft the token after seq[-1]."""
+        if self.pending:
+            feats = torch.cat(self.pending, 0) if len(self.pending) > 1 else self.pending[0]
+            self.pending = []
+            P = feats.shape[0]
+            assert self.n + P <= len(seq) - 1, (self.n, P, len(seq))
+            dev = self.device
+            tokens = torch.tensor([seq[self.n + 1: self.n + 1 + P]], dtype=torch.long, device=dev)
+            pos = torch.arange(self.n, self.n + P, device=dev).unsqueeze(0)
+            out, k, v = self.head(feats.unsqueeze(0).to(dev), tokens, pos, self.past, target_features=True)
+            self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2),
+                                                          torch.cat([self.past[1], v], 2))
+            self.n += P
+            self.last_out = out[0, -1]
+        return self.last_out is not None and self.n == len(seq) - 1
+
+    # ------------------------------------------------------------------ chain
+
+    @torch.inference_mode()
+    def propose(self, seq: list[int], k_max: int) -> Proposal:
+        k = self.tracker.choose_k(k_max)
+        if k <= 0 or not self._catch_up(seq):
+            return Proposal([])
+        head, dev = self.head, self.device
+        past = self.past
+        out = self.last_out.view(1, 1, -1)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        s = self.sampling
+        for i in range(k):
+            logits = head.draft_logits(out[0, -1])  # [draft_vocab]
+            if s.greedy:
+                d = logits.argmax().view(1)
+            else:
+                q = sampling_probs(logits.unsqueeze(0), s.temperature, s.top_k, s.top_p)  # [1, Dv]
+                u = torch.rand(1, generator=self.generator)
+                d = sample_from(q.cpu(), u).to(dev)
+                probs.append(head.target_probs(q[0], self.vocab_size))
+            tok = head.to_target(d)  # [1]
+            tokens.append(int(tok))
+            if i + 1 < k:  # the last draft needs no head pass
+                pos = torch.tensor([[self.n + i]], device=dev)
+                out, kk, vv = head(out, tok.view(1, 1), pos, past, target_features=False)
+                past = (torch.cat([past[0], kk], 2), torch.cat([past[1], vv], 2))
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
+        self.tracker.update(proposed, accepted)
+
+    # ------------------------------------------------------------------ tree
+
+    @torch.inference_mode()
+    def propose_tree(self, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
+        """EAGLE-2 dynamic tree after seq -> (tokens [N], parents [N] (ROOT or an earlier
+        index), scores [N] cumulative draft log-probabilities); nodes in generation order, so
+        parents come first. Paths are cut at max_path drafts (the remaining budget)."""
+        shape = self.tree
+        assert shape is not None, "propose_tree needs a TreeShape"
+        levels = min(shape.max_path, max_path)
+        if levels <= 0 or not self._catch_up(seq):
+            return [], [], []
+        head, dev = self.head, self.device
+        K = shape.top_k
+        lp = torch.log_softmax(head.draft_logits(self.last_out), -1)  # [Dv]
+        top = torch.topk(lp, min(K, lp.shape[-1]))
+        # Every generated node: target token, parent node index (ROOT), cumulative score.
+        tok_chunks = [head.to_target(top.indices)]
+        par_chunks = [torch.full_like(top.indices, ROOT)]
+        score_chunks = [top.values]
+        n_nodes = top.indices.numel()
+        frontier = torch.arange(n_nodes, device=dev)  # node ids to expand next
+        f_scores = top.values
+        f_tokens = tok_chunks[0]
+        f_hidden = self.last_out.view(1, 1, -1).expand(1, n_nodes, -1)  # their parents' outputs
+        f_parent_entry = torch.full((n_nodes,), -1, dtype=torch.long, device=dev)
+        T = self.n
+        keys, values = self.past
+        anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [E, E] ancestor-or-self of tree entries
+        for level in range(1, levels):
+            F = frontier.numel()
+            E = anc.shape[0]
+            # A frontier node sees every committed entry, its ancestors' entries and itself.
+            rows = torch.zeros(F, E, dtype=torch.bool, device=dev)
+            has_parent = f_parent_entry >= 0
+            if E and bool(has_parent.any()):
+                rows[has_parent] = anc[f_parent_entry[has_parent]]
+            mask = torch.cat([torch.ones(F, T, dtype=torch.bool, device=dev), rows,
+                              torch.eye(F, dtype=torch.bool, device=dev)], 1)[None, None]
+            pos = torch.full((1, F), T + level - 1, device=dev)
+            out, k, v = head(f_hidden, f_tokens.view(1, F), pos, (keys, values), mask, target_features=False)
+            keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+            new_anc = torch.zeros(E + F, E + F, dtype=torch.bool, device=dev)
+            new_anc[:E, :E] = anc
+            new_anc[E:, :E] = rows
+            new_anc[E:, E:] = torch.eye(F, dtype=torch.bool, device=dev)
+            anc = new_anc
+            # Each frontier node's top-k children, scored by cumulative log-probability.
+            lp = torch.log_softmax(head.draft_logits(out[0]), -1)  # [F, Dv]
+            top = torch.topk(lp, min(K, lp.shape[-1]), dim=-1)
+            cum = (f_scores.unsqueeze(1) + top.values).reshape(-1)  # [F * K]
+            child_parent = frontier.repeat_interleave(top.indices.shape[1])
+            child_tok = head.to_target(top.indices.reshape(-1))
+            tok_chunks.append(child_tok)
+            par_chunks.append(child_parent)
+            score_chunks.append(cum)
+            child_ids = torch.arange(n_nodes, n_nodes + cum.numel(), device=dev)
+            n_nodes += cum.numel()
+            if level + 1 >= levels:
+                break
+            best = torch.topk(cum, min(K, cum.numel())).indices
+            frontier = child_ids[best]
+            f_scores = cum[best]
+            f_tokens = child_tok[best]
+            parent_row = best // top.indices.shape[1]  # which frontier node each came from
+            f_hidden = out[:, parent_row]
+            f_parent_entry = E + parent_row
+        tokens = torch.cat(tok_chunks).tolist()
+        parents = torch.cat(par_chunks).tolist()
+        scores = torch.cat(score_chunks).float().tolist()
+        # Rerank: the best tokens - 1 nodes; ties go to the earlier node, so a parent (never
+        # scored below its child, and generated earlier) always ranks ahead of its children.
+        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: shape.tokens - 1]
+        keep.sort()
+        new_index = {old: new for new, old in enumerate(keep)}
+        out_parents = [ROOT if parents[i] == ROOT else new_index[parents[i]] for i in keep]
+        return [tokens[i] for i in keep], out_parents, [scores[i] for i in keep]
+
+
+# ---------------------------------------------------------------------------- batched chains
+
+
+def _left_pad_kv(t: torch.Tensor, length: int) -> torch.Tensor:
+    """[1, kv, T, hd] -> [1, kv, length, hd], zeros on the left."""
+    extra = length - t.shape[2]
+    if extra <= 0:
+        return t
+    return torch.cat([t.new_zeros(t.shape[:2] + (extra,) + t.shape[3:]), t], 2)
+
+
+class BatchedEagle3Drafter:
+    """Chain drafting for a whole batch: the rows' catch-up entries in one head pass and then
+    one head pass per draft position for all rows (instead of one pass per row and position).
+
+    Each row is an Eagle3Drafter (its own committed cache, features, acceptance tracker and
+    random generator); this class only runs their head passes together. The rows' committed
+    caches are left-padded to a common length for each step; padding is masked out, so a
+    row drafts what it would alone, up to float summation order. Rows follow the target's
+    batch (marscli.batch.BatchEngine adds and drops them together).
+    """
+
+    def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int, cost: CostModel | None = None,
+                 adaptive: bool = True):
+        self.head = head
+        self.k_max = k_max
+        self.vocab_size = vocab_size
+        self.cost = cost or CostModel()
+        self.adaptive = adaptive
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows: list[_BatchRow] = []
+
+    def new_handle(self) -> _BatchRow:
+        return _BatchRow(self)
+
+    def prefill(self, ids: list[int]):
+        return None  # the head's prompt entries come from the target's prefill features (observe)
+
+    def add(self, handle: _BatchRow, kv, ids: list[int]) -> None:
+        self.rows.append(handle)
+
+    def keep(self, keep: list[int]) -> None:
+        self.rows = [self.rows[b] for b in keep]
+
+    @torch.inference_mode()
+    def propose_all(self, seqs: list[list[int]], k_caps: list[int]) -> None:
+        """Compute every row's next proposal (left in its handle for Sequence.propose)."""
+        rows, head = self.rows, self.head
+        assert len(seqs) == len(k_caps) == len(rows)
+        dev = head.device
+        ks = []
+        for r, seq, cap in zip(rows, seqs, k_caps):
+            r.next = Proposal([])
+            k = r.tracker.choose_k(cap) if cap > 0 else 0
+            ks.append(k)
+        active = [b for b, k in enumerate(ks) if k > 0]
+        if not active:
+            return
+        # 1. Catch-up: every active row's pending target features, in one padded pass.
+        self._catch_up([rows[b] for b in active], [seqs[b] for b in active])
+        active = [b for b in active if rows[b].ready(seqs[b])]
+        if not active:
+            return
+        B = len(active)
+        act = [rows[b] for b in active]
+        T = max(r.n for r in act)
+        keys = torch.cat([_left_pad_kv(r.past[0], T) for r in act], 0)  # [B, kv, T, hd]
+        values = torch.cat([_left_pad_kv(r.past[1], T) for r in act], 0)
+        valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
+        for i, r in enumerate(act):
+            valid[i, T - r.n:] = True
+        out = torch.stack([r.last_out for r in act]).unsqueeze(1)  # [B, 1, H]
+        tokens: list[list[int]] = [[] for _ in act]
+        probs: list[list[torch.Tensor]] = [[] for _ in act]
+        kmax = max(ks[b] for b in active)
+        for i in range(kmax):
+            logits = head.draft_logits(out[:, 0])  # [B, Dv]
+            toks = torch.zeros(B, dtype=torch.long, device=dev)
+            for j, r in enumerate(act):
+                if i >= ks[active[j]]:
+                    continue
+                s = r.sampling
+                if s.greedy:
+                    d = logits[j].argmax().view(1)
+                else:
+                    q = sampling_probs(logits[j: j + 1], s.temperature, s.top_k, s.top_p)  # [1, Dv]
+                    u = torch.rand(1, generator=r.generator)
+                    d = sample_from(q.cpu(), u).to(dev)
+                    probs[j].append(head.target_probs(q[0], self.vocab_size))
+                tok = head.to_target(d)
+                toks[j] = tok[0]
+                tokens[j].append(int(tok))
+            if i + 1 >= kmax:
+                break
+            pos = torch.tensor([[r.n + i] for r in act], device=dev)
+            mask = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)[:, None, None, :]
+            out, k, v = head(out, toks.view(B, 1), pos, (keys, values), mask, target_features=False)
+            keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+            valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
+        for j, r in enumerate(act):
+            r.next = Proposal(tokens[j][: ks[active[j]]], torch.stack(probs[j]) if probs[j] else None)
+
+    def _catch_up(self, rows: list[_BatchRow], seqs: list[list[int]]) -> None:
+        todo = [(r, s) for r, s in zip(rows, seqs) if r.pending]
+        if not todo:
+            return
+        head, dev = self.head, self.head.device
+        feats = [torch.cat(r.pending, 0) for r, _ in todo]
+        P = max(f.shape[0] for f in feats)
+        T = max(r.n for r, _ in todo)
+        B = len(todo)
+        F = feats[0].shape[1]
+        x = torch.zeros(B, P, F, dtype=feats[0].dtype, device=dev)
+        tok = torch.zeros(B, P, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, P, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, 1, P, T + P, dtype=torch.bool, device=dev)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        for i, ((r, seq), f) in enumerate(zip(todo, feats)):
+            p = f.shape[0]
+            assert r.n + p <= len(seq) - 1, (r.n, p, len(seq))
+            x[i, :p] = f.to(dev)
+            tok[i, :p] = torch.tensor(seq[r.n + 1: r.n + 1 + p], dtype=torch.long, device=dev)
+            pos[i] = r.n + torch.arange(P, device=dev)
+            mask[i, 0, :, T - r.n: T] = True  # the row's committed entries (left-padded)
+            mask[i, 0, :, T:] = causal
+        if T:
+            keys = torch.cat([_left_pad_kv(r.past[0], T) if r.past is not None else
+                              head_kv_zeros(head, T, dev) for r, _ in todo], 0)
+            values = torch.cat([_left_pad_kv(r.past[1], T) if r.past is not None else
+                                head_kv_zeros(head, T, dev) for r, _ in todo], 0)
+            past = (keys, values)
+        else:
+            past = None
+        out, k, v = head(x, tok, pos, past, mask, target_features=True)
+        for i, ((r, _), f) in enumerate(zip(todo, feats)):
+            p = f.shape[0]
+            kk, vv = k[i: i + 1, :, :p], v[i: i + 1, :, :p]
+            r.past = (kk, vv) if r.past is None else (torch.cat([r.past[0], kk], 2), torch.cat([r.past[1], vv], 2))
+            r.n += p
+            r.last_out = out[i, p - 1]
+            r.pending = []
+
+
+def head_kv_zeros(head: Eagle3Head, T: int, dev) -> torch.Tensor:
+    a = head.midlayer.self_attn
+    return torch.zeros(1, a.nkv, T, a.hd, dtype=head.dtype, device=dev)
+
+
+class _BatchRow(Eagle3Drafter):
+    """One row's handle on a BatchedEagle3Drafter: an Eagle3Drafter whose proposal was
+    computed for all rows at once just before Sequence.propose asks for it."""
+
+    def __init__(self, owner: BatchedEagle3Drafter):
+        self.owner = owner
+        self.next: Proposal | None = None
+        super().__init__(owner.head, owner.k_max, vocab_size=owner.vocab_size, cost=owner.cost,
+                         adaptive=owner.adaptive)
+
+    def ready(self, seq: list[int]) -> bool:
+        return self.last_out is not None and self.n == len(seq) - 1
+
+    def propose(self, seq: list[int], k_max: int) -> Proposal:
+        assert self.next is not None, "BatchedEagle3Drafter.propose_all must run first"
+        proposal, self.next = self.next, None
+        return proposal
