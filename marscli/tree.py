@@ -46,7 +46,9 @@ from marscli.verify import (
 ROOT = -1
 
 #: Attention implementations known to take the additive 4D float mask as is.
-TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+#: marscli_gqa_sdpa is marscli's CPU attention (marscli.fastpath): torch's SDPA, which takes
+#: the same additive float mask.
+TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "marscli_gqa_sdpa")
 
 #: Cache layer types (transformers' ``layer_types``) a tree forward is exact for.
 FULL_ATTENTION = "full_attention"
