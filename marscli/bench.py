@@ -378,27 +378,29 @@ class Bench:
         import torch
 
         target = self.target
-        pad = target.tokenizer.pad_token_id
-        eos = list(target.eos_token_ids)
 
         def run(ids: list[int], sampling: SamplingParams) -> tuple[list[int], None]:
             x = torch.tensor([ids], dtype=torch.long, device=target.device)  # [1, P]
-            # Explicit values for every knob that changes greedy or sampled output, so the
-            # model's generation_config cannot make hf-generate decode differently from marscli.
-            kw: dict[str, Any] = {
-                "attention_mask": torch.ones_like(x), "max_new_tokens": self._max_new(ids, sampling),
-                "min_new_tokens": 0, "do_sample": not sampling.greedy, "num_beams": 1,
-                "eos_token_id": eos, "pad_token_id": pad if pad is not None else eos[0],
-                "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-                "temperature": 1.0 if sampling.greedy else sampling.temperature, "top_k": 0, "top_p": 1.0,
-            }
+            kw = self._hf_generate_kwargs(sampling, self._max_new(ids, sampling))
             if not sampling.greedy:
                 torch.manual_seed(sampling.seed)
             with _quiet_transformers():
-                out = target.model.generate(x, **kw, **extra)  # [1, P + new]
+                out = target.model.generate(x, attention_mask=torch.ones_like(x), **kw, **extra)  # [1, P + new]
             return out[0, len(ids):].tolist(), None
 
         return run
+
+    def _hf_generate_kwargs(self, sampling: SamplingParams, max_new: int) -> dict[str, Any]:
+        """Explicit values for every generate() knob that changes greedy or sampled output, so
+        the model's generation_config cannot make hf-generate decode differently from marscli."""
+        eos = list(self.target.eos_token_ids)
+        pad = self.target.tokenizer.pad_token_id
+        return {
+            "max_new_tokens": max_new, "min_new_tokens": 0, "do_sample": not sampling.greedy, "num_beams": 1,
+            "eos_token_id": eos, "pad_token_id": pad if pad is not None else eos[0],
+            "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+            "temperature": 1.0 if sampling.greedy else sampling.temperature, "top_k": 0, "top_p": 1.0,
+        }
 
     def _assisted_kwargs(self) -> dict[str, Any]:
         d = self.cfg.draft
@@ -563,7 +565,8 @@ class Bench:
         methods = [m for m in cfg.methods if m.kind in BATCHED_METHODS]
         total = len(methods) * len(cfg.batch_sizes)
         rows: list[dict[str, Any]] = []
-        first_outputs: dict[str, list[list[int]]] = {}
+        first_outputs: dict[str, list[list[int]]] = {}  # per method, at the first batch size
+        first_tps: dict[str, float | None] = {}
         for m in methods:
             for bs in cfg.batch_sizes:
                 if cuda:  # pragma: no cover - needs a GPU
@@ -600,7 +603,7 @@ class Bench:
                     "method": m.name, "kind": m.kind, "batch_size": bs, "prompts": len(prompts),
                     "completion_tokens": tokens, "seconds": seconds,
                     "tokens_per_s": metrics.rate(tokens, seconds),
-                    "speedup_vs_first_batch_size": None,
+                    "speedup_vs_first_batch_size": None,  # below, once tokens/s is known
                     "acceptance_length": (metrics.ratio(sum(s.emitted for s in stats), sum(s.steps for s in stats))
                                           if stats and self.cfg.draft.kind != "none" and m.kind != AR else None),
                     "outputs_equal_first_batch_size": sum(a == b for a, b in zip(outputs, ref)),
@@ -609,8 +612,8 @@ class Bench:
                     "cuda_peak_mib": _round(torch.cuda.max_memory_allocated() / _MIB, 1) if cuda else None,
                     **extra,
                 }
-                base = next(r for r in rows + [row] if r["method"] == m.name)
-                row["speedup_vs_first_batch_size"] = metrics.ratio(row["tokens_per_s"], base["tokens_per_s"])
+                base_tps = first_tps.setdefault(m.name, row["tokens_per_s"])
+                row["speedup_vs_first_batch_size"] = metrics.ratio(row["tokens_per_s"], base_tps)
                 rows.append(row)
                 self.log(f"throughput: {m.name} batch {bs}: {row['tokens_per_s']:.1f} tokens/s")
                 if progress is not None:
@@ -623,29 +626,22 @@ class Bench:
         import torch
 
         target = self.target
-        eos = list(target.eos_token_ids)
-        pad = target.tokenizer.pad_token_id
-        pad = pad if pad is not None else eos[0]
+        eos = set(target.eos_token_ids)
         if not sampling.greedy:
             torch.manual_seed(sampling.seed)
         outputs: list[list[int]] = []
         for start in range(0, len(prompts), bs):
             chunk = prompts[start: start + bs]
+            kw = self._hf_generate_kwargs(sampling, min(self._max_new(p.ids, sampling) for p in chunk))
             width = max(len(p.ids) for p in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            ids = torch.full((len(chunk), width), kw["pad_token_id"], dtype=torch.long)
             mask = torch.zeros(len(chunk), width, dtype=torch.long)
             for b, p in enumerate(chunk):
                 ids[b, width - len(p.ids):] = torch.tensor(p.ids)
                 mask[b, width - len(p.ids):] = 1
-            max_new = min(self._max_new(p.ids, sampling) for p in chunk)
-            kw: dict[str, Any] = {
-                "attention_mask": mask.to(target.device), "max_new_tokens": max_new, "min_new_tokens": 0,
-                "do_sample": not sampling.greedy, "num_beams": 1, "eos_token_id": eos, "pad_token_id": pad,
-                "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-                "temperature": 1.0 if sampling.greedy else sampling.temperature, "top_k": 0, "top_p": 1.0,
-            }
             with _quiet_transformers():
-                out = target.model.generate(ids.to(target.device), **kw)  # [b, width + new]
+                out = target.model.generate(ids.to(target.device), attention_mask=mask.to(target.device),
+                                            **kw)  # [b, width + new]
             for row in out[:, width:].tolist():
                 cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
                 outputs.append(row[:cut])
