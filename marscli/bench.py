@@ -894,21 +894,11 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
     lengths = sorted(len(p.ids) for p in prompts)
     context = sorted(prompts, key=lambda p: len(p.ids))[len(prompts) // 2].ids
     limit_info = bench.measure_forwards(context)
-    progress = _Progress(console, quiet, log)
-    progress.start()
-    try:
-        runs = bench.run(prompts, progress.update)
-    finally:
-        progress.close()
+    runs = _with_progress(console, quiet, log, lambda update: bench.run(prompts, update))
     throughput: list[dict[str, Any]] = []
     if cfg.batch_sizes:
         log(f"throughput: batch sizes {', '.join(map(str, cfg.batch_sizes))} over all {len(prompts)} prompts")
-        progress = _Progress(console, quiet, log)
-        progress.start()
-        try:
-            throughput = bench.throughput(prompts, progress.update)
-        finally:
-            progress.close()
+        throughput = _with_progress(console, quiet, log, lambda update: bench.throughput(prompts, update))
     per_method = summarize(cfg, runs, limit_info)
     cuda_peak = getattr(bench, "cuda_peak_mib", {})
     for name, a in per_method.items():
@@ -1063,6 +1053,16 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_json_safe(v) for v in obj]
     return obj
+
+
+def _with_progress(console, quiet: bool, log: Log, work: Callable[[Callable[[int, int], None]], Any]) -> Any:
+    """Run work(update) with a progress display that is closed however work ends."""
+    progress = _Progress(console, quiet, log)
+    progress.start()
+    try:
+        return work(progress.update)
+    finally:
+        progress.close()
 
 
 class _Progress:
