@@ -105,6 +105,19 @@ class BatchEngine:
     def fit_prompt(self, ids: list[int], **kw) -> tuple[list[int], int]:
         return self.single.fit_prompt(ids, **kw)
 
+    def encode(self, req) -> list[int]:
+        return self.single.encode(req)
+
+    def generate_ids(self, prompt_ids: list[int], sampling: SamplingParams,
+                     observer: Callable[[StepObservation], None] | None = None) -> GenerationResult:
+        """One record alone (a batch of one)."""
+        for _, res in self.run([None], lambda _: (prompt_ids, sampling),
+                               observer_for=(lambda _: observer) if observer else None):
+            if isinstance(res, BaseException):
+                raise res
+            return res
+        raise AssertionError("run() yielded nothing")
+
     # ------------------------------------------------------------------ the loop
 
     def run(self, items: Iterable[Any],

@@ -111,6 +111,9 @@ class GenerationResult:
     prompt_tokens: int
     stats: SpecStats
     seconds: float
+    #: The record's max_tokens cut to what the context window leaves after the prompt, when
+    #: that is less than it asked for (None: not capped).
+    max_tokens_capped_to: int | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -248,6 +251,20 @@ class SpecEngine:
         return ids, 0
 
     # ------------------------------------------------------------------ generation
+
+    def run(self, items, prepare, observer_for=None):
+        """Generate every item one at a time; yield (item, GenerationResult or the exception
+        that ended that record). Same contract as BatchEngine.run: prepare(item) -> (prompt
+        ids, sampling); observer_for(item) -> an observer of that record's steps or None."""
+        for item in items:
+            try:
+                ids, sampling = prepare(item)
+                observer = observer_for(item) if observer_for is not None else None
+                res = self.generate_ids(ids, sampling, observer=observer)
+            except Exception as e:  # noqa: BLE001 - one record's failure ends only it
+                yield item, e
+                continue
+            yield item, res
 
     def generate(self, req: Request, sampling: SamplingParams,
                  observer: Callable[[StepObservation], None] | None = None) -> GenerationResult:
@@ -499,8 +516,9 @@ class Sequence:
         text = self.text
         if text is None:
             text = self.engine.tokenizer.decode(self.out, skip_special_tokens=True)
+        capped = self.max_new if self.max_new < self.sampling.max_tokens else None
         return GenerationResult(self.out, text, self.finish, self.prompt_len, self.stats,
-                                time.perf_counter() - self.t0)
+                                time.perf_counter() - self.t0, capped)
 
 
 def build_drafter(draft_cfg: DraftConfig, target, draft_model=None):
@@ -544,3 +562,24 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None):
     vocab = target.model.get_output_embeddings().weight.shape[0]
     return ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, cost=cost,
                         adaptive=draft_cfg.adaptive, vocab_size=vocab)
+
+
+def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: DraftConfig,
+                 batch_size: int = 1):
+    """THE place an engine is made: the drafter(s) for draft_cfg, the verification rule and
+    the batch size. draft_model: the loaded draft model or EAGLE-3 head (None for ngram/none).
+    Raises UsageError for combinations the engine cannot run (trees or sliding windows at
+    batch size > 1). Every engine has run(items, prepare, observer_for), tokenize, fit_prompt,
+    encode and generate_ids."""
+    from marscli.errors import UsageError
+
+    if batch_size > 1:
+        from marscli.batch import BatchEngine, batched_drafter_for
+
+        try:
+            return BatchEngine(target, lambda: build_drafter(draft_cfg, target, draft_model),
+                               verify_cfg, draft_cfg, batch_size,
+                               batched_drafter=batched_drafter_for(draft_cfg, target, draft_model))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return SpecEngine(target, build_drafter(draft_cfg, target, draft_model), verify_cfg, draft_cfg)
