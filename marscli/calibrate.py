@@ -5,7 +5,7 @@ scored all k drafts of a step in one forward pass, so at each **verified draft p
 know the margin statistics, the draft's rank in the target (top-1, top-2, other), the target's
 log-probabilities of its top-1, top-2 and the draft token, and whether strict verification
 accepts the draft there on its own. From that, the length of any step under MARS at any theta
-is replayed exactly (the same rule as marscli.verify, applied to the recorded facts).
+is replayed exactly (marscli.verify's own Rule.decide, applied to the recorded facts).
 
 The trade-off curve and the policies work on the replay:
 
@@ -49,7 +49,7 @@ STATISTICS = ("logit-ratio", "prob-ratio")
 
 
 class MarginCollector:
-    """Engine observer (SpecEngine.generate(..., observer=...)): one row per verified draft
+    """Engine observer (Engine.run(..., observer_for=...)): one row per verified draft
     position. The engine must verify strictly; every step's strict outcome is checked
     against the replay rule as it is recorded."""
 
@@ -274,7 +274,7 @@ class MarginData:
             "valid": valid,
             "stat": lay(self.statistic(margin), -math.inf),
             "strict_ok": lay(self.strict_ok, 0.0) > 0.5,
-            # MARS accepts a top-1/top-2 draft outright at a relaxable position (if p > 0).
+            # The facts' in_top2: the draft is the target's top-1/top-2 with p > 0.
             "eligible": lay(((self.rank <= RANK_TOP2) & np.isfinite(self.logp_draft)).astype(float), 0.0) > 0.5,
             "gain": lay(gain, 0.0),
         }
@@ -283,13 +283,17 @@ class MarginData:
 
     def replay(self, theta: float, margin: str) -> Replay:
         """Every step of the collection run, verified by MARS at ``theta`` instead."""
+        from marscli.verify import MARS, PositionFacts, Rule, relaxed_positions
+
         g = self._matrices(margin)
         S, P = self.steps, self.positions
-        relaxable = g["valid"] & (g["stat"] > theta)
-        ok = np.where(relaxable, g["eligible"], g["strict_ok"]) & g["valid"]
+        # The verifier's own per-position decision, on the recorded facts.
+        decision = Rule(MARS, theta, margin).decide(PositionFacts({margin: g["stat"]}, g["eligible"], g["strict_ok"]))
+        relaxable = g["valid"] & decision.relaxable
+        ok = decision.ok & g["valid"]
         n = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(S, dtype=np.int64)
         accepted = np.arange(ok.shape[1])[None, :] < n[:, None]
-        relaxed = accepted & relaxable & ~g["strict_ok"]
+        relaxed = relaxed_positions(accepted, relaxable, g["strict_ok"])
         emitted = int(n.sum()) + S
         return Replay(
             theta=theta,

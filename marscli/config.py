@@ -59,9 +59,11 @@ class VerifyConfig:
     margin: MarginKind = "logit-ratio"
 
     @property
-    def effective_theta(self) -> float:
-        """theta as the verifier uses it: strict mode never relaxes."""
-        return STRICT_THETA if self.mode == "strict" else self.theta
+    def rule(self):
+        """The rulebook's Rule for this configuration (strict never relaxes, whatever theta)."""
+        from marscli.verify import Rule
+
+        return Rule(self.mode, self.theta, self.margin)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
-"""Tree drafts (EAGLE-2-style dynamic trees): one target forward over a whole draft tree, the
-verification rules of marscli.verify walked over the tree, and the cache compaction after.
+"""Tree drafts (EAGLE-2-style dynamic trees): the tree, and one target forward over all of it.
+
+The rules walked over a tree live in the rulebook (``marscli.verify.verify_tree``); keeping only
+the accepted path in the cache afterwards is ``marscli.kvcache.compact_cache``.
 
 Words are those of marscli.verify (target, drafter, step, accepted, relaxed, correction, bonus,
 margin statistic, theta, relaxable). A tree adds:
@@ -28,19 +30,10 @@ transformers 5 and a custom 4D mask (what ``tree_inputs`` builds and why):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 
-from marscli.verify import (
-    LOGIT_RATIO,
-    _residual,
-    margin_statistic,
-    sample_from,
-    sampling_probs,
-    strict_sampling_accepts,
-    top2,
-)
+from marscli.kvcache import check_plain_layers
 
 #: Parent index of the root's children.
 ROOT = -1
@@ -210,21 +203,7 @@ def check_tree_support(model, cache=None) -> None:
             f"float mask); this model uses {impl!r}"
         )
     if cache is not None:
-        _check_cache_layers(cache)
-
-
-def _check_cache_layers(cache) -> None:
-    from transformers.cache_utils import DynamicLayer
-
-    from marscli.kvcache import GrowingLayer
-
-    for i, layer in enumerate(cache.layers):
-        # Subclasses keep extra per-position state (sliding windows, indexer keys, quantized
-        # residuals) that a gather of keys/values would leave out of step.
-        if type(layer) not in (DynamicLayer, GrowingLayer):
-            raise ValueError(
-                f"draft trees need a plain DynamicCache; layer {i} is a {type(layer).__name__}"
-            )
+        check_plain_layers(cache)
 
 
 @torch.inference_mode()
@@ -259,205 +238,3 @@ def tree_forward(
     logits = out.logits[0].float()  # [N+1, V]
     assert logits.shape[0] == len(tree) + 1, f"logits {tuple(logits.shape)} for {len(tree)} nodes"
     return logits, (tuple(out.hidden_states) if output_hidden_states else None)
-
-
-def compact_cache(cache, past_len: int, path: list[int]) -> None:
-    """Keep the past, the root and the accepted path's nodes (path order); drop the rest.
-
-    Afterwards every layer holds past_len + 1 + len(path) positions, contiguous, as if root and
-    path had been fed as a chain (their keys carry the rotary positions past_len + depth, which
-    are exactly the chain positions along a path).
-    """
-    _check_cache_layers(cache)
-    # In place, so inference mode: the engine's cache tensors are inference tensors, which
-    # refuse in-place writes outside it.
-    with torch.inference_mode():
-        _compact(cache, past_len, path)
-
-
-def _compact(cache, past_len: int, path: list[int]) -> None:
-    start = past_len + 1  # first tree node's slot
-    k = len(path)
-    # A path is root-to-leaf, so its indices increase; prefix paths (0, 1, ..., k-1) need only
-    # the crop.
-    assert all(a < b for a, b in pairwise(path)), f"path {path} is not increasing"
-    for layer in cache.layers:
-        if not layer.is_initialized:
-            continue  # KV-sharing layers hold nothing
-        total = layer.keys.shape[-2]
-        assert total >= start and all(0 <= i < total - start for i in path), (
-            f"cache layer of {total} positions cannot hold path {path} after {start}"
-        )
-        if path != list(range(k)):
-            src = torch.tensor(path, dtype=torch.long, device=layer.keys.device) + start
-            # In place, O(len(path)) instead of copying the whole cache: the gather copies the
-            # path's entries before the (overlapping) write.
-            layer.keys[..., start:start + k, :] = layer.keys[..., src, :]
-            layer.values[..., start:start + k, :] = layer.values[..., src, :]
-        # A view: the next update concatenates into a fresh tensor anyway.
-        layer.keys = layer.keys[..., : start + k, :]
-        layer.values = layer.values[..., : start + k, :]
-
-
-# ----------------------------------------------------------------------------- verification
-
-
-@dataclass
-class TreeVerifyResult:
-    """Outcome of verifying one draft tree."""
-
-    path: list[int]  # accepted node indices, root-to-leaf
-    next_token: int  # correction (a rejection ended the path) or bonus (ended at a leaf)
-    relaxed: list[bool]  # per accepted node: accepted only thanks to MARS
-    statistic: torch.Tensor  # [N+1] float32: margin statistic of each row (row 0 = root's)
-    relaxable: torch.Tensor  # [N+1] bool: statistic > theta at a row that has children
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.path)
-
-    def emitted(self, tree: DraftTree) -> list[int]:
-        """Tokens this step emits: the accepted path's tokens, then the next token."""
-        return [int(tree.tokens[i]) for i in self.path] + [self.next_token]
-
-
-def verify_tree(
-    tree: DraftTree,
-    logits: torch.Tensor,  # [N+1, V] raw target logits: row 0 root's children, row i+1 node i's
-    *,
-    theta: float,
-    margin: str = LOGIT_RATIO,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    u_accept: torch.Tensor | None = None,  # [N] uniforms in [0, 1), one per node
-    u_sample: torch.Tensor | None = None,  # [] or [1] uniform in [0, 1) for the next token
-) -> TreeVerifyResult:
-    """Verify a draft tree: greedy when temperature == 0, else sampling; strict for theta = +inf.
-
-    Greedy: a node is ok when its token is the top-1 at its parent's row, or (MARS) the top-2
-    there and that row is relaxable. The accepted path is the longest root path of ok nodes
-    (ties: fewer relaxed nodes, then the first in depth-first order with children in index
-    order); the next token is the top-1 of the row after it.
-
-    Sampling: walk from the root. At a strict row with distribution p, try the children in index
-    order; child x is accepted when u_accept[x's node] < p(x) (a deterministic drafter: one-hot
-    q); a rejection sets p to the residual (x zeroed, renormalised) for the next sibling. At a
-    relaxable row (MARS) the first child that is the top-1 (else the top-2) with p > 0 is
-    accepted outright; if there is none, the correction comes from that row's p itself. A leaf's
-    bonus comes from its row's p. With theta = +inf this reproduces the target's law exactly.
-    """
-    n = len(tree)
-    assert logits.dim() == 2 and logits.shape[0] == n + 1, (
-        f"logits must be [N+1, V] = [{n + 1}, V], got {tuple(logits.shape)}"
-    )
-    z1, z2, t1, t2 = top2(logits)  # each [N+1]
-    stat = margin_statistic(z1, z2, margin)  # [N+1]
-    kids = tree.child_lists()
-    has_children = torch.zeros(n + 1, dtype=torch.bool, device=logits.device)
-    has_children[tree.parents.to(logits.device) + 1] = True
-    relaxable = (stat > theta) & has_children  # +inf theta: never
-    if temperature == 0.0:
-        path, relaxed, nxt = _greedy(tree, kids, t1.tolist(), t2.tolist(), relaxable.tolist())
-    else:
-        assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
-        assert u_accept.shape == (n,), f"u_accept must be [N] = [{n}], got {tuple(u_accept.shape)}"
-        assert u_sample.numel() == 1, f"u_sample must be [] or [1], got {tuple(u_sample.shape)}"
-        u_accept, u_sample = u_accept.to(logits.device), u_sample.to(logits.device)
-        p = sampling_probs(logits, temperature, top_k, top_p)  # [N+1, V]
-        path, relaxed, nxt = _sampling(tree, kids, p, t1.tolist(), t2.tolist(),
-                                       relaxable.tolist(), u_accept, u_sample.reshape(1))
-    return TreeVerifyResult(path, nxt, relaxed, stat, relaxable)
-
-
-def _greedy(tree, kids, t1, t2, relaxable) -> tuple[list[int], list[bool], int]:
-    """Longest ok path. Nodes are visited in depth-first order (children in index order), so
-    the first path found of a given (length, relaxed count) wins its ties."""
-    tokens = tree.tokens.tolist()
-    parents = tree.parents.tolist()
-    best: tuple[int, int] = (0, 0)  # (length, -relaxed count) of the best path so far
-    best_path: list[int] = []
-    best_relaxed: list[bool] = []
-    # stack entries: (node, path to its parent, relaxed flags so far); children pushed reversed
-    stack = [(c, [], []) for c in reversed(kids[0])]
-    while stack:
-        i, path, flags = stack.pop()
-        row = parents[i] + 1  # the row that scores node i
-        tok = tokens[i]
-        if tok == t1[row]:
-            was_relaxed = False
-        elif tok == t2[row] and relaxable[row]:
-            was_relaxed = True
-        else:
-            continue  # not ok: nothing below it is reachable
-        path = path + [i]
-        flags = flags + [was_relaxed]
-        key = (len(path), -sum(flags))
-        if key > best:
-            best, best_path, best_relaxed = key, path, flags
-        stack.extend((c, path, flags) for c in reversed(kids[i + 1]))
-    last_row = best_path[-1] + 1 if best_path else 0
-    return best_path, best_relaxed, t1[last_row]
-
-
-def _sampling(tree, kids, p, t1, t2, relaxable, u_accept, u_sample):
-    """The sampling walk (strict rows: sequential rejection over siblings; relaxable rows: MARS)."""
-    tokens = tree.tokens.tolist()
-    path: list[int] = []
-    relaxed: list[bool] = []
-    row = 0
-    while True:
-        children = kids[row]
-        p_row = p[row].unsqueeze(0)  # [1, V]
-        if not children:
-            dist = p_row  # bonus: from the plain target distribution
-            break
-        if relaxable[row]:
-            chosen = None
-            for want in (t1[row], t2[row]):
-                if p_row[0, want] > 0:
-                    chosen = next((c for c in children if tokens[c] == want), None)
-                if chosen is not None:
-                    break
-            if chosen is None:
-                dist = p_row  # MARS: the correction comes from p itself, not a residual
-                break
-            strict_ok = _strict_ok(tokens[chosen], p_row, u_accept[chosen])
-            path.append(chosen)
-            relaxed.append(not strict_ok)
-            row = chosen + 1
-            continue
-        accepted = None
-        for c in children:
-            if _strict_ok(tokens[c], p_row, u_accept[c]):
-                accepted = c
-                break
-            # q is one-hot at the rejected token: the residual zeroes it and renormalises
-            p_row = _residual(p_row, None, torch.tensor([tokens[c]], device=p_row.device))
-        if accepted is None:
-            dist = p_row  # correction from the residual left after every sibling
-            break
-        path.append(accepted)
-        relaxed.append(False)
-        row = accepted + 1
-    nxt = int(sample_from(dist, u_sample)[0])
-    return path, relaxed, nxt
-
-
-def _strict_ok(token: int, p_row: torch.Tensor, u: torch.Tensor) -> bool:
-    """Strict check of one token against p_row [1, V] (one-hot q: u < p(x), p(x) > 0)."""
-    drafts = torch.tensor([[token]], device=p_row.device)
-    return bool(strict_sampling_accepts(drafts, p_row.unsqueeze(1), u.reshape(1, 1))[0, 0])
-
-
-__all__ = [
-    "ROOT",
-    "DraftTree",
-    "TreeVerifyResult",
-    "check_tree_support",
-    "compact_cache",
-    "tree_forward",
-    "tree_inputs",
-    "verify_tree",
-]
-

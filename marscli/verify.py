@@ -1,8 +1,8 @@
-"""Verification of draft tokens: strict and margin-aware (MARS), greedy and sampling.
+"""The rulebook: every verification rule of marscli, chain and tree, greedy and sampling.
 
 Pure tensor functions: no model, no I/O, no hidden random state. Randomness comes in as
-uniform draws chosen by the caller, so a result is a function of its arguments alone (and a
-batch row's result never depends on the other rows).
+uniform draws (``step_uniforms`` says how many a step takes), so a result is a function of
+its arguments alone, and a batch row's result never depends on the other rows.
 
 Words used throughout marscli (fixed here, kept everywhere):
 
@@ -11,31 +11,49 @@ Words used throughout marscli (fixed here, kept everywhere):
   and returns K+1 rows of logits (row i scores the token that follows draft i-1; row 0 scores
   the first draft, row K the token after all K drafts).
 - **accepted**: draft tokens kept in a step (always a prefix of the drafts).
-- **relaxed**: accepted only because MARS relaxed the check: the draft equals the target's
-  top-2 token at a low-margin position (in sampling mode also: the draft is the top-1 token
-  but strict rejection sampling would have rejected it).
+- **relaxed**: accepted only because a lossy rule relaxed the check (MARS: the draft equals
+  the target's top-2 token at a low-margin position; in sampling mode also: the draft is the
+  top-1 token but strict rejection sampling would have rejected it).
 - **correction**: the token the target emits at the first rejected position.
 - **bonus**: the extra target token emitted after all drafts of a row were accepted.
 - **margin statistic**: from the target's raw float32 logits z1 >= z2 (top-1, top-2) at a
   position: ``logit-ratio`` r = z2 / z1 (the paper's; relaxable only if z1 > 0) or
   ``prob-ratio`` p2 / p1 = exp(z2 - z1) (invariant to a constant logit shift).
 - **theta**: the threshold; a position is **relaxable** when its statistic exceeds theta.
-  theta = +inf makes MARS identical to strict verification.
 - **acceptance length** (tau): tokens emitted per step, bonus/correction included.
 
-Every function takes drafts ``[B, K]`` and target logits ``[B, K+1, V]`` and an optional
+How a rule is built (the seam the next rules plug into):
+
+1. ``position_facts`` (chain) or the tree walk gathers, per verified draft position, what
+   the target says: the margin statistics, whether the draft is among the target's top two
+   with p > 0 (``in_top2``) and whether the strict check accepts it on its own (``strict_ok``).
+2. ``Rule.decide(facts)`` judges every position on its own: ``ok`` and ``relaxable``. It uses
+   elementwise operators only, so calibration's numpy replay (marscli.calibrate) calls the
+   very same function on recorded facts.
+3. The walk (``verify`` for chains, ``verify_tree`` for trees) keeps the accepted prefix/path
+   and draws the next token: at a rejection judged by the strict check, from the residual
+   norm(max(0, p - q)); at a relaxed position, from p itself; a bonus from p.
+
+A rule is ``Rule(name, theta, margin)``; ``strict`` never relaxes whatever its theta, and MARS
+at theta = +inf behaves as strict. Nothing else in marscli restates an acceptance rule.
+
+Chain functions take drafts ``[B, K]``, target logits ``[B, K+1, V]`` and an optional
 ``draft_len`` ``[B]``: row b proposed only its first ``draft_len[b]`` drafts (the rest is
 padding and never accepted). The token emitted after the accepted prefix is a correction when
-the row rejected one of its own drafts and a bonus when it accepted all of them; a bonus is
-drawn from the plain target distribution.
+the row rejected one of its own drafts and a bonus when it accepted all of them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from marscli.tree import DraftTree
 
 LOGIT_RATIO = "logit-ratio"
 PROB_RATIO = "prob-ratio"
@@ -44,21 +62,86 @@ MARGINS = (LOGIT_RATIO, PROB_RATIO)
 #: Statistic value of positions that can never be relaxed (z1 <= 0 under logit-ratio).
 NOT_RELAXABLE = -math.inf
 
+STRICT = "strict"
+MARS = "mars"
+RULES = (STRICT, MARS)
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A verification rule and its knobs.
+
+    strict: keep a draft only where the target agrees (greedy: its argmax; sampling: Leviathan
+    et al.'s test u < min(1, p(x) / q(x))). Lossless.
+    mars (Song et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): at a
+    position whose margin statistic exceeds ``theta`` accept a draft that is the target's
+    top-1 or top-2 token (with p > 0) outright; elsewhere strict.
+    """
+
+    name: str = STRICT
+    theta: float = math.inf
+    margin: str = LOGIT_RATIO
+
+    def __post_init__(self) -> None:
+        if self.name not in RULES:
+            raise ValueError(f"unknown verification rule {self.name!r}; expected one of {RULES}")
+        if self.margin not in MARGINS:
+            raise ValueError(f"unknown margin statistic {self.margin!r}; expected one of {MARGINS}")
+        if math.isnan(self.theta):
+            raise ValueError("theta must be a number, got nan")
+
+    @classmethod
+    def from_theta(cls, theta: float, margin: str = LOGIT_RATIO) -> Rule:
+        """MARS at theta, or strict for theta = +inf (the older keyword interface)."""
+        return cls(STRICT if theta == math.inf else MARS, theta, margin)
+
+    @property
+    def relaxes(self) -> bool:
+        """Whether any position can be relaxed (strict, or MARS at +inf theta, never)."""
+        return self.name != STRICT and self.theta != math.inf
+
+    def relaxable(self, stat: Any) -> Any:
+        """Elementwise: the statistic exceeds theta (all False for a rule that never relaxes)."""
+        return stat > (self.theta if self.relaxes else math.inf)
+
+    def decide(self, facts: PositionFacts) -> Decision:
+        """Judge every position on its own (the caller keeps the accepted prefix or path)."""
+        relaxable = self.relaxable(facts.statistics[self.margin])
+        ok = (relaxable & facts.in_top2) | (~relaxable & facts.strict_ok)
+        return Decision(ok=ok, relaxable=relaxable)
+
 
 @dataclass
-class VerifyResult:
-    """Outcome of verifying one step for every row of a batch."""
+class PositionFacts:
+    """What the target says at verified draft positions, as elementwise arrays of one shape:
+    torch tensors in the verifier, numpy arrays in calibration's replay."""
 
-    num_accepted: torch.Tensor  # [B] long, 0..draft_len[b]
-    next_token: torch.Tensor  # [B] long: correction or bonus
-    relaxed: torch.Tensor  # [B, K] bool: accepted only thanks to MARS
-    relaxable: torch.Tensor  # [B, K] bool: statistic > theta at that draft position
-    statistic: torch.Tensor  # [B, K] float32: the margin statistic at each draft position
+    statistics: Mapping[str, Any]  # margin name -> statistic (at least the rule's margin)
+    in_top2: Any  # bool: the draft is the target's top-1 or top-2 token and p(draft) > 0
+    strict_ok: Any  # bool: the strict check accepts the draft there on its own
 
-    def emitted(self, drafts: torch.Tensor, b: int) -> list[int]:
-        """Tokens row b emits this step: its accepted drafts, then the next token."""
-        n = int(self.num_accepted[b])
-        return drafts[b, :n].tolist() + [int(self.next_token[b])]
+
+@dataclass
+class Decision:
+    ok: Any  # bool: the rule accepts the draft at this position (judged on its own)
+    relaxable: Any  # bool: the check was relaxed here (a rejection draws from p, not a residual)
+
+
+def relaxed_positions(accepted: Any, relaxable: Any, strict_ok: Any) -> Any:
+    """Elementwise: accepted only because the rule relaxed the check."""
+    return accepted & relaxable & ~strict_ok
+
+
+def step_uniforms(generator: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random-draw policy of a sampling step with n drafts (chain) or n nodes (tree):
+    n acceptance uniforms, then one for the correction/bonus. A fixed count per step keeps a
+    record's random stream a function of its own draft lengths only (so of no batch)."""
+    u_accept = torch.rand(n, generator=generator)  # [n]
+    u_sample = torch.rand(1, generator=generator)  # [1]
+    return u_accept, u_sample
 
 
 # ----------------------------------------------------------------------------- margins
@@ -97,83 +180,6 @@ def margin_statistic(z1: torch.Tensor, z2: torch.Tensor, margin: str) -> torch.T
     else:
         raise ValueError(f"unknown margin statistic {margin!r}; expected one of {MARGINS}")
     return torch.nan_to_num(stat, nan=NOT_RELAXABLE, neginf=NOT_RELAXABLE)
-
-
-def _draft_mask(drafts: torch.Tensor, draft_len: torch.Tensor | None) -> torch.Tensor:
-    """[B, K] bool: which draft slots hold real proposals."""
-    B, K = drafts.shape
-    if draft_len is None:
-        return torch.ones(B, K, dtype=torch.bool, device=drafts.device)
-    pos = torch.arange(K, device=drafts.device).unsqueeze(0)
-    return pos < draft_len.to(drafts.device).unsqueeze(1)
-
-
-def _check_shapes(drafts: torch.Tensor, logits: torch.Tensor) -> None:
-    assert drafts.dim() == 2, f"drafts must be [B, K], got {tuple(drafts.shape)}"
-    assert logits.dim() == 3, f"logits must be [B, K+1, V], got {tuple(logits.shape)}"
-    B, K = drafts.shape
-    assert logits.shape[:2] == (B, K + 1), (
-        f"logits {tuple(logits.shape)} do not match drafts {tuple(drafts.shape)}: need [B, K+1, V]"
-    )
-
-
-def _prefix_len(ok: torch.Tensor) -> torch.Tensor:
-    """[B, K] bool -> [B] long: length of the leading run of True."""
-    if ok.shape[1] == 0:
-        return torch.zeros(ok.shape[0], dtype=torch.long, device=ok.device)
-    return ok.long().cumprod(dim=1).sum(dim=1)
-
-
-def _stats(logits_k: torch.Tensor, theta: float, margin: str):
-    """Top-2 and relaxability for the K draft rows. logits_k: [B, K, V]."""
-    z1, z2, t1, t2 = top2(logits_k)
-    stat = margin_statistic(z1, z2, margin)
-    relaxable = stat > theta  # +inf theta: never
-    return t1, t2, stat, relaxable
-
-
-# ----------------------------------------------------------------------------- greedy
-
-
-def strict_greedy(
-    drafts: torch.Tensor,  # [B, K] long
-    logits: torch.Tensor,  # [B, K+1, V]
-    draft_len: torch.Tensor | None = None,  # [B] long
-) -> VerifyResult:
-    """Accept drafts while they equal the target's argmax; then emit the argmax."""
-    _check_shapes(drafts, logits)
-    B, K = drafts.shape
-    argmax = logits.float().argmax(dim=-1)  # [B, K+1]
-    ok = (drafts == argmax[:, :K]) & _draft_mask(drafts, draft_len)
-    n = _prefix_len(ok)
-    nxt = argmax.gather(1, n.unsqueeze(1)).squeeze(1)
-    none = torch.zeros(B, K, dtype=torch.bool, device=drafts.device)
-    return VerifyResult(n, nxt, none, none.clone(), torch.full((B, K), NOT_RELAXABLE))
-
-
-def mars_greedy(
-    drafts: torch.Tensor,  # [B, K] long
-    logits: torch.Tensor,  # [B, K+1, V]
-    theta: float,
-    margin: str = LOGIT_RATIO,
-    draft_len: torch.Tensor | None = None,  # [B] long
-) -> VerifyResult:
-    """MARS greedy verification (paper, Algorithm 1).
-
-    At each draft position: accept if the draft is the target's top-1; else accept (relaxed)
-    if it is the top-2 and the position is relaxable; else emit the top-1 and stop.
-    """
-    _check_shapes(drafts, logits)
-    B, K = drafts.shape
-    t1, t2, stat, relaxable = _stats(logits[:, :K], theta, margin)
-    valid = _draft_mask(drafts, draft_len)
-    exact = drafts == t1
-    relax_ok = (drafts == t2) & relaxable & ~exact
-    n = _prefix_len((exact | relax_ok) & valid)
-    accepted = torch.arange(K, device=drafts.device).unsqueeze(0) < n.unsqueeze(1)
-    argmax = logits.float().argmax(dim=-1)  # [B, K+1]
-    nxt = argmax.gather(1, n.unsqueeze(1)).squeeze(1)
-    return VerifyResult(n, nxt, relax_ok & accepted, relaxable & valid, stat)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -224,8 +230,9 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) per row; q None means one-hot at `draft`. p: [B, V]."""
+def residual(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) per row: the correction's law after a strict rejection (Leviathan
+    et al.). p: [B, V]; q None means one-hot at `draft` [B]."""
     if q is None:
         r = p.scatter(1, draft.unsqueeze(1), 0.0)
     else:
@@ -257,92 +264,370 @@ def strict_sampling_accepts(
     return ok & (p_x > 0)
 
 
-def speculative_sampling(
-    drafts: torch.Tensor,  # [B, K] long
-    logits: torch.Tensor,  # [B, K+1, V] raw target logits
-    u_accept: torch.Tensor,  # [B, K] uniforms in [0, 1)
-    u_sample: torch.Tensor,  # [B] uniform in [0, 1) for the correction/bonus
-    *,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    draft_probs: torch.Tensor | None = None,  # [B, K, V]; None: deterministic drafter (one-hot q)
-    theta: float = math.inf,
-    margin: str = LOGIT_RATIO,
-    draft_len: torch.Tensor | None = None,  # [B] long
-) -> VerifyResult:
-    """Speculative sampling; strict for theta = +inf, MARS sampling otherwise.
+# ----------------------------------------------------------------------------- chains
 
-    Strict (Leviathan et al.): accept draft x with probability min(1, p(x) / q(x)); at the
-    first rejection emit a correction from norm(max(0, p - q)); after K acceptances a bonus
-    from p. This reproduces the target's sampling distribution p exactly.
 
-    MARS (the authors' released code): at a relaxable position (statistic from the raw
-    logits > theta) accept x outright if it is the target's top-1 or top-2 token and p(x) > 0;
-    otherwise reject and draw the correction from p itself. Other positions stay strict.
-    """
-    _check_shapes(drafts, logits)
+@dataclass
+class VerifyResult:
+    """Outcome of verifying one step for every row of a batch."""
+
+    num_accepted: torch.Tensor  # [B] long, 0..draft_len[b]
+    next_token: torch.Tensor  # [B] long: correction or bonus
+    relaxed: torch.Tensor  # [B, K] bool: accepted only thanks to the relaxed rule
+    relaxable: torch.Tensor  # [B, K] bool: the rule relaxed the check at that draft position
+    statistic: torch.Tensor  # [B, K] float32: the rule's margin statistic at each position
+
+    def emitted(self, drafts: torch.Tensor, b: int) -> list[int]:
+        """Tokens row b emits this step: its accepted drafts, then the next token."""
+        n = int(self.num_accepted[b])
+        return drafts[b, :n].tolist() + [int(self.next_token[b])]
+
+    def row(self, b: int, k: int) -> VerifyResult:
+        """Row b's result alone, cut to its k drafts ([1, k] shapes)."""
+        return VerifyResult(self.num_accepted[b: b + 1], self.next_token[b: b + 1],
+                            self.relaxed[b: b + 1, :k], self.relaxable[b: b + 1, :k],
+                            self.statistic[b: b + 1, :k])
+
+    def host_rows(self) -> list[list[int]]:
+        """Per row [n, next token, relaxed flags (K), relaxable flags (K)] as Python ints, in
+        ONE device-to-host transfer for the whole batch."""
+        packed = torch.cat([self.num_accepted.unsqueeze(1), self.next_token.unsqueeze(1),
+                            self.relaxed.long(), self.relaxable.long()], dim=1)  # [B, 2 + 2K]
+        return packed.cpu().tolist()
+
+
+def _draft_mask(drafts: torch.Tensor, draft_len: torch.Tensor | None) -> torch.Tensor:
+    """[B, K] bool: which draft slots hold real proposals."""
     B, K = drafts.shape
-    p = sampling_probs(logits, temperature, top_k, top_p)  # [B, K+1, V]
-    valid = _draft_mask(drafts, draft_len)
-    t1, t2, stat, relaxable = _stats(logits[:, :K], theta, margin)
-    relaxable = relaxable & valid
+    if draft_len is None:
+        return torch.ones(B, K, dtype=torch.bool, device=drafts.device)
+    pos = torch.arange(K, device=drafts.device).unsqueeze(0)
+    return pos < draft_len.to(drafts.device).unsqueeze(1)
 
-    p_x = p[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
-    strict_ok = strict_sampling_accepts(drafts, p[:, :K], u_accept, draft_probs)
-    in_top2 = ((drafts == t1) | (drafts == t2)) & (p_x > 0)
-    ok = torch.where(relaxable, in_top2, strict_ok) & valid
-    n = _prefix_len(ok)
-    accepted = torch.arange(K, device=drafts.device).unsqueeze(0) < n.unsqueeze(1)
-    relaxed = accepted & relaxable & ~strict_ok
 
-    # The next token: from row n of p, or of the residual when a strict check rejected there.
-    rows = torch.arange(B, device=drafts.device)
-    p_n = p[rows, n]  # [B, V]
-    rejected_own = n < (draft_len if draft_len is not None else torch.full_like(n, K))
-    use_residual = torch.zeros(B, dtype=torch.bool, device=drafts.device)
-    if K > 0:
-        n_c = n.clamp(max=K - 1)
-        use_residual = rejected_own & ~relaxable[rows, n_c]
-    dist = p_n
-    if bool(use_residual.any()):
-        d_n = drafts[rows, n.clamp(max=max(K - 1, 0))]
-        q_n = None if draft_probs is None else draft_probs[rows, n.clamp(max=K - 1)].float()
-        dist = torch.where(use_residual.unsqueeze(1), _residual(p_n, q_n, d_n), p_n)
-    nxt = sample_from(dist, u_sample)
-    return VerifyResult(n, nxt, relaxed, relaxable, stat)
+def _check_shapes(drafts: torch.Tensor, logits: torch.Tensor) -> None:
+    assert drafts.dim() == 2, f"drafts must be [B, K], got {tuple(drafts.shape)}"
+    assert logits.dim() == 3, f"logits must be [B, K+1, V], got {tuple(logits.shape)}"
+    B, K = drafts.shape
+    assert logits.shape[:2] == (B, K + 1), (
+        f"logits {tuple(logits.shape)} do not match drafts {tuple(drafts.shape)}: need [B, K+1, V]"
+    )
+
+
+def _prefix_len(ok: torch.Tensor) -> torch.Tensor:
+    """[B, K] bool -> [B] long: length of the leading run of True."""
+    if ok.shape[1] == 0:
+        return torch.zeros(ok.shape[0], dtype=torch.long, device=ok.device)
+    return ok.long().cumprod(dim=1).sum(dim=1)
+
+
+def _drafted_logit(logits_k: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    return logits_k.float().gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
 
 
 def verify(
-    drafts: torch.Tensor,  # [B, K]
-    logits: torch.Tensor,  # [B, K+1, V]
+    drafts: torch.Tensor,  # [B, K] long
+    logits: torch.Tensor,  # [B, K+1, V] raw target logits
     *,
-    theta: float,
+    rule: Rule | None = None,
+    theta: float | None = None,
     margin: str = LOGIT_RATIO,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
     u_accept: torch.Tensor | None = None,  # [B, K]
     u_sample: torch.Tensor | None = None,  # [B]
-    draft_probs: torch.Tensor | None = None,  # [B, K, V]
+    draft_probs: torch.Tensor | None = None,  # [B, K, V]; None: deterministic drafter (one-hot q)
     draft_len: torch.Tensor | None = None,  # [B]
 ) -> VerifyResult:
-    """Dispatch to the right rule: greedy when temperature == 0, else sampling."""
-    if temperature == 0.0:
-        if math.isinf(theta) and theta > 0:
-            return strict_greedy(drafts, logits, draft_len)
-        return mars_greedy(drafts, logits, theta, margin, draft_len)
-    assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
-    return speculative_sampling(
-        drafts,
-        logits,
-        u_accept,
-        u_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        draft_probs=draft_probs,
-        theta=theta,
-        margin=margin,
-        draft_len=draft_len,
+    """Verify a chain step for every row: greedy when temperature == 0, else sampling.
+
+    ``rule`` says how (or ``theta``/``margin``: MARS at theta, strict at +inf). Greedy: the
+    strict check is draft == argmax; the next token is the argmax after the accepted prefix.
+    Sampling: the strict check is Leviathan et al.'s; a rejection judged by it draws the
+    correction from norm(max(0, p - q)), one at a relaxable position from p; after K
+    acceptances a bonus from p. With a strict rule this reproduces the target's law exactly.
+    """
+    if rule is None:
+        rule = Rule.from_theta(math.inf if theta is None else theta, margin)
+    _check_shapes(drafts, logits)
+    B, K = drafts.shape
+    greedy = temperature == 0.0
+    valid = _draft_mask(drafts, draft_len)
+    logits_k = logits[:, :K]
+    if greedy:
+        argmax = logits.float().argmax(dim=-1)  # [B, K+1]
+        strict_ok = drafts == argmax[:, :K]
+        if rule.name != STRICT:
+            z1, z2, _, t2 = top2(logits_k)
+            stat = margin_statistic(z1, z2, rule.margin)
+            p_pos = _drafted_logit(logits_k, drafts) > -math.inf  # p(draft) > 0
+            in_top2 = strict_ok | ((drafts == t2) & p_pos)
+        else:  # no statistic needed: strict never looks at margins
+            stat = torch.full((B, K), NOT_RELAXABLE, device=drafts.device)
+            in_top2 = strict_ok
+    else:
+        assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
+        p = sampling_probs(logits, temperature, top_k, top_p)  # [B, K+1, V]
+        z1, z2, t1, t2 = top2(logits_k)
+        stat = margin_statistic(z1, z2, rule.margin)
+        p_x = p[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
+        strict_ok = strict_sampling_accepts(drafts, p[:, :K], u_accept, draft_probs)
+        in_top2 = ((drafts == t1) | (drafts == t2)) & (p_x > 0)
+    decision = rule.decide(PositionFacts({rule.margin: stat}, in_top2, strict_ok))
+    relaxable = decision.relaxable & valid
+    n = _prefix_len(decision.ok & valid)
+    accepted = torch.arange(K, device=drafts.device).unsqueeze(0) < n.unsqueeze(1)
+    relaxed = relaxed_positions(accepted, relaxable, strict_ok)
+    if greedy:
+        nxt = argmax.gather(1, n.unsqueeze(1)).squeeze(1)
+        return VerifyResult(n, nxt, relaxed, relaxable, stat)
+    # The next token: from row n of p, or of the residual when a strict check rejected there.
+    rows = torch.arange(B, device=drafts.device)
+    p_n = p[rows, n]  # [B, V]
+    rejected_own = n < (draft_len.to(n.device) if draft_len is not None else torch.full_like(n, K))
+    dist = p_n
+    if K > 0:
+        n_c = n.clamp(max=K - 1)
+        use_residual = rejected_own & ~relaxable[rows, n_c]
+        if bool(use_residual.any()):
+            q_n = None if draft_probs is None else draft_probs[rows, n_c].float()
+            dist = torch.where(use_residual.unsqueeze(1), residual(p_n, q_n, drafts[rows, n_c]), p_n)
+    nxt = sample_from(dist, u_sample)
+    return VerifyResult(n, nxt, relaxed, relaxable, stat)
+
+
+def strict_greedy(drafts: torch.Tensor, logits: torch.Tensor,
+                  draft_len: torch.Tensor | None = None) -> VerifyResult:
+    """Accept drafts while they equal the target's argmax; then emit the argmax."""
+    return verify(drafts, logits, rule=Rule(STRICT), draft_len=draft_len)
+
+
+def mars_greedy(drafts: torch.Tensor, logits: torch.Tensor, theta: float, margin: str = LOGIT_RATIO,
+                draft_len: torch.Tensor | None = None) -> VerifyResult:
+    """MARS greedy verification (paper, Algorithm 1): accept the top-1; else the top-2 at a
+    relaxable position; else emit the top-1 and stop."""
+    return verify(drafts, logits, rule=Rule(MARS, theta, margin), draft_len=draft_len)
+
+
+def speculative_sampling(drafts: torch.Tensor, logits: torch.Tensor, u_accept: torch.Tensor,
+                         u_sample: torch.Tensor, *, temperature: float, top_k: int = 0,
+                         top_p: float = 1.0, draft_probs: torch.Tensor | None = None,
+                         theta: float = math.inf, margin: str = LOGIT_RATIO,
+                         draft_len: torch.Tensor | None = None) -> VerifyResult:
+    """Speculative sampling; strict for theta = +inf, MARS sampling otherwise."""
+    return verify(drafts, logits, rule=Rule.from_theta(theta, margin), temperature=temperature,
+                  top_k=top_k, top_p=top_p, u_accept=u_accept, u_sample=u_sample,
+                  draft_probs=draft_probs, draft_len=draft_len)
+
+
+def verify_rows(
+    drafts: torch.Tensor,  # [B, K] long
+    logits: torch.Tensor,  # [B, K+1, V]
+    draft_len: torch.Tensor,  # [B] long
+    rule: Rule,
+    sampling: Sequence[Any],  # per row: a SamplingParams (temperature, top_k, top_p)
+    u_accept: torch.Tensor | None = None,  # [B, K]: rows that sample; anything for greedy rows
+    u_sample: torch.Tensor | None = None,  # [B]
+    draft_probs: torch.Tensor | None = None,  # [B, K, V]
+) -> VerifyResult:
+    """One verification for a whole batch whose rows may decode differently (per-record
+    temperature, top-k, top-p). Rows sharing settings are verified together (one group in
+    the usual run); every row's result is what ``verify`` gives it alone."""
+    B, K = drafts.shape
+    keys = [(s.temperature, s.top_k, s.top_p) if not s.greedy else (0.0, 0, 1.0) for s in sampling]
+    groups: dict[tuple, list[int]] = {}
+    for b, key in enumerate(keys):
+        groups.setdefault(key, []).append(b)
+
+    def one(idx: list[int] | None, key: tuple) -> VerifyResult:
+        sel = (lambda t: t) if idx is None else (lambda t: None if t is None else t[idx])
+        temperature, top_k, top_p = key
+        return verify(sel(drafts), sel(logits), rule=rule, temperature=temperature, top_k=top_k,
+                      top_p=top_p, u_accept=None if temperature == 0.0 else sel(u_accept),
+                      u_sample=None if temperature == 0.0 else sel(u_sample),
+                      draft_probs=None if temperature == 0.0 else sel(draft_probs),
+                      draft_len=sel(draft_len))
+
+    if len(groups) == 1:
+        return one(None, keys[0])
+    out = VerifyResult(torch.zeros(B, dtype=torch.long, device=drafts.device),
+                       torch.zeros(B, dtype=torch.long, device=drafts.device),
+                       torch.zeros(B, K, dtype=torch.bool, device=drafts.device),
+                       torch.zeros(B, K, dtype=torch.bool, device=drafts.device),
+                       torch.zeros(B, K, device=drafts.device))
+    for key, idx in groups.items():
+        part = one(idx, key)
+        ix = torch.tensor(idx, dtype=torch.long, device=drafts.device)
+        for name in ("num_accepted", "next_token", "relaxed", "relaxable", "statistic"):
+            getattr(out, name)[ix] = getattr(part, name)
+    return out
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+@dataclass
+class TreeVerifyResult:
+    """Outcome of verifying one draft tree (marscli.tree.DraftTree)."""
+
+    path: list[int]  # accepted node indices, root-to-leaf
+    next_token: int  # correction (a rejection ended the path) or bonus (ended at a leaf)
+    relaxed: list[bool]  # per accepted node: accepted only thanks to the relaxed rule
+    statistic: torch.Tensor  # [N+1] float32: margin statistic of each row (row 0 = root's)
+    relaxable: torch.Tensor  # [N+1] bool: the rule relaxes the row and the row has children
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+    def emitted(self, tree: DraftTree) -> list[int]:
+        """Tokens this step emits: the accepted path's tokens, then the next token."""
+        return [int(tree.tokens[i]) for i in self.path] + [self.next_token]
+
+
+def verify_tree(
+    tree: DraftTree,
+    logits: torch.Tensor,  # [N+1, V] raw target logits: row 0 root's children, row i+1 node i's
+    *,
+    rule: Rule | None = None,
+    theta: float | None = None,
+    margin: str = LOGIT_RATIO,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    u_accept: torch.Tensor | None = None,  # [N] uniforms in [0, 1), one per node
+    u_sample: torch.Tensor | None = None,  # [] or [1] uniform in [0, 1) for the next token
+) -> TreeVerifyResult:
+    """Verify a draft tree with the chain's rule, node by node (a node is judged at its
+    parent's row); greedy when temperature == 0, else sampling.
+
+    Greedy: the accepted path is the longest root path of ok nodes (ties: fewer relaxed
+    nodes, then the first in depth-first order with children in index order); the next token
+    is the top-1 of the row after it.
+
+    Sampling: walk from the root. At a row the rule does not relax, with distribution p, try
+    the children in index order; a child the strict check rejects sets p to the residual (x
+    zeroed, renormalised: a deterministic drafter's one-hot q) for the next sibling. At a
+    relaxed row the first ok child that is the top-1 (else the top-2) is accepted; if there is
+    none, the correction comes from that row's p itself. A leaf's bonus comes from its row's
+    p. With a strict rule this reproduces the target's law exactly (SpecInfer's multi-draft
+    rejection with one-hot drafts).
+    """
+    if rule is None:
+        rule = Rule.from_theta(math.inf if theta is None else theta, margin)
+    n = len(tree)
+    assert logits.dim() == 2 and logits.shape[0] == n + 1, (
+        f"logits must be [N+1, V] = [{n + 1}, V], got {tuple(logits.shape)}"
     )
+    z1, z2, t1, t2 = top2(logits)  # each [N+1]
+    stat = margin_statistic(z1, z2, rule.margin)  # [N+1]
+    kids = tree.child_lists()
+    parents = tree.parents.to(logits.device)
+    has_children = torch.zeros(n + 1, dtype=torch.bool, device=logits.device)
+    has_children[parents + 1] = True
+    relaxable = rule.relaxable(stat) & has_children
+    if temperature == 0.0:
+        path, relaxed, nxt = _tree_greedy(tree, kids, logits, z1, z2, t1, t2, stat, rule)
+    else:
+        assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
+        assert u_accept.shape == (n,), f"u_accept must be [N] = [{n}], got {tuple(u_accept.shape)}"
+        assert u_sample.numel() == 1, f"u_sample must be [] or [1], got {tuple(u_sample.shape)}"
+        u_accept, u_sample = u_accept.to(logits.device), u_sample.to(logits.device)
+        p = sampling_probs(logits, temperature, top_k, top_p)  # [N+1, V]
+        path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule,
+                                            u_accept, u_sample.reshape(1))
+    return TreeVerifyResult(path, nxt, relaxed, stat, relaxable)
+
+
+def _node_facts(tokens: torch.Tensor, alive: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
+                stat: torch.Tensor, margin: str, strict_ok: torch.Tensor) -> PositionFacts:
+    """Facts of nodes `tokens` [M], each judged at its parent's row: alive [M] (p(token) > 0
+    there), that row's top tokens t1/t2 [M] and statistic [M]; strict_ok [M] from the caller."""
+    return PositionFacts({margin: stat}, ((tokens == t1) | (tokens == t2)) & alive, strict_ok)
+
+
+def _tree_greedy(tree, kids, logits, z1, z2, t1, t2, stat, rule: Rule):
+    """Longest ok path. Nodes are visited in depth-first order (children in index order), so
+    the first path found of a given (length, relaxed count) wins its ties."""
+    rows = tree.parents.to(logits.device) + 1  # [N] the row that judges each node
+    tok = tree.tokens.to(logits.device)
+    strict_ok = tok == t1[rows]
+    alive = logits.float()[rows].gather(1, tok.unsqueeze(1)).squeeze(1) > -math.inf
+    facts = _node_facts(tok, alive, t1[rows], t2[rows], stat[rows], rule.margin, strict_ok)
+    facts.in_top2 = facts.in_top2 | strict_ok  # as in the chain: the top-1 always qualifies
+    d = rule.decide(facts)
+    ok = d.ok.tolist()
+    was_relaxed = relaxed_positions(d.ok, d.relaxable, strict_ok).tolist()
+    best: tuple[int, int] = (0, 0)  # (length, -relaxed count) of the best path so far
+    best_path: list[int] = []
+    best_relaxed: list[bool] = []
+    # stack entries: (node, path to its parent, relaxed flags so far); children pushed reversed
+    stack = [(c, [], []) for c in reversed(kids[0])]
+    while stack:
+        i, path, flags = stack.pop()
+        if not ok[i]:
+            continue  # not ok: nothing below it is reachable
+        path = path + [i]
+        flags = flags + [bool(was_relaxed[i])]
+        key = (len(path), -sum(flags))
+        if key > best:
+            best, best_path, best_relaxed = key, path, flags
+        stack.extend((c, path, flags) for c in reversed(kids[i + 1]))
+    last_row = best_path[-1] + 1 if best_path else 0
+    return best_path, best_relaxed, int(t1[last_row])
+
+
+def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept, u_sample):
+    """The sampling walk: sequential strict rejection over siblings where the rule does not
+    relax the row; the rule's choice among the children where it does."""
+    tokens = tree.tokens.to(p.device)
+    path: list[int] = []
+    relaxed: list[bool] = []
+    row = 0
+    while True:
+        children = kids[row]
+        p_row = p[row].unsqueeze(0)  # [1, V]
+        if not children:
+            dist = p_row  # bonus: from the plain target distribution
+            break
+        if bool(relaxable[row]):
+            c_idx = torch.tensor(children, dtype=torch.long, device=p.device)
+            c_tok = tokens[c_idx]
+            M = len(children)
+            strict_ok = strict_sampling_accepts(c_tok.view(M, 1), p_row.expand(M, -1).unsqueeze(1),
+                                                u_accept[c_idx].view(M, 1))[:, 0]
+            alive = p_row[0, c_tok] > 0
+            d = rule.decide(_node_facts(c_tok, alive, t1[row].expand(M),
+                                        t2[row].expand(M), stat[row].expand(M), rule.margin, strict_ok))
+            ok, tok_list = d.ok.tolist(), c_tok.tolist()
+            chosen = None
+            for want in (int(t1[row]), int(t2[row])):  # the target's favourite first
+                chosen = next((j for j in range(M) if ok[j] and tok_list[j] == want), None)
+                if chosen is not None:
+                    break
+            if chosen is None:
+                dist = p_row  # a relaxed row: the correction comes from p itself, not a residual
+                break
+            path.append(children[chosen])
+            relaxed.append(bool(relaxed_positions(d.ok, d.relaxable, strict_ok)[chosen]))
+            row = children[chosen] + 1
+            continue
+        accepted = None
+        for c in children:
+            tok = tokens[c].view(1)
+            strict_ok = strict_sampling_accepts(tok.view(1, 1), p_row.unsqueeze(1), u_accept[c].view(1, 1))[:, 0]
+            d = rule.decide(_node_facts(tok, p_row[0, tok] > 0, t1[row].view(1), t2[row].view(1),
+                                        stat[row].view(1), rule.margin, strict_ok))
+            if bool(d.ok[0]):
+                accepted = c
+                break
+            p_row = residual(p_row, None, tok)  # one-hot q at the rejected token
+        if accepted is None:
+            dist = p_row  # correction from the residual left after every sibling
+            break
+        path.append(accepted)
+        relaxed.append(False)
+        row = accepted + 1
+    nxt = int(sample_from(dist, u_sample)[0])
+    return path, relaxed, nxt

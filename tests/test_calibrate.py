@@ -22,7 +22,7 @@ from marscli.calibrate import (
     trade_off_curve,
 )
 from marscli.config import SamplingParams
-from marscli.engine import StepObservation
+from marscli.engine.sequence import StepObservation
 from marscli.verify import mars_greedy, speculative_sampling, strict_greedy
 
 V, K = 12, 5

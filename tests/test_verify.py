@@ -1145,7 +1145,7 @@ def test_negative_control_correction_from_p_fails(monkeypatch, real_q):
     """Drawing the correction from p instead of the residual biases towards the draft."""
     r, drafts = run_strict(20_000, 1, seed=3, real_q=real_q)
     good = tv(token_at(r, drafts, 0)[0], P_TARGET[0])
-    monkeypatch.setattr(mv, "_residual", broken_residual)
+    monkeypatch.setattr(mv, "residual", broken_residual)
     for n in (2_000, 20_000, 50_000):
         r, drafts = run_strict(n, 1, seed=3, real_q=real_q)
         bad = tv(token_at(r, drafts, 0)[0], P_TARGET[0])
