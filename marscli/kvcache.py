@@ -1,4 +1,5 @@
-"""KV-cache helpers: one place that knows how transformers' caches are made and rolled back."""
+"""Every KV cache of marscli: growing layers, rollback, tree compaction, and the engine's
+batched cache with holes (HoleCache)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,260 @@ def rollback(cache: DynamicCache, length: int) -> None:
     # transformers >= 5 takes a negative count to remove. crop(0) is not skipped: sliding-window
     # layers that record their past trim back to their window only when cropped.
     cache.crop(length - current)
+
+
+def check_plain_layers(cache) -> None:
+    """Raise ValueError unless every layer is a plain (growing) DynamicLayer: subclasses keep
+    extra per-position state (sliding windows, indexer keys, quantized residuals) that a
+    gather of keys/values would leave out of step."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) not in (DynamicLayer, GrowingLayer):
+            raise ValueError(
+                f"draft trees need a plain DynamicCache; layer {i} is a {type(layer).__name__}"
+            )
+
+
+def compact_cache(cache, past_len: int, path: list[int]) -> None:
+    """After a tree step: keep the past, the root and the accepted path's nodes (path order);
+    drop the rest.
+
+    Afterwards every layer holds past_len + 1 + len(path) positions, contiguous, as if root and
+    path had been fed as a chain (their keys carry the rotary positions past_len + depth, which
+    are exactly the chain positions along a path).
+    """
+    check_plain_layers(cache)
+    # In place, so inference mode: the engine's cache tensors are inference tensors, which
+    # refuse in-place writes outside it.
+    with torch.inference_mode():
+        _compact_path(cache, past_len, path)
+
+
+def _compact_path(cache, past_len: int, path: list[int]) -> None:
+    start = past_len + 1  # first tree node's slot
+    k = len(path)
+    # A path is root-to-leaf, so its indices increase; prefix paths (0, 1, ..., k-1) need only
+    # the crop.
+    assert all(a < b for a, b in zip(path, path[1:])), f"path {path} is not increasing"
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue  # KV-sharing layers hold nothing
+        total = layer.keys.shape[-2]
+        assert total >= start and all(0 <= i < total - start for i in path), (
+            f"cache layer of {total} positions cannot hold path {path} after {start}"
+        )
+        if path != list(range(k)):
+            src = torch.tensor(path, dtype=torch.long, device=layer.keys.device) + start
+            # In place, O(len(path)) instead of copying the whole cache: the gather copies the
+            # path's entries before the (overlapping) write.
+            layer.keys[..., start:start + k, :] = layer.keys[..., src, :]
+            layer.values[..., start:start + k, :] = layer.values[..., src, :]
+        # A view: a growing layer appends after it in place.
+        layer.keys = layer.keys[..., : start + k, :]
+        layer.values = layer.values[..., : start + k, :]
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's cache: one row per record
+
+
+#: Compact when the cache is longer than COMPACT_RATIO x the longest row's valid tokens
+#: (plus COMPACT_SLACK slots, so short sequences are not compacted every step).
+COMPACT_RATIO = 1.5
+COMPACT_SLACK = 32
+
+
+class HoleCache:
+    """A model's KV cache for a batch of records, one row each.
+
+    masked (batch size > 1): a batched cache whose rows keep only some of their slots:
+    ``mask`` [B, T] says which (1: a token of that row's sequence, in order; 0: padding or a
+    rejected draft). Every forward passes that mask and explicit per-row position ids.
+
+    contiguous (batch size 1): at most one row and never a hole: the drafts a step rejects are
+    at the end, so they are rolled back (cropped) instead of masked, and a forward is the plain
+    single-sequence call (no mask, no position ids). This is also what keeps sliding-window
+    layers, which record their past only to be cropped, exact at batch size 1.
+    """
+
+    def __init__(self, model, device, *, masked: bool):
+        self.model = model
+        self.device = device
+        self.masked = masked
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = new_cache(self.model)
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, T]
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers() for t in (layer.keys, layer.values))
+
+    def layers(self):
+        return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)
+                and layer.keys is not None and layer.keys.numel() > 0]
+
+    # ------------------------------------------------------------------ forward and commit
+
+    def forward(self, ids: torch.Tensor, new_mask: torch.Tensor, pos: torch.Tensor, **kw):
+        """Run the model on ids [B, S] (new_mask [B, S]: 1 for real tokens, position ids pos
+        [B, S]) over the cache; the new slots stay in the cache until commit()."""
+        if not self.masked:
+            assert ids.shape[0] == 1 and bool(new_mask.all()), "a contiguous cache runs one unpadded row"
+            return self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **kw)
+        attn = torch.cat([self.mask, new_mask], 1)  # [B, T + S]
+        return self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                          past_key_values=self.cache, use_cache=True, **kw)
+
+    def commit(self, new_mask: torch.Tensor) -> None:
+        """Record which of the last forward's new slots each row keeps ([B, S])."""
+        if not self.masked:
+            drop = int(new_mask.shape[1] - new_mask.sum())
+            rollback(self.cache, self.cache.get_seq_length() - drop)
+            new_mask = new_mask[:, : new_mask.shape[1] - drop]
+        self.mask = torch.cat([self.mask, new_mask], 1)
+
+    def append_kept(self, n: int) -> None:
+        """The cache (one row) grew by n slots that all stay (after a tree step's compaction)."""
+        assert not self.masked, "trees run on a contiguous cache"
+        self.mask = torch.cat([self.mask, self.mask.new_ones(1, n)], 1)
+
+    def truncate_row(self, b: int, keep: int) -> None:
+        """Mask out row b's valid slots beyond its first `keep` (a per-row rollback)."""
+        if not self.masked:
+            rollback(self.cache, keep)
+            self.mask = self.mask[:, :keep]
+            return
+        valid = self.mask[b].nonzero().flatten()
+        if keep < valid.numel():
+            self.mask[b, valid[keep:]] = 0
+
+    # ------------------------------------------------------------------ rows
+
+    def add_prefilled(self, ids: list[int], run=None) -> None:
+        """Append a row for a record whose cached tokens are `ids` (a prompt but its pending
+        last token): prefilled alone, so no padding ever enters a prompt pass. run(forward)
+        wraps the model call (the engine captures target features there)."""
+        run = run or (lambda f: f())
+        if not self.masked:
+            assert self.rows == 0, "a contiguous cache holds one row"
+            if ids:
+                x = torch.tensor([ids], dtype=torch.long, device=self.device)
+                run(lambda: self.model(input_ids=x, past_key_values=self.cache, use_cache=True,
+                                       logits_to_keep=1))
+            self.mask = torch.ones(1, len(ids), dtype=torch.long, device=self.device)
+            return
+        kv = None
+        if ids:
+            c = new_cache(self.model)
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            run(lambda: self.model(input_ids=x, past_key_values=c, use_cache=True, logits_to_keep=1))
+            kv = [(layer.keys, layer.values) for layer in c.layers]
+        self.add_row(kv, len(ids))
+
+    def add_row(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None, L: int) -> None:
+        """Append a row whose L cached slots are kv (per layer [1, H, L, D]; None if L == 0),
+        left-padding it or the batch to a common cache length."""
+        assert self.masked, "only a masked cache takes rows of other lengths"
+        T = self.mask.shape[1]
+        new_t = max(T, L)
+        B = self.mask.shape[0]
+        batch_layers = self.layers()
+        have_batch_kv = bool(batch_layers) and B > 0
+        if new_t > T and have_batch_kv:
+            for layer in batch_layers:
+                layer.keys = left_pad(layer.keys, new_t)
+                layer.values = left_pad(layer.values, new_t)
+        mask = _left_pad_mask(self.mask, new_t)
+        row_mask = torch.zeros(1, new_t, dtype=torch.long, device=self.device)
+        if L:
+            row_mask[0, new_t - L:] = 1
+        self.mask = torch.cat([mask, row_mask], 0)
+        if new_t == 0:
+            return
+        if kv is None:  # the row has no cached tokens: zeros, masked out
+            for layer in batch_layers:
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros((1,) + layer.keys.shape[1:])], 0)
+                layer.values = torch.cat([layer.values, layer.values.new_zeros((1,) + layer.values.shape[1:])], 0)
+            return
+        if not have_batch_kv:
+            # Empty batch (or rows without cached tokens): the new row's cache is the start.
+            for layer, (k, v) in zip(self.cache.layers, kv):
+                k, v = left_pad(k, new_t), left_pad(v, new_t)
+                if B:  # the rows before it had nothing cached: zeros, masked out
+                    k = torch.cat([k.new_zeros((B,) + k.shape[1:]), k], 0)
+                    v = torch.cat([v.new_zeros((B,) + v.shape[1:]), v], 0)
+                if not layer.is_initialized:
+                    layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+        else:
+            for layer, (k, v) in zip(self.cache.layers, kv):
+                layer.keys = torch.cat([layer.keys, left_pad(k, new_t)], 0)
+                layer.values = torch.cat([layer.values, left_pad(v, new_t)], 0)
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only these rows (in this order)."""
+        if not keep:
+            self.reset()
+            return
+        if not self.masked:
+            assert keep == [0], keep
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.mask = self.mask.index_select(0, idx)
+        for layer in self.layers():
+            layer.keys = layer.keys.index_select(0, idx)
+            layer.values = layer.values.index_select(0, idx)
+        self.trim()
+
+    def trim(self) -> None:
+        """Drop slots no row uses at the left and right ends; compact when holes dominate."""
+        T = self.mask.shape[1]
+        if T == 0 or not self.masked:
+            return
+        used = self.mask.any(0).nonzero()
+        if used.numel() == 0:
+            lo, hi = T, T
+        else:
+            lo, hi = int(used[0]), int(used[-1]) + 1
+        if hi < T or lo > 0:
+            self.mask = self.mask[:, lo:hi]
+            for layer in self.layers():
+                layer.keys = layer.keys[:, :, lo:hi]
+                layer.values = layer.values[:, :, lo:hi]
+        longest = int(self.mask.sum(1).max()) if self.mask.numel() else 0
+        if self.mask.shape[1] > COMPACT_RATIO * longest + COMPACT_SLACK:
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather each row's valid slots to the right end (left padding); same order."""
+        counts = self.mask.sum(1)  # [B]
+        new_t = int(counts.max())
+        B, T = self.mask.shape
+        # For each row, source index of each destination slot (padding reads slot 0, masked).
+        order = torch.sort(self.mask, dim=1, stable=True).indices  # invalid first, then valid in order
+        index = order[:, T - new_t:]  # [B, new_t]
+        self.mask = self.mask.gather(1, index)
+        for layer in self.layers():
+            gi = index[:, None, :, None].expand(B, layer.keys.shape[1], new_t, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, gi)
+            layer.values = layer.values.gather(2, index[:, None, :, None].expand(
+                B, layer.values.shape[1], new_t, layer.values.shape[3]))
+
+
+def left_pad(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad [B, H, T, D] with zeros along T to `length`."""
+    extra = length - x.shape[2]
+    if extra <= 0:
+        return x
+    return torch.cat([x.new_zeros(x.shape[:2] + (extra,) + x.shape[3:]), x], 2)
+
+
+def _left_pad_mask(m: torch.Tensor, length: int) -> torch.Tensor:
+    extra = length - m.shape[1]
+    if extra <= 0:
+        return m
+    return torch.cat([m.new_zeros(m.shape[0], extra), m], 1)

@@ -8,10 +8,13 @@ length, never a timing, so the same input always gives the same drafts and the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from marscli.config import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -92,15 +95,109 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """One small class per drafter; the engine calls these per sequence."""
+    """One record's drafter (ngram, none, a draft model, an EAGLE-3 head). DrafterBase gives
+    the optional parts their defaults, so every drafter has every attribute the engine uses."""
 
     name: str
+    #: Target layers whose input hidden states observe() needs; () when it reads none.
+    feature_layers: tuple[int, ...]
 
-    def start(self, prompt_ids: list[int]) -> None:
-        """Begin a new sequence (reset per-sequence state)."""
+    def start(self, prompt_ids: list[int], sampling: SamplingParams,
+              generator: torch.Generator | None) -> None:
+        """Begin a new sequence: its decoding settings and the drafter's own random stream."""
 
     def propose(self, seq: list[int], k_max: int) -> Proposal:
         """Propose up to k_max tokens continuing `seq` (prompt + committed output)."""
 
+    def observe(self, features: torch.Tensor) -> None:
+        """Target features [S, F] of the next S committed positions, in order."""
+
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
         """Learn the outcome of the last proposal; `seq` is the committed sequence now."""
+
+
+class TreeDrafter(Drafter, Protocol):
+    def propose_tree(self, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
+        """A draft tree after seq: (tokens [N], parents [N], scores [N]), parents first."""
+
+
+class DrafterBase:
+    """Defaults for a drafter that reads no target features."""
+
+    name = "base"
+    feature_layers: tuple[int, ...] = ()
+
+    def observe(self, features: torch.Tensor) -> None:
+        pass
+
+
+class BatchedDrafter(Protocol):
+    """What the engine drafts with: one drafter for all rows of its batch, rows added, kept
+    and dropped with the engine's (same order). ``RowDrafters`` runs one Drafter per row; a
+    draft model or an EAGLE-3 head drafts for every row in one pass per draft position."""
+
+    #: Target layers whose features observe() needs (every target pass captures them).
+    feature_layers: tuple[int, ...]
+    #: The draft tree's shape when the engine drafts trees (batch size 1), else None.
+    tree: Any
+
+    def reset(self) -> None:
+        """Drop every row."""
+
+    def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
+                generator: torch.Generator | None) -> None:
+        """Append a row for a new record (prefilling whatever the drafter caches)."""
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order."""
+
+    def propose(self, seqs: list[list[int]], k_caps: list[int]) -> list[Proposal]:
+        """Every row's proposal: at most k_caps[b] tokens after seqs[b] (none when <= 0)."""
+
+    def propose_tree(self, row: int, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
+        """Row `row`'s draft tree (only when ``tree`` is set)."""
+
+    def observe(self, row: int, features: torch.Tensor) -> None:
+        """Target features [S, F] of row `row`'s next S committed positions."""
+
+    def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
+        """Row `row` kept `accepted` of `proposed` drafts; seq is its committed sequence."""
+
+
+class RowDrafters:
+    """A BatchedDrafter of one independent Drafter per row, made by `factory` (ngram, none,
+    a draft model with sliding-window layers, any drafter at batch size 1)."""
+
+    def __init__(self, factory: Callable[[], Drafter], *, feature_layers: tuple[int, ...] = (),
+                 tree: Any = None):
+        self.factory = factory
+        self.feature_layers = tuple(feature_layers)
+        self.tree = tree
+        self.rows: list[Drafter] = []
+
+    def reset(self) -> None:
+        self.rows = []
+
+    def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
+                generator: torch.Generator | None) -> None:
+        d = self.factory()
+        d.start(list(prompt_ids), sampling, generator)
+        self.rows.append(d)
+
+    def keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[b] for b in rows]
+
+    def propose(self, seqs: list[list[int]], k_caps: list[int]) -> list[Proposal]:
+        return [d.propose(seq, cap) if cap > 0 else Proposal([])
+                for d, seq, cap in zip(self.rows, seqs, k_caps)]
+
+    def propose_tree(self, row: int, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
+        assert self.tree is not None, "this engine drafts chains"
+        drafter: TreeDrafter = self.rows[row]  # type: ignore[assignment]
+        return drafter.propose_tree(seq, max_path)
+
+    def observe(self, row: int, features: torch.Tensor) -> None:
+        self.rows[row].observe(features)
+
+    def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
+        self.rows[row].accepted(proposed, accepted, seq)

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from marscli.config import TREE_DEFAULTS, SamplingParams
-from marscli.drafters.base import AcceptanceTracker, CostModel, Proposal
+from marscli.drafters.base import AcceptanceTracker, CostModel, DrafterBase, Proposal
 from marscli.eagle3 import Eagle3Head
+from marscli.kvcache import left_pad
 from marscli.verify import sample_from, sampling_probs
 
 #: Parent of a depth-1 node (its parent is the pending token, the tree's root).
@@ -58,7 +59,7 @@ class TreeShape:
 DEFAULT_TREE = TreeShape(*TREE_DEFAULTS)
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(DrafterBase):
     """Drafts with an EAGLE-3 head for one sequence at a time (one per batch row)."""
 
     name = "eagle3"
@@ -97,6 +98,10 @@ class Eagle3Drafter:
         if features.shape[0]:
             self.pending.append(features)
 
+    def ready(self, seq: list[int]) -> bool:
+        """Whether the head's cache holds every committed position of seq but the last."""
+        return self.last_out is not None and self.n == len(seq) - 1
+
     def _catch_up(self, seq: list[int]) -> bool:
         """Put the pending features into the cache as committed entries; True when the head
         is ready to draft the token after seq[-1]."""
@@ -113,7 +118,7 @@ class Eagle3Drafter:
                                                           torch.cat([self.past[1], v], 2))
             self.n += P
             self.last_out = out[0, -1]
-        return self.last_out is not None and self.n == len(seq) - 1
+        return self.ready(seq)
 
     # ------------------------------------------------------------------ chain
 
@@ -230,24 +235,18 @@ class Eagle3Drafter:
 # ---------------------------------------------------------------------------- batched chains
 
 
-def _left_pad_kv(t: torch.Tensor, length: int) -> torch.Tensor:
-    """[1, kv, T, hd] -> [1, kv, length, hd], zeros on the left."""
-    extra = length - t.shape[2]
-    if extra <= 0:
-        return t
-    return torch.cat([t.new_zeros(t.shape[:2] + (extra,) + t.shape[3:]), t], 2)
-
-
 class BatchedEagle3Drafter:
     """Chain drafting for a whole batch: the rows' catch-up entries in one head pass and then
     one head pass per draft position for all rows (instead of one pass per row and position).
 
     Each row is an Eagle3Drafter (its own committed cache, features, acceptance tracker and
-    random generator); this class only runs their head passes together. The rows' committed
-    caches are left-padded to a common length for each step; padding is masked out, so a
-    row drafts what it would alone, up to float summation order. Rows follow the target's
-    batch (marscli.batch.BatchEngine adds and drops them together).
+    random generator); this class only runs their head passes together (a BatchedDrafter).
+    The rows' committed caches are left-padded to a common length for each step; padding is
+    masked out, so a row drafts what it would alone, up to float summation order. Rows follow
+    the engine's batch (added and dropped together).
     """
+
+    tree = None
 
     def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int, cost: CostModel | None = None,
                  adaptive: bool = True):
@@ -258,45 +257,53 @@ class BatchedEagle3Drafter:
         self.adaptive = adaptive
         self.reset()
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.feature_layers
+
     def reset(self) -> None:
-        self.rows: list[_BatchRow] = []
+        self.rows: list[Eagle3Drafter] = []
 
-    def new_handle(self) -> _BatchRow:
-        return _BatchRow(self)
+    def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
+                generator: torch.Generator | None) -> None:
+        # The head's prompt entries come from the target's prefill features (observe).
+        row = Eagle3Drafter(self.head, self.k_max, vocab_size=self.vocab_size, cost=self.cost,
+                            adaptive=self.adaptive)
+        row.start(prompt_ids, sampling, generator)
+        self.rows.append(row)
 
-    def prefill(self, ids: list[int]):
-        return None  # the head's prompt entries come from the target's prefill features (observe)
+    def keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[b] for b in rows]
 
-    def add(self, handle: _BatchRow, kv, ids: list[int]) -> None:
-        self.rows.append(handle)
+    def propose_tree(self, row: int, seq: list[int], max_path: int):
+        raise NotImplementedError("batched EAGLE-3 drafting drafts chains")
 
-    def keep(self, keep: list[int]) -> None:
-        self.rows = [self.rows[b] for b in keep]
+    def observe(self, row: int, features: torch.Tensor) -> None:
+        self.rows[row].observe(features)
+
+    def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
+        self.rows[row].accepted(proposed, accepted, seq)
 
     @torch.inference_mode()
-    def propose_all(self, seqs: list[list[int]], k_caps: list[int]) -> None:
-        """Compute every row's next proposal (left in its handle for Sequence.propose)."""
+    def propose(self, seqs: list[list[int]], k_caps: list[int]) -> list[Proposal]:
         rows, head = self.rows, self.head
         assert len(seqs) == len(k_caps) == len(rows)
         dev = head.device
-        ks = []
-        for r, seq, cap in zip(rows, seqs, k_caps):
-            r.next = Proposal([])
-            k = r.tracker.choose_k(cap) if cap > 0 else 0
-            ks.append(k)
+        proposals = [Proposal([]) for _ in rows]
+        ks = [r.tracker.choose_k(cap) if cap > 0 else 0 for r, cap in zip(rows, k_caps)]
         active = [b for b, k in enumerate(ks) if k > 0]
         if not active:
-            return
+            return proposals
         # 1. Catch-up: every active row's pending target features, in one padded pass.
         self._catch_up([rows[b] for b in active], [seqs[b] for b in active])
         active = [b for b in active if rows[b].ready(seqs[b])]
         if not active:
-            return
+            return proposals
         B = len(active)
         act = [rows[b] for b in active]
         T = max(r.n for r in act)
-        keys = torch.cat([_left_pad_kv(r.past[0], T) for r in act], 0)  # [B, kv, T, hd]
-        values = torch.cat([_left_pad_kv(r.past[1], T) for r in act], 0)
+        keys = torch.cat([left_pad(r.past[0], T) for r in act], 0)  # [B, kv, T, hd]
+        values = torch.cat([left_pad(r.past[1], T) for r in act], 0)
         valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
         for i, r in enumerate(act):
             valid[i, T - r.n:] = True
@@ -328,10 +335,11 @@ class BatchedEagle3Drafter:
             out, k, v = head(out, toks.view(B, 1), pos, (keys, values), mask, target_features=False)
             keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
             valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
-        for j, r in enumerate(act):
-            r.next = Proposal(tokens[j][: ks[active[j]]], torch.stack(probs[j]) if probs[j] else None)
+        for j, b in enumerate(active):
+            proposals[b] = Proposal(tokens[j][: ks[b]], torch.stack(probs[j]) if probs[j] else None)
+        return proposals
 
-    def _catch_up(self, rows: list[_BatchRow], seqs: list[list[int]]) -> None:
+    def _catch_up(self, rows: list[Eagle3Drafter], seqs: list[list[int]]) -> None:
         todo = [(r, s) for r, s in zip(rows, seqs) if r.pending]
         if not todo:
             return
@@ -355,9 +363,9 @@ class BatchedEagle3Drafter:
             mask[i, 0, :, T - r.n: T] = True  # the row's committed entries (left-padded)
             mask[i, 0, :, T:] = causal
         if T:
-            keys = torch.cat([_left_pad_kv(r.past[0], T) if r.past is not None else
+            keys = torch.cat([left_pad(r.past[0], T) if r.past is not None else
                               head_kv_zeros(head, T, dev) for r, _ in todo], 0)
-            values = torch.cat([_left_pad_kv(r.past[1], T) if r.past is not None else
+            values = torch.cat([left_pad(r.past[1], T) if r.past is not None else
                                 head_kv_zeros(head, T, dev) for r, _ in todo], 0)
             past = (keys, values)
         else:
@@ -375,22 +383,3 @@ class BatchedEagle3Drafter:
 def head_kv_zeros(head: Eagle3Head, T: int, dev) -> torch.Tensor:
     a = head.midlayer.self_attn
     return torch.zeros(1, a.nkv, T, a.hd, dtype=head.dtype, device=dev)
-
-
-class _BatchRow(Eagle3Drafter):
-    """One row's handle on a BatchedEagle3Drafter: an Eagle3Drafter whose proposal was
-    computed for all rows at once just before Sequence.propose asks for it."""
-
-    def __init__(self, owner: BatchedEagle3Drafter):
-        self.owner = owner
-        self.next: Proposal | None = None
-        super().__init__(owner.head, owner.k_max, vocab_size=owner.vocab_size, cost=owner.cost,
-                         adaptive=owner.adaptive)
-
-    def ready(self, seq: list[int]) -> bool:
-        return self.last_out is not None and self.n == len(seq) - 1
-
-    def propose(self, seq: list[int], k_max: int) -> Proposal:
-        assert self.next is not None, "BatchedEagle3Drafter.propose_all must run first"
-        proposal, self.next = self.next, None
-        return proposal

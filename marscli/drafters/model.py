@@ -5,12 +5,48 @@ from __future__ import annotations
 import torch
 
 from marscli.config import SamplingParams
-from marscli.drafters.base import AcceptanceTracker, CostModel, Proposal
-from marscli.kvcache import new_cache, rollback
-from marscli.verify import sampling_probs, sample_from
+from marscli.drafters.base import AcceptanceTracker, CostModel, DrafterBase, Proposal
+from marscli.kvcache import HoleCache, new_cache, rollback
+from marscli.verify import sample_from, sampling_probs
 
 
-class ModelDrafter:
+def fit_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """Draft logits [V_draft] cut or -inf-padded to the target's width: padded embedding rows
+    are never drafted, and tokens the draft model lacks get probability 0."""
+    if vocab_size is None or logits.shape[-1] == vocab_size:
+        return logits
+    if logits.shape[-1] > vocab_size:
+        return logits[: vocab_size]
+    pad = logits.new_full((vocab_size - logits.shape[-1],), float("-inf"))
+    return torch.cat([logits, pad])
+
+
+def draft_token(logits: torch.Tensor, sampling: SamplingParams,
+                generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """One draft token from draft logits [V]: the argmax (greedy; q one-hot) or a draw from
+    the filtered draft distribution q, returned with it."""
+    if sampling.greedy:
+        return int(logits.argmax()), None
+    q = sampling_probs(logits.unsqueeze(0), sampling.temperature, sampling.top_k, sampling.top_p)  # [1, V]
+    u = torch.rand(1, generator=generator)
+    return int(sample_from(q, u)[0]), q[0]
+
+
+class DraftModelSettings:
+    """What every draft-model drafter holds: the model, its device, K, the draft-length policy
+    and the target's vocabulary width (draft probabilities are padded or cut to it)."""
+
+    def __init__(self, model, k_max: int, *, cost: CostModel | None = None, adaptive: bool = True,
+                 vocab_size: int | None = None):
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.k_max = k_max
+        self.cost = cost or CostModel()
+        self.adaptive = adaptive
+        self.vocab_size = vocab_size
+
+
+class ModelDrafter(DraftModelSettings, DrafterBase):
     """Drafts k tokens autoregressively with a small model sharing the target's vocabulary.
 
     Its cache holds a prefix of the committed sequence plus the drafts it fed itself; after
@@ -21,19 +57,13 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, model, k_max: int, *, cost: CostModel | None = None, adaptive: bool = True,
-                 vocab_size: int | None = None):
-        self.model = model
-        self.device = model.get_input_embeddings().weight.device
-        self.k_max = k_max
-        self.cost = cost or CostModel()
-        self.adaptive = adaptive
-        self.vocab_size = vocab_size  # target's logits width: draft probs are padded/cut to it
+    def __init__(self, model, k_max: int, **kw):
+        super().__init__(model, k_max, **kw)
         self.sampling = SamplingParams()
         self.generator: torch.Generator | None = None
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys/values are in self.cache
-        self.tracker = AcceptanceTracker(k_max, self.cost, adaptive=adaptive)
+        self.tracker = AcceptanceTracker(k_max, self.cost, adaptive=self.adaptive)
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
               generator: torch.Generator | None = None) -> None:
@@ -49,14 +79,6 @@ class ModelDrafter:
         self.cached.extend(ids)
         return out.logits[0, -1]  # [V_draft]
 
-    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.vocab_size is None or logits.shape[-1] == self.vocab_size:
-            return logits
-        if logits.shape[-1] > self.vocab_size:  # padded embedding rows never get drafted
-            return logits[: self.vocab_size]
-        pad = logits.new_full((self.vocab_size - logits.shape[-1],), float("-inf"))
-        return torch.cat([logits, pad])
-
     def propose(self, seq: list[int], k_max: int) -> Proposal:
         k = self.tracker.choose_k(k_max)
         if k <= 0:
@@ -70,23 +92,142 @@ class ModelDrafter:
         common = min(common, len(seq) - 1)
         rollback(self.cache, common)
         del self.cached[common:]
-        logits = self._fit_vocab(self._forward(seq[common:]))
+        logits = fit_vocab(self._forward(seq[common:]), self.vocab_size)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        greedy = self.sampling.greedy
         for i in range(k):
-            if greedy:
-                tok = int(logits.argmax())
-            else:
-                q = sampling_probs(logits.unsqueeze(0), self.sampling.temperature,
-                                   self.sampling.top_k, self.sampling.top_p)  # [1, V]
-                u = torch.rand(1, generator=self.generator)
-                tok = int(sample_from(q, u)[0])
-                probs.append(q[0])
+            tok, q = draft_token(logits, self.sampling, self.generator)
+            if q is not None:
+                probs.append(q)
             tokens.append(tok)
             if i + 1 < k:
-                logits = self._fit_vocab(self._forward([tok]))
+                logits = fit_vocab(self._forward([tok]), self.vocab_size)
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
         self.tracker.update(proposed, accepted)
+
+
+class _Row:
+    """One row's drafting state in a BatchedModelDrafter."""
+
+    def __init__(self, owner: BatchedModelDrafter, sampling: SamplingParams,
+                 generator: torch.Generator | None):
+        self.sampling = sampling
+        self.generator = generator
+        self.tracker = AcceptanceTracker(owner.k_max, owner.cost, adaptive=owner.adaptive)
+        self.cached: list[int] = []  # tokens whose keys/values are valid in the row's cache
+
+
+class BatchedModelDrafter(DraftModelSettings):
+    """ModelDrafter for a whole batch (a BatchedDrafter): one draft-model forward per draft
+    position for all rows, over a masked HoleCache of its own.
+
+    Each row drafts what a ModelDrafter would for it alone: the same choice of k (its own
+    AcceptanceTracker), the same greedy argmax or the same draws from its own generator;
+    only the float summation order of the draft model's batched pass may differ.
+    """
+
+    feature_layers: tuple[int, ...] = ()
+    tree = None
+
+    def __init__(self, model, k_max: int, **kw):
+        super().__init__(model, k_max, **kw)
+        tok = getattr(model.config, "pad_token_id", None)
+        self.pad_id = tok if isinstance(tok, int) else 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.kv = HoleCache(self.model, self.device, masked=True)
+        self.rows: list[_Row] = []
+
+    def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
+                generator: torch.Generator | None) -> None:
+        """Prefill the new row's prompt but its last token, alone, and append the row."""
+        row = _Row(self, sampling, generator)
+        row.cached = list(prompt_ids[:-1])
+        self.kv.add_prefilled(row.cached)
+        self.rows.append(row)
+
+    def keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[b] for b in rows]
+        self.kv.keep_rows(rows)
+
+    def propose_tree(self, row: int, seq: list[int], max_path: int):
+        raise NotImplementedError("a draft model drafts chains")
+
+    def observe(self, row: int, features: torch.Tensor) -> None:
+        pass
+
+    def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
+        self.rows[row].tracker.update(proposed, accepted)
+
+    def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
+        """One forward: row b appends feeds[b] (possibly none) -> logits [B, S, V_draft]."""
+        B = len(self.rows)
+        S = max(len(f) for f in feeds)
+        ids = torch.full((B, S), self.pad_id, dtype=torch.long)
+        new_mask = torch.zeros(B, S, dtype=torch.long)
+        for b, f in enumerate(feeds):
+            if f:
+                ids[b, : len(f)] = torch.tensor(f)
+                new_mask[b, : len(f)] = 1
+        npos = torch.tensor([len(h.cached) for h in self.rows], dtype=torch.long)
+        pos = npos[:, None] + torch.arange(S)[None, :]
+        ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
+        logits = self.kv.forward(ids, new_mask, pos).logits  # [B, S, V_draft]
+        self.kv.commit(new_mask)
+        for h, f in zip(self.rows, feeds):
+            h.cached.extend(f)
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[list[int]], k_caps: list[int]) -> list[Proposal]:
+        rows = self.rows
+        assert len(seqs) == len(k_caps) == len(rows)
+        ks = []
+        catch: list[list[int]] = []
+        for b, (h, seq, cap) in enumerate(zip(rows, seqs, k_caps)):
+            k = h.tracker.choose_k(cap) if cap > 0 else 0
+            ks.append(k)
+            if k <= 0:
+                catch.append([])
+                continue
+            # Bring the row's cache up to its committed sequence (at least the last token is new).
+            common = 0
+            for a, t in zip(h.cached, seq):
+                if a != t:
+                    break
+                common += 1
+            common = min(common, len(seq) - 1)
+            if common < len(h.cached):
+                self.kv.truncate_row(b, common)
+                del h.cached[common:]
+            catch.append(list(seq[common:]))
+        if not any(ks):
+            self.kv.trim()
+            return [Proposal([]) for _ in rows]
+        logits = self._feed(catch)
+        last = [fit_vocab(logits[b, len(c) - 1], self.vocab_size) if c else None
+                for b, c in enumerate(catch)]
+        tokens: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        for i in range(max(ks)):
+            feeds: list[list[int]] = [[] for _ in rows]
+            for b, (h, k) in enumerate(zip(rows, ks)):
+                if i >= k:
+                    continue
+                tok, q = draft_token(last[b], h.sampling, h.generator)
+                if q is not None:
+                    probs[b].append(q)
+                tokens[b].append(tok)
+                if i + 1 < k:
+                    feeds[b] = [tok]
+            if any(feeds):
+                logits = self._feed(feeds)
+                for b, f in enumerate(feeds):
+                    if f:
+                        last[b] = fit_vocab(logits[b, 0], self.vocab_size)
+        self.kv.trim()
+        return [Proposal(tokens[b], torch.stack(probs[b]) if probs[b] else None) if ks[b] > 0
+                else Proposal([]) for b in range(len(rows))]

@@ -5,10 +5,10 @@ that copies its input."""
 
 from __future__ import annotations
 
-from marscli.drafters.base import AcceptanceTracker, CostModel, Proposal
+from marscli.drafters.base import AcceptanceTracker, CostModel, DrafterBase, Proposal
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Proposes the continuation of the most recent earlier occurrence of the longest
     matching suffix n-gram (n from ngram_max down to ngram_min).
 
@@ -31,7 +31,7 @@ class NgramDrafter:
         self._last_n = 0
         self.start([])
 
-    def start(self, prompt_ids: list[int], *_, **__) -> None:
+    def start(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
         self._indexed = 0  # n-grams ending before this position are indexed
         self._trackers = {n: AcceptanceTracker(self.k_max, self.cost, adaptive=self.adaptive)
@@ -75,12 +75,12 @@ class NgramDrafter:
             t.failures *= 0.98
 
 
-class NoDrafter:
+class NoDrafter(DrafterBase):
     """Plain autoregressive decoding through the same engine (k = 0 every step)."""
 
     name = "none"
 
-    def start(self, prompt_ids: list[int], *_, **__) -> None:
+    def start(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
         pass
 
     def propose(self, seq: list[int], k_max: int) -> Proposal:
