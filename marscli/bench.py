@@ -340,7 +340,7 @@ class Bench:
     """
 
     def __init__(self, cfg: BenchConfig, target, draft=None, *, log: Log = lambda _: None):
-        from marscli.engine import SpecEngine, build_drafter
+        from marscli.engine import build_engine
 
         self.cfg = cfg
         self.target = target
@@ -351,7 +351,7 @@ class Bench:
         none_cfg = DraftConfig(kind="none")
         # Building any engine installs marscli's CPU fast path on the target model object,
         # which transformers' generate() then shares (see the report's notes).
-        self._encoder = SpecEngine(target, build_drafter(none_cfg, target), VerifyConfig(), none_cfg)
+        self._encoder = build_engine(target, None, VerifyConfig(), none_cfg)
         self.runners: dict[str, Runner] = {}
         self.engines: dict[str, Any] = {}
         for m in cfg.methods:
@@ -363,7 +363,7 @@ class Bench:
                 dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
                 vcfg = (VerifyConfig("mars", m.theta, cfg.margin) if m.kind in MARS_METHODS
                         else VerifyConfig(margin=cfg.margin))
-                engine = SpecEngine(target, build_drafter(dcfg, target, draft), vcfg, dcfg)
+                engine = build_engine(target, draft, vcfg, dcfg)
                 self.engines[m.name] = engine
                 self.runners[m.name] = self._engine_runner(engine)
         self._check_generation_config()
@@ -430,7 +430,7 @@ class Bench:
     def _engine_runner(self, engine) -> Runner:
         def run(ids: list[int], sampling: SamplingParams):
             res = engine.generate_ids(ids, sampling)
-            return res.token_ids, (res.stats if engine.k_max > 0 else None)
+            return res.token_ids, (res.stats if engine.settings.k_max > 0 else None)
 
         return run
 
@@ -445,7 +445,7 @@ class Bench:
     # ---------------------------------------------------------------- protocol
 
     def encode(self, records: Sequence[tuple[Request, str | None]]) -> tuple[list[BenchPrompt], list[dict]]:
-        from marscli.engine import RecordFailure
+        from marscli.engine.sequence import RecordFailure
 
         prompts, skipped = [], []
         for req, ref in records:
@@ -547,7 +547,7 @@ class Bench:
                    progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
         """Batched throughput: every batched method at every --batch-size over all prompts.
 
-        marscli's methods run through BatchEngine (continuous refill); hf-generate runs
+        marscli's methods run through the engine's scheduler (continuous refill); hf-generate runs
         transformers' generate() on consecutive left-padded batches (static batching, what
         its users get). Each row: tokens/s over the whole set, and whether the outputs equal
         the method's outputs at the first batch size.
@@ -556,8 +556,7 @@ class Bench:
 
         import torch
 
-        from marscli.batch import BatchEngine, batched_drafter_for
-        from marscli.engine import build_drafter
+        from marscli.engine import build_engine
 
         cfg = self.cfg
         sampling = cfg.sampling(cfg.seeds[0])
@@ -581,9 +580,7 @@ class Bench:
                     dcfg = DraftConfig(kind="none") if m.kind == AR else cfg.draft
                     vcfg = (VerifyConfig("mars", m.theta, cfg.margin) if m.kind == MARS
                             else VerifyConfig(margin=cfg.margin))
-                    engine = BatchEngine(self.target, lambda d=dcfg: build_drafter(d, self.target, self.draft),
-                                         vcfg, dcfg, bs,
-                                         batched_drafter=batched_drafter_for(dcfg, self.target, self.draft))
+                    engine = build_engine(self.target, self.draft, vcfg, dcfg, bs)
                     results: dict[int, Any] = {}
                     for i, res in engine.run(range(len(prompts)), lambda i: (prompts[i].ids, sampling)):
                         if isinstance(res, BaseException):

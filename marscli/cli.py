@@ -943,7 +943,7 @@ class _GenerateRun:
             log.info(f"resuming {output.path}{parts}: {self.done_before} of {len(items)} records "
                      f"already done{torn}")
 
-        from marscli.engine import SpecEngine, build_drafter
+        from marscli.engine import build_engine
         from marscli.profiles import resolve_verification
 
         with step("loading the models") as s:
@@ -955,18 +955,9 @@ class _GenerateRun:
                 cfg, target.identity, draft_loaded.identity if draft_loaded else None, extra,
                 verify=verify_cfg,
             )
+            engine = build_engine(target, draft_loaded, verify_cfg, cfg.draft, cfg.batch_size)
             if cfg.batch_size > 1:
-                from marscli.batch import BatchEngine, batched_drafter_for
-
-                try:
-                    engine = BatchEngine(target, lambda: build_drafter(cfg.draft, target, draft_loaded),
-                                         verify_cfg, cfg.draft, cfg.batch_size,
-                                         batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
-                except ValueError as e:
-                    raise UsageError(str(e)) from None
                 log.info(f"batch size {cfg.batch_size}")
-            else:
-                engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), verify_cfg, cfg.draft)
             s.value = fingerprint
         if group is not None:
             self._check_same_run(s.values)
@@ -1204,7 +1195,8 @@ def _calibrate(cfg: CalibrateConfig, log: _Log, group) -> int:
     from marscli.calibrate import MarginCollector, analyse, build_profile, plot_profile
     from marscli.config import RecordError, VerifyConfig
     from marscli.distributed import shard, solo_step
-    from marscli.engine import RecordFailure, SpecEngine, build_drafter
+    from marscli.engine import build_engine
+    from marscli.engine.sequence import RecordFailure
     from marscli.errors import InputError
     from marscli.io import read_input
     from marscli.profiles import default_profile_name, identity_for_profile, save_profile, user_profile_dir
@@ -1221,17 +1213,8 @@ def _calibrate(cfg: CalibrateConfig, log: _Log, group) -> int:
 
     with step("loading the models") as s:
         target, draft_loaded = _load_models(cfg.target, cfg.draft_model, log, group, cfg.draft.kind)
-        engine = SpecEngine(target, build_drafter(cfg.draft, target, draft_loaded), VerifyConfig(), cfg.draft)
-        batch = None
-        if cfg.batch_size > 1:
-            from marscli.batch import BatchEngine, batched_drafter_for
-
-            try:
-                batch = BatchEngine(target, lambda: build_drafter(cfg.draft, target, draft_loaded),
-                                    VerifyConfig(), cfg.draft, cfg.batch_size,
-                                    batched_drafter=batched_drafter_for(cfg.draft, target, draft_loaded))
-            except ValueError as e:
-                raise UsageError(str(e)) from None
+        engine = build_engine(target, draft_loaded, VerifyConfig(), cfg.draft, cfg.batch_size)
+        batch = engine if cfg.batch_size > 1 else None
         s.value = (identity_for_profile(target.identity),
                    identity_for_profile(draft_loaded.identity) if draft_loaded else None)
     if group is not None and any(v != s.values[0] for v in s.values):
@@ -1497,7 +1480,7 @@ def _failure_result(item, exc: BaseException) -> dict:
     """The error result line for a record whose preparation or generation raised `exc`."""
     import torch
 
-    from marscli.engine import RecordFailure
+    from marscli.engine.sequence import RecordFailure
 
     if isinstance(exc, RecordFailure):
         return _error_result(item, exc.type, exc.message)

@@ -58,14 +58,13 @@ def load_records(source: str, per_file: int):
 def run_one(args) -> dict:
     import torch
 
-    from marscli.batch import BatchEngine
     from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
-    from marscli.engine import build_drafter
+    from marscli.engine import build_engine
     from marscli.models import load_model
 
     target = load_model(ModelConfig(source=args.target, device=args.device, dtype=args.dtype))
     dcfg = DraftConfig(kind="ngram", num_draft_tokens=args.num_draft_tokens)
-    engine = BatchEngine(target, lambda: build_drafter(dcfg, target), VerifyConfig(), dcfg, args.one)
+    engine = build_engine(target, None, VerifyConfig(), dcfg, args.one)
     records = load_records(args.prompts, args.per_file)
     sampling = SamplingParams(max_tokens=args.max_tokens)
     # Keyed by position: a record's index is its line in its own file, so records of

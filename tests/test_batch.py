@@ -1,7 +1,7 @@
 """Batched decoding against the single-record engine: same records, same tokens.
 
-Every test runs the same records through SpecEngine one at a time and through BatchEngine
-at several batch sizes, and asserts token-for-token equality (float32 tiny random models).
+Every test runs the same records through the engine at batch size 1, one at a time, and at
+several batch sizes, and asserts token-for-token equality (float32 tiny random models).
 """
 
 from __future__ import annotations
@@ -9,10 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import marscli.batch as batch_mod
-from marscli.batch import BatchEngine
+import dataclasses
+
+import marscli.engine.scheduler as scheduler_mod
+import marscli.kvcache as kv_mod
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
-from marscli.engine import FINISH_STOP, RecordFailure, SpecEngine, build_drafter
+from marscli.drafters.base import RowDrafters
+from marscli.drafters.factory import build_drafter, build_drafters
+from marscli.engine.scheduler import Engine
+from marscli.engine.sequence import FINISH_STOP, RecordFailure
 from marscli.models import load_model
 
 # Very different lengths: one token, a few, and a long repetitive one that ngram drafts well.
@@ -47,17 +52,21 @@ def sampling_for(i: int, temperature: float = 0.0, **kw) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=24 + 9 * (i % 4), seed=100 + i, **kw)
 
 
-def singles(target, factory, vcfg, dcfg, prompts, samplings, eos=None):
-    engine = SpecEngine(target, factory(), vcfg, dcfg)
+def engine_of(target, factory, vcfg, dcfg, batch_size, eos=None) -> Engine:
+    """An engine whose rows each run their own drafter from factory."""
+    engine = Engine(target, RowDrafters(factory), vcfg.rule, dcfg, batch_size)
     if eos is not None:
-        engine.eos = eos
+        engine.settings = dataclasses.replace(engine.settings, eos=frozenset(eos))
+    return engine
+
+
+def singles(target, factory, vcfg, dcfg, prompts, samplings, eos=None):
+    engine = engine_of(target, factory, vcfg, dcfg, 1, eos)
     return [engine.generate_ids(target.tokenizer(p).input_ids, s) for p, s in zip(prompts, samplings)]
 
 
 def batched(target, factory, vcfg, dcfg, prompts, samplings, batch_size, eos=None, order=None):
-    engine = BatchEngine(target, factory, vcfg, dcfg, batch_size)
-    if eos is not None:
-        engine.single.eos = eos
+    engine = engine_of(target, factory, vcfg, dcfg, batch_size, eos)
     order = list(range(len(prompts))) if order is None else order
     got = {}
     arrival = []
@@ -146,11 +155,11 @@ def test_refill_order_never_changes_results(target):
 
 def test_compaction_keeps_results(target, monkeypatch):
     # Compact at every chance: every step's holes are squeezed out.
-    monkeypatch.setattr(batch_mod, "COMPACT_RATIO", 1.0)
-    monkeypatch.setattr(batch_mod, "COMPACT_SLACK", 0)
+    monkeypatch.setattr(kv_mod, "COMPACT_RATIO", 1.0)
+    monkeypatch.setattr(kv_mod, "COMPACT_SLACK", 0)
     calls = []
-    real = batch_mod.HoleCache.compact
-    monkeypatch.setattr(batch_mod.HoleCache, "compact", lambda self: (calls.append(1), real(self)))
+    real = kv_mod.HoleCache.compact
+    monkeypatch.setattr(kv_mod.HoleCache, "compact", lambda self: (calls.append(1), real(self)))
     dcfg = ngram_cfg(k=6, adaptive=False)
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     samplings = [sampling_for(i) for i in range(len(PROMPTS))]
@@ -174,7 +183,7 @@ def test_model_drafter_rows(target, draft):
 @pytest.mark.parametrize("vcfg", [STRICT, MARS], ids=["strict", "mars"])
 def test_batched_draft_model(target, draft, vcfg):
     """One draft-model forward per draft position for all rows: same drafts, same outputs."""
-    from marscli.batch import batched_drafter_for
+    from marscli.drafters.model import BatchedModelDrafter
 
     # Fixed k: the adaptive policy finds this random drafter not worth running at all.
     dcfg = DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False)
@@ -185,8 +194,9 @@ def test_batched_draft_model(target, draft, vcfg):
         ref = singles(target, factory, vcfg, dcfg, prompts, samplings)
         assert sum(r.stats.drafted for r in ref) > 0
         for bs in (2, 4):
-            bd = batched_drafter_for(dcfg, target, draft)
-            engine = BatchEngine(target, factory, vcfg, dcfg, bs, batched_drafter=bd)
+            bd = build_drafters(dcfg, target, draft, batch_size=bs)
+            assert isinstance(bd, BatchedModelDrafter)
+            engine = Engine(target, bd, vcfg.rule, dcfg, bs)
             got = dict(engine.run(range(len(prompts)),
                                   lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
             assert_same(ref, [got[i] for i in range(len(prompts))])
@@ -194,13 +204,11 @@ def test_batched_draft_model(target, draft, vcfg):
 
 def test_batched_draft_model_with_self_drafting(target):
     """The target as its own draft model: everything accepted, in batch too."""
-    from marscli.batch import batched_drafter_for
-
     dcfg = DraftConfig(kind="model", model="x", num_draft_tokens=4, adaptive=False)
     factory = lambda: build_drafter(dcfg, target, target)  # noqa: E731
     samplings = [sampling_for(i) for i in range(len(PROMPTS))]
     ref = singles(target, factory, STRICT, dcfg, PROMPTS, samplings)
-    engine = BatchEngine(target, factory, STRICT, dcfg, 3, batched_drafter=batched_drafter_for(dcfg, target, target))
+    engine = Engine(target, build_drafters(dcfg, target, target, batch_size=3), STRICT.rule, dcfg, 3)
     got = dict(engine.run(range(len(PROMPTS)), lambda i: (target.tokenizer(PROMPTS[i]).input_ids, samplings[i])))
     assert_same(ref, [got[i] for i in range(len(PROMPTS))])
     assert all(r.stats.accepted == r.stats.drafted for r in got.values())
@@ -211,7 +219,7 @@ def test_out_of_memory_halves_the_batch_and_restarts(target, monkeypatch):
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     samplings = [sampling_for(i) for i in range(len(PROMPTS))]
     ref = singles(target, factory, STRICT, dcfg, PROMPTS, samplings)
-    real = BatchEngine._step
+    real = Engine._step
     state = {"steps": 0, "raised": 0}
 
     def flaky(self):
@@ -221,7 +229,7 @@ def test_out_of_memory_halves_the_batch_and_restarts(target, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(self)
 
-    monkeypatch.setattr(BatchEngine, "_step", flaky)
+    monkeypatch.setattr(Engine, "_step", flaky)
     got, _, engine = batched(target, factory, STRICT, dcfg, PROMPTS, samplings, 4)
     assert state["raised"] == 2 and engine.oom_retries == 2 and engine.batch_size == 1
     assert_same(ref, got)
@@ -229,8 +237,8 @@ def test_out_of_memory_halves_the_batch_and_restarts(target, monkeypatch):
 
 def test_out_of_memory_at_batch_one_fails_the_record(target, monkeypatch):
     dcfg = ngram_cfg()
-    engine = BatchEngine(target, lambda: build_drafter(dcfg, target), STRICT, dcfg, 1)
-    real = BatchEngine._step
+    engine = engine_of(target, lambda: build_drafter(dcfg, target), STRICT, dcfg, 1)
+    real = Engine._step
     state = {"n": 0}
 
     def flaky(self):
@@ -239,7 +247,7 @@ def test_out_of_memory_at_batch_one_fails_the_record(target, monkeypatch):
             raise torch.cuda.OutOfMemoryError("simulated")
         return real(self)
 
-    monkeypatch.setattr(BatchEngine, "_step", flaky)
+    monkeypatch.setattr(Engine, "_step", flaky)
     out = dict(engine.run([0, 1], lambda i: (target.tokenizer(PROMPTS[i]).input_ids, sampling_for(i))))
     assert isinstance(out[0], torch.cuda.OutOfMemoryError)
     assert out[1].token_ids
@@ -247,7 +255,7 @@ def test_out_of_memory_at_batch_one_fails_the_record(target, monkeypatch):
 
 def test_prepare_failures_are_yielded_per_record(target):
     dcfg = ngram_cfg()
-    engine = BatchEngine(target, lambda: build_drafter(dcfg, target), STRICT, dcfg, 2)
+    engine = engine_of(target, lambda: build_drafter(dcfg, target), STRICT, dcfg, 2)
 
     def prepare(i):
         if i == 1:
@@ -265,19 +273,21 @@ def test_batched_logits_match_single_row(target):
     """The mask/position bookkeeping itself: one batched step's logits per row equal a
     plain single-row forward of that row's sequence (to float32 rounding)."""
     dcfg = ngram_cfg()
-    engine = BatchEngine(target, lambda: build_drafter(dcfg, target), STRICT, dcfg, 3)
+    engine = engine_of(target, lambda: build_drafter(dcfg, target), STRICT, dcfg, 3)
     seen = []
-    real_commit = batch_mod.Sequence.commit
+    real_verify = scheduler_mod.verify_rows
 
-    def spy(self, drafts, proposal, logits):
-        seen.append((list(self.seq), list(drafts), logits.clone()))
-        return real_commit(self, drafts, proposal, logits)
+    def spy(drafts, logits, draft_len, *a, **kw):  # the step's one verification call
+        for b, row in enumerate(engine.rows):
+            k = int(draft_len[b])
+            seen.append((list(row.seq.seq), drafts[b, :k].tolist(), logits[b: b + 1, : k + 1].clone()))
+        return real_verify(drafts, logits, draft_len, *a, **kw)
 
-    batch_mod.Sequence.commit = spy
+    scheduler_mod.verify_rows = spy
     try:
         list(engine.run(range(3), lambda i: (target.tokenizer(PROMPTS[i + 2]).input_ids, sampling_for(i))))
     finally:
-        batch_mod.Sequence.commit = real_commit
+        scheduler_mod.verify_rows = real_verify
     assert len(seen) > 10
     for seq, drafts, logits in seen[::3]:
         with torch.no_grad():
@@ -334,7 +344,7 @@ def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkey
     src = _cli_records(tmp_path)
     ref = tmp_path / "ref.jsonl"
     _gen(src, "--target", tiny_model_dir, "-o", ref, *CLI_RUN)
-    real = BatchEngine._step
+    real = Engine._step
     calls = {"n": 0}
 
     def step(self):
@@ -343,13 +353,13 @@ def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkey
             os.kill(os.getpid(), signal.SIGTERM)
         return real(self)
 
-    monkeypatch.setattr(BatchEngine, "_step", step)
+    monkeypatch.setattr(Engine, "_step", step)
     out = tmp_path / "out.jsonl"
     r = _gen(src, "--target", tiny_model_dir, "-o", out, "--batch-size", 3, *CLI_RUN)
     assert r.exit_code == EXIT_TERMINATED, r.stderr
     partial = out.read_bytes()
     assert ref.read_bytes().startswith(partial) and len(partial) < len(ref.read_bytes())
-    monkeypatch.setattr(BatchEngine, "_step", real)
+    monkeypatch.setattr(Engine, "_step", real)
     # Resume with another batch size: the results do not depend on it.
     r = _gen(src, "--target", tiny_model_dir, "-o", out, "--resume", "--batch-size", 2, *CLI_RUN)
     assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
@@ -389,7 +399,7 @@ def test_out_of_memory_in_a_prefill_halves_the_batch(target, monkeypatch):
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     samplings = [sampling_for(i) for i in range(len(PROMPTS))]
     ref = singles(target, factory, STRICT, dcfg, PROMPTS, samplings)
-    real = BatchEngine._start_row
+    real = Engine._start_row
     calls = {"n": 0}
 
     def flaky(self, *a, **kw):
@@ -398,7 +408,7 @@ def test_out_of_memory_in_a_prefill_halves_the_batch(target, monkeypatch):
             raise torch.cuda.OutOfMemoryError("simulated")
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(BatchEngine, "_start_row", flaky)
+    monkeypatch.setattr(Engine, "_start_row", flaky)
     got, _, engine = batched(target, factory, STRICT, dcfg, PROMPTS, samplings, 4)
     assert engine.oom_retries == 1 and engine.batch_size == 2
     assert_same(ref, got)

@@ -25,7 +25,9 @@ from marscli.eagle3 import (
     random_head,
     save_head,
 )
-from marscli.engine import SpecEngine, build_drafter
+from marscli.drafters.factory import build_drafter, build_drafters
+from marscli.engine import build_engine
+from marscli.engine.scheduler import Engine
 from marscli.errors import ModelLoadError
 from marscli.models import load_model
 from marscli.verify import margin_statistic, top2
@@ -162,7 +164,7 @@ def heads(target, random_dir, fitted_dir):
 def engine_for(target, head, *, k: int = 4, adaptive: bool = False, verify=VerifyConfig(), tree=None):
     kw = TREE if tree is True else (tree or {})
     cfg = DraftConfig(kind="eagle3", model="x", num_draft_tokens=k, adaptive=adaptive, **kw)
-    return SpecEngine(target, build_drafter(cfg, target, head), verify, cfg)
+    return build_engine(target, head, verify, cfg)
 
 
 def run_all(engine, target, sampling=SamplingParams(max_tokens=MAX_NEW), observer=None):
@@ -395,15 +397,18 @@ def test_chain_strict_greedy_equals_generate(target, heads, references, which):
 def test_chain_adaptive_and_batched_equal_single(target, heads, references, head_batched):
     """Batch decoding gives every record what it gets alone: with the head's passes batched
     over the rows (what the CLI uses) and with one head pass per row."""
-    from marscli.batch import BatchEngine, batched_drafter_for
+    from marscli.drafters.base import RowDrafters
     from marscli.drafters.eagle3 import BatchedEagle3Drafter
 
     cfg = DraftConfig(kind="eagle3", model="x", num_draft_tokens=5, adaptive=True)
-    single = SpecEngine(target, build_drafter(cfg, target, heads["fitted"]), VerifyConfig(), cfg)
-    bd = batched_drafter_for(cfg, target, heads["fitted"]) if head_batched else None
-    assert isinstance(bd, BatchedEagle3Drafter) or not head_batched
-    batch = BatchEngine(target, lambda: build_drafter(cfg, target, heads["fitted"]), VerifyConfig(), cfg, 3,
-                        batched_drafter=bd)
+    single = build_engine(target, heads["fitted"], VerifyConfig(), cfg)
+    if head_batched:
+        bd = build_drafters(cfg, target, heads["fitted"], batch_size=3)
+        assert isinstance(bd, BatchedEagle3Drafter)
+    else:
+        bd = RowDrafters(lambda: build_drafter(cfg, target, heads["fitted"]),
+                         feature_layers=heads["fitted"].head.feature_layers)
+    batch = Engine(target, bd, VerifyConfig().rule, cfg, 3)
     for s in (SamplingParams(max_tokens=MAX_NEW), SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=5)):
         a = {p: single.generate_ids(target.tokenizer(p).input_ids, s) for p in PROMPTS}
         b = dict(batch.run(PROMPTS, lambda p: (target.tokenizer(p).input_ids, s)))

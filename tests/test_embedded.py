@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from marscli.config import DraftConfig, Request, SamplingParams, VerifyConfig
-from marscli.engine import SpecEngine, build_drafter
+from marscli.engine import build_engine
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 MAX_NEW = 40
@@ -29,7 +29,7 @@ def first_turns(name: str, n: int) -> list[dict]:
 def test_ngram_strict_greedy_equals_transformers_generate(embedded_model):
     target = embedded_model
     cfg = DraftConfig(kind="ngram", num_draft_tokens=8)
-    engine = SpecEngine(target, build_drafter(cfg, target), VerifyConfig(), cfg)
+    engine = build_engine(target, None, VerifyConfig(), cfg)
     recs = first_turns("humaneval.jsonl", 2) + first_turns("gsm8k.jsonl", 1)
     # The oracle is the same weights loaded apart, free of the engine's CPU kernel patches.
     from transformers import AutoModelForCausalLM

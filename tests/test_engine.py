@@ -7,13 +7,17 @@ must be the target's top-1, or its top-2 at a relaxable position.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
-from marscli.engine import FINISH_LENGTH, FINISH_STOP, SpecEngine, build_drafter
+from marscli.drafters.base import DrafterBase, RowDrafters
+from marscli.engine import build_engine
+from marscli.engine.scheduler import Engine
+from marscli.engine.sequence import FINISH_LENGTH, FINISH_STOP
 from marscli.models import load_model
 from marscli.verify import margin_statistic, top2
 
@@ -46,10 +50,10 @@ def draft(tiny_draft_dir):
 
 
 def make_engine(target, kind: str, draft_loaded=None, *, k: int = 4, adaptive: bool = False,
-                verify: VerifyConfig = VerifyConfig()) -> SpecEngine:
+                verify: VerifyConfig = VerifyConfig()) -> Engine:
     cfg = DraftConfig(kind=kind, num_draft_tokens=k, adaptive=adaptive,
                       model="x" if kind == "model" else None)
-    return SpecEngine(target, build_drafter(cfg, target, draft_loaded), verify, cfg)
+    return build_engine(target, draft_loaded, verify, cfg)
 
 
 def hf_greedy(oracle, ids: list[int], max_new: int) -> list[int]:
@@ -122,7 +126,7 @@ def replay_mars(target, ids: list[int], out: list[int], theta: float, margin: st
     return relaxed
 
 
-class RunnerUpDrafter:
+class RunnerUpDrafter(DrafterBase):
     """Test drafter: proposes the target's own greedy path but puts the target's top-2 token
     first, so every step offers the verifier a runner-up to relax."""
 
@@ -155,7 +159,8 @@ class RunnerUpDrafter:
 @pytest.mark.parametrize("margin,theta", [("prob-ratio", 0.3), ("logit-ratio", 0.5)])
 def test_mars_greedy_emits_only_top1_or_relaxable_top2(target, margin, theta):
     cfg = DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False)
-    engine = SpecEngine(target, RunnerUpDrafter(target.model, 3), VerifyConfig("mars", theta, margin), cfg)
+    engine = Engine(target, RowDrafters(lambda: RunnerUpDrafter(target.model, 3)),
+                    VerifyConfig("mars", theta, margin).rule, cfg)
     relaxed_total = 0
     for text in PROMPTS:
         ids = encode(target, text)
@@ -203,7 +208,8 @@ def test_eos_stops_generation(oracle, target):
     assert res.token_ids == full
     if eos in full:
         assert res.finish_reason == FINISH_STOP and res.token_ids[-1] == eos
-    engine.eos = {full[5]}  # pretend the 6th generated token is an end-of-sequence token
+    # pretend the 6th generated token is an end-of-sequence token
+    engine.settings = dataclasses.replace(engine.settings, eos=frozenset({full[5]}))
     res = engine.generate_ids(ids, SamplingParams(max_tokens=200))
     assert res.token_ids == full[: full.index(full[5]) + 1]
     assert res.finish_reason == FINISH_STOP

@@ -183,9 +183,9 @@ def test_fail_fast_stops_at_the_first_bad_record(runner, tiny_model_dir, tmp_pat
 @pytest.fixture
 def failing_generation(monkeypatch):
     """Make the 2nd record's generation raise `exc` (set by the test)."""
-    from marscli.engine import SpecEngine
+    from marscli.engine.scheduler import Engine
 
-    real = SpecEngine.generate_ids
+    real = Engine.generate_ids
     state = {"calls": 0, "exc": None}
 
     def generate_ids(self, ids, sampling, *a, **kw):
@@ -194,7 +194,7 @@ def failing_generation(monkeypatch):
             raise state["exc"]
         return real(self, ids, sampling, *a, **kw)
 
-    monkeypatch.setattr(SpecEngine, "generate_ids", generate_ids)
+    monkeypatch.setattr(Engine, "generate_ids", generate_ids)
     return state
 
 
@@ -428,9 +428,9 @@ def test_resume_without_an_output_yet_starts_fresh(runner, records_file, tiny_mo
 
 def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_dir, tmp_path,
                                              reference, monkeypatch):
-    from marscli.engine import SpecEngine
+    from marscli.engine.scheduler import Engine
 
-    real = SpecEngine.generate_ids
+    real = Engine.generate_ids
     calls = {"n": 0}
 
     def generate_ids(self, *a, **kw):
@@ -439,7 +439,7 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
             os.kill(os.getpid(), signal.SIGTERM)
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(SpecEngine, "generate_ids", generate_ids)
+    monkeypatch.setattr(Engine, "generate_ids", generate_ids)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     out = tmp_path / "out.jsonl"
     r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN)
@@ -448,7 +448,7 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
     assert f"terminated (SIGTERM): 3 of {N_RECORDS} results are in" in r.stderr  # printed despite -q
     assert "rerun the same command with --resume" in r.stderr
     assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[:3])
-    monkeypatch.setattr(SpecEngine, "generate_ids", real)
+    monkeypatch.setattr(Engine, "generate_ids", real)
     r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN, "--resume")
     assert r.exit_code == EXIT_RECORDS_FAILED
     assert_complete(out.read_bytes(), reference)

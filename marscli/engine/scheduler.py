@@ -1,0 +1,434 @@
+"""The scheduler: every record of a run decodes here, batch size 1 being a batch of one.
+
+Per step, for all active rows at once: the drafter proposes (``BatchedDrafter.propose``), the
+target scores [pending, drafts] of every row in ONE forward pass over the shared cache, the
+rulebook verifies every row in ONE call (``marscli.verify.verify_rows``, per-row draft
+lengths), the verdicts come to the host in ONE transfer, and each row commits its own
+(``Sequence.commit``). A tree step (EAGLE-3 ``--tree-*``, batch size 1) takes the same path
+with one tree forward and ``verify_tree``.
+
+- Every step each active row feeds [pending, d_1 .. d_k_b], right-padded to the step's largest
+  k. After verification row b keeps 1 + n_b of its new slots; at batch size > 1 the rejected
+  drafts and the padding stay in the cache masked out (marscli.kvcache.HoleCache), with
+  explicit per-row position ids, so a row's logits are those of its own sequence (only float
+  summation order can differ from a single-row pass); at batch size 1 they are rolled back.
+- A new record is prefilled alone, then joins the batch; a finished row leaves at once and
+  the next record takes its place (continuous refill).
+- On CUDA out-of-memory the batch is halved and the affected records restart from scratch
+  (their outputs are a function of their seeds, so a restart changes nothing).
+
+Results are yielded as rows finish, not in input order (marscli.io restores input order).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from marscli.config import DraftConfig, Request, SamplingParams
+from marscli.drafters.base import BatchedDrafter, Proposal
+from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
+from marscli.engine.sequence import GenerationResult, RowSettings, Sequence, StepObservation
+from marscli.kvcache import HoleCache, compact_cache, new_cache
+from marscli.verify import Rule, verify_rows, verify_tree
+
+Observer = Callable[[StepObservation], None]
+
+
+def oom_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean 'the batch did not fit' (torch.cuda.OutOfMemoryError exists on
+    CPU builds too, so a CPU test can raise it)."""
+    return (torch.cuda.OutOfMemoryError,)
+
+
+@dataclass
+class _Row:
+    item: Any
+    ids: list[int]
+    sampling: SamplingParams
+    seq: Sequence
+    npos: int  # valid tokens in the cache (the whole committed sequence but the pending token)
+
+
+class Engine:
+    """Speculative generation for one target, one drafter and one verification rule.
+
+    target: a LoadedModel (.model, .tokenizer, .device, .eos_token_ids, .context_length).
+    drafters: the BatchedDrafter for the run (marscli.drafters.factory.build_drafters).
+    """
+
+    def __init__(self, target, drafters: BatchedDrafter, rule: Rule, draft_cfg: DraftConfig,
+                 batch_size: int = 1):
+        if batch_size < 1:
+            raise ValueError(f"batch size must be at least 1, got {batch_size}")
+        self.target = target
+        self.model = target.model
+        self.device = target.device
+        self.drafters = drafters
+        self.rule = rule
+        self.batch_size = batch_size
+        self.prompts = PromptEncoder(target.tokenizer, target.context_length)
+        k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
+        self.tree = drafters.tree
+        if self.tree is not None:
+            from marscli.errors import UsageError
+            from marscli.tree import check_tree_support
+
+            if batch_size > 1:
+                raise ValueError("draft trees run one record at a time (batch size 1); "
+                                 "use chain drafting to batch")
+            try:
+                check_tree_support(self.model)
+            except ValueError as e:  # sliding windows, flash attention...: chain drafting still works
+                raise UsageError(f"--tree-*: {e}") from None
+            k_max = self.tree.max_path
+        self.settings = RowSettings(target.tokenizer, frozenset(int(t) for t in target.eos_token_ids),
+                                    k_max, target.context_length)
+        # A drafter that drafts from the target's hidden states (EAGLE-3) names the layers it
+        # reads; every target forward pass then captures them (no second pass).
+        self.tap = None
+        if drafters.feature_layers:
+            from marscli.eagle3 import FeatureTap
+
+            self.tap = FeatureTap(self.model, drafters.feature_layers)
+        self.last_features: torch.Tensor | None = None  # [B, S, F] from the newest forward pass
+        tok = target.tokenizer
+        self.pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
+        if batch_size > 1:
+            sliding = [i for i, layer in enumerate(new_cache(self.model).layers)
+                       if getattr(layer, "is_sliding", False)]
+            if sliding:
+                raise ValueError(
+                    "batched decoding does not support models with sliding-window attention "
+                    f"layers (layers {sliding[:4]}...); use --batch-size 1")
+        if self.device.type == "cpu":
+            from marscli.fastpath import install_cpu_fastpath
+
+            install_cpu_fastpath(self.model)
+        self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
+        self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
+        self.prefill_seconds = 0.0  # time spent prefilling new records (one at a time)
+        self._reset()
+
+    # ------------------------------------------------------------------ prompts
+
+    def tokenize(self, req: Request) -> list[int]:
+        return self.prompts.tokenize(req)
+
+    def fit_prompt(self, ids: list[int], *, truncate: str = TRUNCATE_NONE,
+                   max_tokens: int = 1) -> tuple[list[int], int]:
+        return self.prompts.fit_prompt(ids, truncate=truncate, max_tokens=max_tokens)
+
+    def encode(self, req: Request) -> list[int]:
+        return self.prompts.encode(req)
+
+    # ------------------------------------------------------------------ one record
+
+    def generate(self, req: Request, sampling: SamplingParams,
+                 observer: Observer | None = None) -> GenerationResult:
+        return self.generate_ids(self.encode(req), sampling, observer=observer)
+
+    def generate_ids(self, prompt_ids: list[int], sampling: SamplingParams,
+                     observer: Observer | None = None) -> GenerationResult:
+        """One record alone; its failure raises."""
+        for _, res in self.run([None], lambda _: (prompt_ids, sampling),
+                               observer_for=(lambda _: observer) if observer else None):
+            if isinstance(res, BaseException):
+                raise res
+            return res
+        raise AssertionError("run() yielded nothing")
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, items: Iterable[Any],
+            prepare: Callable[[Any], tuple[list[int], SamplingParams]],
+            observer_for: Callable[[Any], Observer | None] | None = None,
+            ) -> Iterator[tuple[Any, GenerationResult | Exception]]:
+        """Generate every item; yield (item, result) as rows finish.
+
+        prepare(item) -> (prompt ids, sampling); an exception it raises (a RecordFailure...)
+        is yielded as that item's result. A failure of a batched forward pass other than
+        out-of-memory is yielded for every row in the batch. observer_for(item) -> an observer
+        of that record's steps ([1, k] slices); it is called again when an out-of-memory
+        error restarts the record, so a fresh observer can drop the aborted steps.
+        """
+        source = iter(items)
+        retry: deque[tuple[Any, list[int], SamplingParams]] = deque()
+        self._reset()
+        with torch.inference_mode():
+            while True:
+                # Refill: pending records take the free places (restarted ones first).
+                while len(self.rows) < self.batch_size:
+                    if retry:
+                        item, ids, sampling = retry.popleft()
+                    else:
+                        try:
+                            item = next(source)
+                        except StopIteration:
+                            break
+                        try:
+                            ids, sampling = prepare(item)
+                        except Exception as e:  # noqa: BLE001 - a RecordFailure or a tokenizer fault: this record only
+                            yield item, e
+                            continue
+                    try:
+                        seq = self._start_row(item, ids, sampling,
+                                              observer_for(item) if observer_for else None)
+                    except oom_errors() as e:
+                        if self._halve():
+                            retry.appendleft((item, ids, sampling))
+                            for r in reversed(self._evict_all()):
+                                retry.appendleft((r.item, r.ids, r.sampling))
+                            continue
+                        self._drop_unfinished_row()
+                        yield item, e
+                        continue
+                    except Exception as e:  # noqa: BLE001 - one record's failure ends only it
+                        self._drop_unfinished_row()
+                        yield item, e
+                        continue
+                    if seq is not None:  # no room for a single new token
+                        yield item, seq.result()
+                if not self.rows:
+                    return
+                try:
+                    finished = self._step()
+                except oom_errors() as e:
+                    if self._halve():
+                        for r in reversed(self._evict_all()):
+                            retry.appendleft((r.item, r.ids, r.sampling))
+                        continue
+                    for r in self._evict_all():
+                        yield r.item, e
+                    continue
+                except Exception as e:  # noqa: BLE001 - the batch's records fail, the run goes on
+                    for r in self._evict_all():
+                        yield r.item, e
+                    continue
+                if finished:
+                    done_rows = [self.rows[b] for b in finished]
+                    self._keep([b for b in range(len(self.rows)) if b not in finished])
+                    for r in done_rows:
+                        yield r.item, r.seq.result()
+
+    # ------------------------------------------------------------------ rows
+
+    def _reset(self) -> None:
+        self.rows: list[_Row] = []
+        # The target's cache, one row per record: masked with holes when rows share it,
+        # rolled back in place at batch size 1.
+        self.kv = HoleCache(self.model, self.device, masked=self.batch_size > 1)
+        self.drafters.reset()
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only these batch rows (a finished row leaves at once)."""
+        self.rows = [self.rows[b] for b in keep]
+        self.kv.keep_rows(keep)
+        self.drafters.keep(keep)
+
+    def _drop_unfinished_row(self) -> None:
+        """A row whose start failed half-way leaves no trace in the cache or the drafter."""
+        n = len(self.rows)
+        if n == 0:
+            self.kv.reset()
+        elif self.kv.rows > n:
+            self.kv.keep_rows(list(range(n)))
+        self.drafters.keep(list(range(n)))
+
+    def _halve(self) -> bool:
+        """Halve the batch after an out-of-memory error; False if it is already 1."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if self.batch_size <= 1:
+            return False
+        self.batch_size = max(1, self.batch_size // 2)
+        self.oom_retries += 1
+        return True
+
+    def _evict_all(self) -> list[_Row]:
+        rows = self.rows
+        self._reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return rows
+
+    def _start_row(self, item, ids: list[int], sampling: SamplingParams,
+                   observer: Observer | None) -> Sequence | None:
+        """Prefill a new record alone and add its row; returns its Sequence instead when it
+        has no room for a single new token (it never joins)."""
+        t0 = time.perf_counter()
+        try:
+            seq = Sequence(self.settings, ids, sampling, observer=observer)
+            if seq.done:
+                return seq
+            self.kv.add_prefilled(list(ids[:-1]), run=self._captured)
+            features = self.last_features if len(ids) > 1 else None
+            self.drafters.add_row(list(ids), sampling, seq.draft_gen)
+            if features is not None:  # the prefill's target features, for a drafter that reads them
+                self.drafters.observe(len(self.rows), features[0])
+            self.rows.append(_Row(item, ids, sampling, seq, len(ids) - 1))
+            return None
+        finally:
+            self.prefill_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ steps
+
+    def _step(self) -> list[int]:
+        """One speculative step for every active row; returns the rows that finished."""
+        caps = [r.seq.k_cap() for r in self.rows]
+        if self.tree is not None:
+            r = self.rows[0]
+            tokens, parents, _ = self.drafters.propose_tree(0, r.seq.seq, caps[0]) if caps[0] > 0 else ([], [], [])
+            if tokens:
+                return self._tree_step(tokens, parents)
+            proposals = [Proposal([])]  # nothing to draft (budget, or no features yet): a plain step
+        else:
+            proposals = self.drafters.propose([r.seq.seq for r in self.rows], caps)
+        return self._chain_step(proposals, caps)
+
+    def _chain_step(self, proposals: list[Proposal], caps: list[int]) -> list[int]:
+        rows = self.rows
+        B = len(rows)
+        drafts = [p.tokens[:max(cap, 0)] for p, cap in zip(proposals, caps)]
+        ks = [len(d) for d in drafts]
+        K = max(ks)
+        ids = torch.full((B, K + 1), self.pad_id, dtype=torch.long)
+        new_mask = torch.zeros(B, K + 1, dtype=torch.long)
+        for b, (r, d) in enumerate(zip(rows, drafts)):
+            ids[b, : 1 + len(d)] = torch.tensor([r.seq.seq[-1]] + d)
+            new_mask[b, : 1 + len(d)] = 1
+        npos = torch.tensor([r.npos for r in rows], dtype=torch.long)
+        pos = npos[:, None] + torch.arange(K + 1)[None, :]  # [B, K+1]
+        ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
+        logits = self._captured(lambda: self.kv.forward(ids, new_mask, pos)).logits  # [B, K+1, V]
+        features = self.last_features  # [B, K+1, F] or None
+        self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
+        assert logits.shape[:2] == (B, K + 1), tuple(logits.shape)
+
+        dev = logits.device
+        d_t = ids[:, 1:].clone()  # [B, K] the drafts (padding where k_b < K: never accepted)
+        draft_len = torch.tensor(ks, dtype=torch.long, device=dev)  # [B]
+        u_acc, u_smp = self._uniforms(ks, K, dev)
+        q = self._draft_probs(proposals, ks, K, logits)
+        res = verify_rows(d_t, logits, draft_len, self.rule, [r.seq.sampling for r in rows],
+                          u_accept=u_acc, u_sample=u_smp, draft_probs=q)
+        verdicts = res.host_rows()  # the step's one device-to-host transfer
+        finished = []
+        for b, (r, d) in enumerate(zip(rows, drafts)):
+            k = ks[b]
+            n, nxt = verdicts[b][0], verdicts[b][1]
+            relaxed = sum(verdicts[b][2: 2 + n])
+            relaxable = sum(verdicts[b][2 + K: 2 + K + min(n + 1, k)])
+            observation = None
+            if r.seq.observer is not None:
+                observation = self._chain_observation(b, k, d_t, logits, res, r.seq.sampling, u_acc, q)
+            emitted = r.seq.commit(d[:n] + [nxt], k, n, relaxed, relaxable, observation)
+            if features is not None:  # the positions the target keeps: pending + accepted drafts
+                self.drafters.observe(b, features[b, : len(emitted)])
+            self.drafters.accepted(b, k, n, r.seq.seq)
+            new_mask[b, 1 + n:] = 0
+            r.npos += 1 + n
+            if r.seq.done:
+                finished.append(b)
+        self.kv.commit(new_mask)
+        if not finished:
+            self.kv.trim()
+        return finished
+
+    def _uniforms(self, ks: list[int], K: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every sampling row's draws for this step ([B, K] and [B]; zeros for greedy rows)."""
+        draws = [r.seq.uniforms(k) for r, k in zip(self.rows, ks)]
+        if all(u is None for u, _ in draws):
+            return None, None
+        B = len(self.rows)
+        u_acc = torch.zeros(B, K, dtype=torch.float32)
+        u_smp = torch.zeros(B, dtype=torch.float32)
+        for b, (ua, us) in enumerate(draws):
+            if ua is not None:
+                u_acc[b, : ks[b]] = ua
+                u_smp[b] = us[0]
+        return u_acc.to(dev), u_smp.to(dev)
+
+    @staticmethod
+    def _draft_probs(proposals: list[Proposal], ks: list[int], K: int,
+                     logits: torch.Tensor) -> torch.Tensor | None:
+        """The drafts' probabilities q [B, K, V] when the drafter samples (zeros elsewhere)."""
+        if all(p.probs is None or k == 0 for p, k in zip(proposals, ks)):
+            return None
+        V = logits.shape[-1]
+        q = torch.zeros(len(proposals), K, V, dtype=torch.float32, device=logits.device)
+        for b, (p, k) in enumerate(zip(proposals, ks)):
+            if p.probs is None or k == 0:
+                continue
+            if p.probs.shape[-1] != V:
+                raise RuntimeError(f"draft probs width {p.probs.shape[-1]} != target logits {V}")
+            q[b, :k] = p.probs[:k].to(q)
+        return q
+
+    @staticmethod
+    def _chain_observation(b, k, d_t, logits, res, sampling, u_acc, q) -> Callable[[int], StepObservation]:
+        sampled = not sampling.greedy
+
+        def make(emitted: int) -> StepObservation:
+            return StepObservation(
+                d_t[b: b + 1, :k], logits[b: b + 1, : k + 1], res.row(b, k), sampling,
+                u_acc[b: b + 1, :k] if sampled and u_acc is not None else None,
+                q[b: b + 1, :k] if sampled and q is not None else None, emitted)
+        return make
+
+    def _tree_step(self, tokens: list[int], parents: list[int]) -> list[int]:
+        """One step with a draft tree (batch size 1): one target pass over root + all nodes
+        (tree mask and tree position ids), verification along the tree, then only the
+        accepted path stays in the cache."""
+        from marscli.tree import DraftTree, tree_forward
+
+        r = self.rows[0]
+        seq = r.seq
+        tree = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+        base = self.kv.cache.get_seq_length()
+        logits, _ = self._captured(lambda: tree_forward(self.model, self.kv.cache, tree, seq.seq[-1], base))  # [N+1, V]
+        N = len(tree)
+        s = seq.sampling
+        u_accept, u_sample = seq.uniforms(N)
+        res = verify_tree(tree, logits, rule=self.rule, temperature=s.temperature, top_k=s.top_k,
+                          top_p=s.top_p, u_accept=u_accept, u_sample=u_sample)
+        path = [int(i) for i in res.path]
+        n = len(path)
+        depth = int(tree.depth().max())
+        rows = [0] + [i + 1 for i in path]  # logits rows that decided something
+        decided = rows[: min(n + 1, depth)]  # rows whose children were judged
+        relaxable = int(res.relaxable[torch.tensor(decided, dtype=torch.long)].sum()) if decided else 0
+        seq.stats.tree_nodes += N
+        observation = None
+        if seq.observer is not None:
+            def observation(emitted: int) -> StepObservation:
+                return StepObservation(
+                    tree.tokens[path].view(1, n) if n else torch.zeros(1, 0, dtype=torch.long),
+                    logits[rows].unsqueeze(0), res, s, None, None, emitted, tree=tree,
+                    tree_logits=logits, tree_u_accept=u_accept)
+        emitted = seq.commit([tokens[i] for i in path] + [res.next_token], depth, n,
+                             sum(res.relaxed), relaxable, observation)
+        if self.last_features is not None:
+            self.drafters.observe(0, self.last_features[0, rows][: len(emitted)])
+        self.drafters.accepted(0, depth, n, seq.seq)
+        compact_cache(self.kv.cache, base, path)
+        self.kv.append_kept(1 + n)
+        r.npos += 1 + n
+        return [0] if seq.done else []
+
+    # ------------------------------------------------------------------ target passes
+
+    def _captured(self, forward: Callable[[], Any]) -> Any:
+        """Run a target forward pass, leaving its features in last_features ([B, S, F]; None
+        when the drafter reads none)."""
+        if self.tap is None:
+            self.last_features = None
+            return forward()
+        with self.tap.capture():
+            out = forward()
+        self.last_features = self.tap.features
+        return out

@@ -1,0 +1,246 @@
+"""One record's decoding state: its tokens, stopping rules, random stream and statistics.
+
+A Sequence knows nothing of models, caches, drafters or batches: the scheduler
+(marscli.engine.scheduler) runs the target and the drafter, verifies, and hands each row's
+verdict to ``Sequence.commit``, the one commit path of chain and tree steps alike. What a
+Sequence needs from its engine is a small settings value (``RowSettings``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from marscli.config import SamplingParams
+from marscli.verify import step_uniforms
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+#: Offset of a record's drafter seed from its own: the drafter draws from a stream of its own,
+#: so a drafter's draws never shift the verifier's.
+DRAFT_SEED_OFFSET = 0x5EED
+
+
+class RecordFailure(Exception):
+    """A record that cannot be generated (too long, no chat template...): becomes an error
+    result for that record while the run goes on."""
+
+    def __init__(self, type_: str, message: str):
+        super().__init__(message)
+        self.type = type_
+        self.message = message
+
+
+@dataclass
+class SpecStats:
+    """Per-record speculative decoding statistics."""
+
+    k_max: int
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    relaxed: int = 0
+    relaxable: int = 0  # relaxable positions among those decided (accepted + first rejection)
+    decided: int = 0  # draft positions whose fate was decided (accepted or the first rejection)
+    emitted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_hist: list[int] = field(default_factory=list)  # steps by number of accepted drafts
+    # Tree steps: drafted/accepted count path positions (depths); tree_nodes counts the nodes
+    # the target scored.
+    tree_nodes: int = 0
+
+    def __post_init__(self) -> None:
+        k = max(self.k_max, 0)
+        self.accepted_per_position = self.accepted_per_position or [0] * k
+        self.drafted_per_position = self.drafted_per_position or [0] * k
+        self.accepted_hist = self.accepted_hist or [0] * (k + 1)
+
+    def record_step(self, k: int, n: int, relaxed: int, relaxable: int, emitted: int) -> None:
+        self.steps += 1
+        self.drafted += k
+        self.accepted += n
+        self.relaxed += relaxed
+        self.relaxable += relaxable
+        self.decided += min(n + 1, k)
+        self.emitted += emitted
+        for i in range(k):
+            self.drafted_per_position[i] += 1
+        for i in range(n):
+            self.accepted_per_position[i] += 1
+        self.accepted_hist[n] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "relaxed": self.relaxed,
+            "relaxable_positions": self.relaxable,
+            "decided_positions": self.decided,
+            "acceptance_length": round(self.acceptance_length, 4),
+            "accepted_per_position": self.accepted_per_position,
+            "drafted_per_position": self.drafted_per_position,
+            "accepted_per_step_hist": self.accepted_hist,
+            **({"tree_nodes": self.tree_nodes} if self.tree_nodes else {}),
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # completion tokens as generated (an EOS token included)
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    stats: SpecStats
+    seconds: float
+    #: The record's max_tokens cut to what the context window leaves after the prompt, when
+    #: that is less than it asked for (None: not capped).
+    max_tokens_capped_to: int | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class StopChecker:
+    """Finds stop strings in the decoded completion as tokens arrive."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stops = tuple(s for s in stops if s)
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def first_stop(self, tokens: list[int], checked_chars: int) -> tuple[int | None, str]:
+        """(char offset of the earliest stop string or None, decoded text)."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        start = max(0, checked_chars - self.longest)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return (min(hits) if hits else None), text
+
+
+@dataclass
+class StepObservation:
+    """What the target saw and decided in one step, for observers such as calibration.
+
+    The drafts beyond the first rejection were scored too (one forward pass covers all k), so
+    an observer can replay the step under another verification rule.
+    """
+
+    drafts: torch.Tensor  # [1, k] long
+    logits: torch.Tensor  # [1, k+1, V] raw target logits
+    result: Any  # VerifyResult ([1, k] shapes)
+    sampling: SamplingParams
+    u_accept: torch.Tensor | None  # [1, k] the acceptance uniforms (sampling only)
+    draft_probs: torch.Tensor | None  # [1, k, V] q (sampling with a model drafter only)
+    emitted: int  # tokens this step added to the completion (after stopping rules)
+    # Tree steps (EAGLE-3 trees): drafts/logits above are the accepted path and its rows
+    # ([1, n] and [1, n+1, V]); result is the tree verifier's; these hold the whole tree.
+    tree: Any = None  # marscli.tree.DraftTree
+    tree_logits: torch.Tensor | None = None  # [N+1, V] rows: root, then node i at i + 1
+    tree_u_accept: torch.Tensor | None = None  # [N] acceptance uniforms (sampling only)
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """What every record of an engine shares: the small settings value a Sequence holds."""
+
+    tokenizer: Any  # decodes the completion (stop strings, the final text)
+    eos: frozenset[int]
+    k_max: int  # the most drafts (chain) or path positions (tree) a step verifies
+    context_length: int | None
+
+
+#: One verified step of one row: the tokens it keeps (accepted drafts, then the correction or
+#: bonus), the drafted positions k, the accepted count n, relaxed and relaxable counts.
+ObservationFactory = Callable[[int], StepObservation]
+
+
+class Sequence:
+    """One record being decoded."""
+
+    def __init__(self, settings: RowSettings, prompt_ids: list[int], sampling: SamplingParams,
+                 observer: Callable[[StepObservation], None] | None = None):
+        self.t0 = time.perf_counter()
+        self.settings = settings
+        self.sampling = sampling
+        self.observer = observer
+        self.prompt_len = len(prompt_ids)
+        max_new = sampling.max_tokens
+        if settings.context_length is not None:
+            max_new = min(max_new, settings.context_length - len(prompt_ids))
+        self.max_new = max_new
+        self.stats = SpecStats(settings.k_max)
+        self.gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        self.draft_gen = torch.Generator(device="cpu").manual_seed(sampling.seed + DRAFT_SEED_OFFSET)
+        self.stopper = StopChecker(settings.tokenizer, sampling.stop) if sampling.stop else None
+        self.seq = list(prompt_ids)
+        self.out: list[int] = []
+        self.finish = FINISH_LENGTH
+        self.checked_chars = 0
+        self.text: str | None = None
+        self.done = len(self.out) >= self.max_new
+
+    def k_cap(self) -> int:
+        """The most drafts the next step can use (the remaining budget less the bonus)."""
+        return min(self.settings.k_max, self.max_new - len(self.out) - 1)
+
+    def uniforms(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This step's draws for n drafts (or nodes): (u_accept [n], u_sample [1]); none when
+        greedy."""
+        if self.sampling.greedy:
+            return None, None
+        return step_uniforms(self.gen, n)
+
+    def commit(self, emitted: list[int], k: int, n: int, relaxed: int, relaxable: int,
+               observation: ObservationFactory | None = None) -> list[int]:
+        """Apply one verified step: `emitted` = the accepted drafts (chain) or path tokens
+        (tree), then the correction or bonus. Stopping rules, statistics, the observer and the
+        sequence update; returns the tokens the step really added."""
+        remaining = self.max_new - len(self.out)
+        # Stopping: EOS ends the sequence after it; max tokens cuts the step short.
+        stop_at = None
+        for i, t in enumerate(emitted):
+            if t in self.settings.eos:
+                stop_at = i + 1
+                break
+        if stop_at is not None:
+            emitted = emitted[:stop_at]
+            self.finish = FINISH_STOP
+        emitted = emitted[:remaining]
+        self.stats.record_step(k, n, relaxed, relaxable, len(emitted))
+        if self.observer is not None and observation is not None:
+            self.observer(observation(len(emitted)))
+        self.seq.extend(emitted)
+        out = self.out
+        out.extend(emitted)
+        if self.stopper is not None:
+            # Check token by token so the completion ends at the token that completes it.
+            at, decoded = None, ""
+            for j in range(len(out) - len(emitted) + 1, len(out) + 1):
+                at, decoded = self.stopper.first_stop(out[:j], self.checked_chars)
+                if at is not None:
+                    del out[j:]
+                    break
+            if at is not None:
+                self.text = decoded[:at]
+                self.finish = FINISH_STOP
+            else:
+                self.checked_chars = len(decoded)  # the loop's last decode was the whole completion
+        self.done = self.finish == FINISH_STOP or len(out) >= self.max_new
+        return emitted
+
+    def result(self) -> GenerationResult:
+        text = self.text
+        if text is None:
+            text = self.settings.tokenizer.decode(self.out, skip_special_tokens=True)
+        capped = self.max_new if self.max_new < self.sampling.max_tokens else None
+        return GenerationResult(self.out, text, self.finish, self.prompt_len, self.stats,
+                                time.perf_counter() - self.t0, capped)
