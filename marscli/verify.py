@@ -109,6 +109,8 @@ class Rule:
 
     def decide(self, facts: PositionFacts) -> Decision:
         """Judge every position on its own (the caller keeps the accepted prefix or path)."""
+        if not self.relaxes:  # no margin needed: all False, of the facts' own type and shape
+            return Decision(ok=facts.strict_ok, relaxable=facts.strict_ok & ~facts.strict_ok)
         relaxable = self.relaxable(facts.statistics[self.margin])
         ok = (relaxable & facts.in_top2) | (~relaxable & facts.strict_ok)
         return Decision(ok=ok, relaxable=relaxable)
