@@ -104,7 +104,13 @@ class Rule:
         return self.name != STRICT and self.theta != math.inf
 
     def relaxable(self, stat: Any) -> Any:
-        """Elementwise: the statistic exceeds theta (all False for a rule that never relaxes)."""
+        """Elementwise: the statistic exceeds theta (all False for a rule that never relaxes).
+
+        Compared in float64: a float32 statistic against theta in float32 would round theta
+        (0.3 -> 0.30000001) and call a statistic of 0.30000001 not above 0.3; calibration's
+        replay, in float64, would disagree with the verifier."""
+        if isinstance(stat, torch.Tensor):
+            stat = stat.double()
         return stat > (self.theta if self.relaxes else math.inf)
 
     def decide(self, facts: PositionFacts) -> Decision:

@@ -96,3 +96,11 @@ def test_verify_rows_with_mixed_settings_equals_each_row_alone(rule):
         assert rows[b][2: 2 + K] == one.relaxed[0].long().tolist()
         assert rows[b][2 + K:] == one.relaxable[0].long().tolist()
         assert int(one.num_accepted[0]) <= int(draft_len[b])
+
+
+def test_theta_is_compared_in_float64():
+    """float32(0.3) = 0.30000001 exceeds theta = 0.3; a float32 comparison rounds theta up to
+    the same float and says it does not (hypothesis found this case)."""
+    stat32 = torch.tensor([0.3], dtype=torch.float32)
+    assert bool(Rule(MARS, 0.3, PROB_RATIO).relaxable(stat32)[0])
+    assert bool(Rule(MARS, 0.3, PROB_RATIO).relaxable(stat32.double().numpy())[0])
