@@ -908,7 +908,8 @@ class _GenerateRun:
 
     def execute(self) -> int:
         from marscli.distributed import ids_digest, solo_step
-        from marscli.io import LOADED_COMPONENTS, RunOutput, read_input, run_fingerprint
+        from marscli.io.records import read_input
+        from marscli.io.resume import LOADED_COMPONENTS, RunOutput, run_fingerprint
 
         cfg, log, group = self.cfg, self.log, self.group
         step = group.step if group is not None else solo_step
@@ -1048,7 +1049,7 @@ class _GenerateRun:
         self.log.note(msg)
 
     def _check_same_run(self, fingerprints: list[dict]) -> None:
-        from marscli.io import fingerprint_diff
+        from marscli.io.resume import fingerprint_diff
 
         for r, fp in enumerate(fingerprints):
             diffs = fingerprint_diff(fingerprints[0], fp)
@@ -1206,7 +1207,7 @@ def _calibrate(cfg: CalibrateConfig, log: _Log, group) -> int:
     from marscli.distributed import shard, solo_step
     from marscli.engine import RecordFailure, SpecEngine, build_drafter
     from marscli.errors import InputError
-    from marscli.io import read_input
+    from marscli.io.records import read_input
     from marscli.profiles import default_profile_name, identity_for_profile, save_profile, user_profile_dir
 
     step = group.step if group is not None else solo_step

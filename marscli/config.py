@@ -41,7 +41,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def with_overrides(self, overrides: dict[str, Any]) -> SamplingParams:
-        """Apply per-record overrides (already validated by marscli.io)."""
+        """Apply per-record overrides (already validated by marscli.io.records)."""
         if not overrides:
             return self
         kw = dict(overrides)

@@ -26,8 +26,10 @@ from marscli.errors import (
     EXIT_RUNTIME,
     EXIT_TERMINATED,
     EXIT_USAGE,
+    MarscliError,
 )
-from marscli.io import MAX_LINE_BYTES, sidecar_path
+from marscli.io.records import MAX_LINE_BYTES
+from marscli.io.resume import sidecar_path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Fast settings: the tiny model, no drafter, a few tokens.
@@ -290,18 +292,18 @@ def test_bad_output_path_fails_before_loading(runner, tmp_path, where, fragment)
 
 def test_write_failure_mid_run_keeps_results_and_says_resume(runner, tiny_model_dir, tmp_path,
                                                             monkeypatch):
-    import marscli.io as mio
+    from marscli.io.results import ResultWriter
 
-    real = mio.ResultWriter._emit
+    real = ResultWriter._emit
     calls = {"n": 0}
 
     def emit(self, result):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise mio.MarscliError("cannot write results: No space left on device")
+            raise MarscliError("cannot write results: No space left on device")
         real(self, result)
 
-    monkeypatch.setattr(mio.ResultWriter, "_emit", emit)
+    monkeypatch.setattr(ResultWriter, "_emit", emit)
     src = write_lines(tmp_path / "in.jsonl", [{"id": str(i), "prompt": "hi"} for i in range(4)])
     out = tmp_path / "out.jsonl"
     r = gen(runner, src, "--target", tiny_model_dir, "-o", out, *FAST)
@@ -456,9 +458,9 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
 
 def test_ctrl_c_while_writing_a_line_waits_for_the_line(runner, tiny_model_dir, tmp_path,
                                                         monkeypatch):
-    import marscli.io as mio
+    from marscli.io.results import ResultWriter
 
-    real = mio.ResultWriter._emit
+    real = ResultWriter._emit
 
     def emit(self, result):
         if result["id"] == "1":
@@ -466,7 +468,7 @@ def test_ctrl_c_while_writing_a_line_waits_for_the_line(runner, tiny_model_dir, 
             time.sleep(0.05)
         real(self, result)
 
-    monkeypatch.setattr(mio.ResultWriter, "_emit", emit)
+    monkeypatch.setattr(ResultWriter, "_emit", emit)
     src = write_lines(tmp_path / "in.jsonl", [{"id": str(i), "prompt": "hi"} for i in range(4)])
     out = tmp_path / "out.jsonl"
     r = gen(runner, src, "--target", tiny_model_dir, "-o", out, *FAST)

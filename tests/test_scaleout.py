@@ -29,7 +29,8 @@ from typer.testing import CliRunner
 from marscli.cli import app
 from marscli.distributed import Group, Launch, RankLost, launch_from_env, shard
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE, MarscliError, UsageError
-from marscli.io import find_parts, merge_results, part_path, sidecar_path
+from marscli.io.results import find_parts, merge_results, part_path
+from marscli.io.resume import sidecar_path
 
 ROOT = Path(__file__).resolve().parents[1]
 N_RECORDS = 24
@@ -271,7 +272,7 @@ def _items(ids: list[str]):
 
 
 def test_merge_orders_dedups_and_reports_missing(tmp_path):
-    from marscli.io import dump_json_line
+    from marscli.io.results import dump_json_line
 
     line = lambda rid, **kw: dump_json_line(_result(rid, **kw)) + "\n"  # noqa: E731
     final = tmp_path / "out.jsonl"
