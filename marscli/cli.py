@@ -909,7 +909,8 @@ class _GenerateRun:
     def execute(self) -> int:
         from marscli.distributed import ids_digest, solo_step
         from marscli.io.records import read_input
-        from marscli.io.resume import LOADED_COMPONENTS, RunOutput, run_fingerprint
+        from marscli.io.resume import RunOutput
+        from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint
 
         cfg, log, group = self.cfg, self.log, self.group
         step = group.step if group is not None else solo_step

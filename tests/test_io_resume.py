@@ -9,14 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marscli.config import Request, SamplingParams
+from marscli.config import Request
 from marscli.errors import UsageError
 from marscli.io.results import scan_output
 from marscli.io.resume import (
     RunOutput,
     fingerprint_diff,
     read_sidecar,
-    run_fingerprint,
     sidecar_path,
     write_sidecar,
 )
@@ -43,41 +42,6 @@ def test_untrusted_sidecar_and_output_never_raise_unhandled(tmp_path_factory, da
             read(p)
         except UsageError as e:
             assert str(e) and "\n" not in str(e)
-
-
-def _cfg(**kw):
-    from marscli.config import DraftConfig, GenerateConfig, ModelConfig, VerifyConfig
-
-    base = {"input": "in.jsonl", "output": "out.jsonl", "target": ModelConfig("m"),
-            "draft": DraftConfig(), "draft_model": None, "verify": VerifyConfig(),
-            "sampling": SamplingParams()}
-    return GenerateConfig(**{**base, **kw})
-
-
-TARGET = {"name": "m", "source": "/m", "kind": "dir", "sha256": None, "revision": None,
-          "dtype": "float32", "quantization": None, "device": "cuda:1"}
-
-
-def test_run_fingerprint_components_and_what_it_leaves_out():
-    extra = {"input": {"sha256": "ab"}, "profile": None}
-    fp = run_fingerprint(_cfg(), TARGET, None, extra)
-    assert fp["target"]["device"] == "cuda"  # which GPU does not change results
-    assert fp["verify"] == {"mode": "strict", "theta": None, "margin": "logit-ratio"}
-    assert fp["input"] == {"sha256": "ab"} and fp["profile"] is None
-    json.dumps(fp, allow_nan=False)
-    # Things that do not change the result bytes are not part of it.
-    same = run_fingerprint(_cfg(limit=3, fail_fast=True, resume=True, output="other.jsonl"),
-                               dict(TARGET, device="cuda:0"), None, extra)
-    assert same == fp
-    from marscli.config import DraftConfig
-
-    none = run_fingerprint(_cfg(draft=DraftConfig(kind="none", ngram_max=5)), TARGET, None, extra)
-    assert none["drafter"] == {"kind": "none"}
-    # The verification really used (e.g. set by a profile) replaces the command line's.
-    from marscli.config import VerifyConfig
-
-    mars = run_fingerprint(_cfg(), TARGET, None, extra, verify=VerifyConfig("mars", 0.93))
-    assert mars["verify"] == {"mode": "mars", "theta": 0.93, "margin": "logit-ratio"}
 
 
 def test_fingerprint_diff_names_each_difference():

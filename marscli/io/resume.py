@@ -2,10 +2,12 @@
 
 `-o results.jsonl` gets a sidecar `results.jsonl.marscli.json` holding the run's fingerprint:
 everything that decides the bytes of the results (input, models, drafter, verification,
-sampling, output options, profile). `--resume` keeps the complete lines of an existing
-output, cuts a torn last line, and appends the records whose ids are not there yet; it is
-refused when the fingerprint differs. Every record is generated from its own seed, so a
-resumed file is byte for byte the file an uninterrupted run would have written.
+sampling, output options, profile). The fingerprint is plain JSON data that the caller
+makes (marscli.jobs.fingerprint); this module stores and compares it and knows nothing of
+the settings behind it. `--resume` keeps the complete lines of an existing output, cuts a
+torn last line, and appends the records whose ids are not there yet; it is refused when the
+fingerprint differs. Every record is generated from its own seed, so a resumed file is byte
+for byte the file an uninterrupted run would have written.
 """
 
 from __future__ import annotations
@@ -36,77 +38,10 @@ from marscli.io.results import (
 
 SIDECAR_SUFFIX = ".marscli.json"
 SIDECAR_FORMAT = 1
-#: Fingerprint components known only once the models are loaded, so compared only then: the
-#: model identities, and the verification and profile, which a profile matched to the loaded
-#: target can decide.
-LOADED_COMPONENTS = ("target", "draft_model", "verify", "profile")
-#: Identity keys of a loaded model that change results ("device" is reduced to its type).
-#: "fingerprint" is a model folder's content fingerprint where models.py records one (folders
-#: have no sha256): with it, weights changed in place between a crash and a resume are caught.
-_MODEL_KEYS = ("name", "source", "kind", "sha256", "fingerprint", "revision", "dtype",
-               "quantization", "device")
-
-
-def run_fingerprint(
-    cfg: Any,
-    target_identity: dict[str, Any] | None,
-    draft_identity: dict[str, Any] | None,
-    extra: dict[str, Any],
-    *,
-    verify: Any = None,
-) -> dict[str, Any]:
-    """The named components that decide a run's result bytes (JSON values only).
-
-    cfg: a GenerateConfig; the identities come from LoadedModel.identity (None before the
-    models are loaded: see LOADED_COMPONENTS); extra: further components, which replace
-    those of the same name, e.g. {"profile": {"name": ..., "sha256": ...} or None,
-    "input": {"sha256": ...}}; verify: the VerifyConfig the run really uses when it differs
-    from cfg.verify (a profile applied). Left out on purpose: --limit (may grow on resume),
-    --quiet, progress, --fail-fast.
-    """
-    d = cfg.draft
-    drafter: dict[str, Any] = {"kind": d.kind}
-    if d.kind != "none":
-        drafter.update(num_draft_tokens=d.num_draft_tokens, adaptive=d.adaptive)
-    if d.kind == "ngram":
-        drafter.update(ngram_max=d.ngram_max, ngram_min=d.ngram_min)
-    if getattr(d, "tree", False):
-        drafter.update(tree={"depth": d.tree_depth, "top_k": d.tree_top_k, "tokens": d.tree_tokens})
-    v = verify if verify is not None else cfg.verify
-    s = cfg.sampling
-    fp: dict[str, Any] = {
-        "target": _model_fingerprint(target_identity),
-        "drafter": drafter,
-        "draft_model": _model_fingerprint(draft_identity),
-        "verify": {
-            "mode": v.mode,
-            "theta": None if v.mode == "strict" else v.theta,
-            "margin": v.margin,
-        },
-        "sampling": {
-            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "max_tokens": s.max_tokens, "seed": s.seed, "stop": list(s.stop),
-        },
-        "truncate_prompt": cfg.truncate_prompt,
-        "output": {"timing": cfg.timing, "token_ids": cfg.token_ids},
-        "profile": None,
-    }
-    fp.update(extra)
-    return json.loads(json.dumps(fp))  # plain JSON values, as read back from a sidecar
-
-
-def _model_fingerprint(identity: dict[str, Any] | None) -> dict[str, Any] | None:
-    if identity is None:
-        return None
-    out = {k: identity.get(k) for k in _MODEL_KEYS}
-    if isinstance(out["device"], str):  # cuda:0 and cuda:1 compute alike
-        out["device"] = out["device"].split(":")[0]
-    return out
 
 
 def sidecar_path(output: str | os.PathLike) -> str:
     return os.fspath(output) + SIDECAR_SUFFIX
-
 
 
 def fingerprint_diff(
@@ -186,8 +121,9 @@ class RunOutput:
 
     Use in three steps so every check that can fail does so as early as it can:
     construct before reading input and loading models (a bad path or an output that cannot
-    be resumed fails at once); `check(fp, ignore=LOADED_COMPONENTS)` once the input is read;
-    `open(fp, items)` once models are loaded: it refuses a resume whose fingerprint differs,
+    be resumed fails at once); `check(fp, ignore=...)` once the input is read, ignoring the
+    components known only once the models are loaded; `open(fp, items)` once models are
+    loaded: it refuses a resume whose fingerprint differs,
     then truncates (fresh) or cuts the torn tail (resume), writes the sidecar, and returns
     the ResultWriter. If `needs_merge(items)` after the run, `merge(items)` puts the output in
     input order (a resume over part files, or over an output with gaps).
