@@ -78,8 +78,31 @@ ERROR_CASES = [
      "invalid_record", "messages[2].role: unknown role 'bot'"),
     (j({"messages": [{"role": "user", "content": None}]}), "invalid_record",
      "messages[0].content must be a string, got null"),
-    (j({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
-     "invalid_record", "messages[0].content must be a string, got an array"),
+    (j({"messages": [{"role": "user", "content": 42}]}), "invalid_record",
+     "messages[0].content must be a string, got 42"),
+    # content parts: text only, each problem named with the part's position
+    (j({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}),
+     "invalid_record", "messages[0].content[1]: part type 'image_url' is not supported (text only)"),
+    (j({"custom_id": "r1", "body": {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}}),
+     "invalid_record",
+     "body.messages[0].content[0]: part type 'input_audio' is not supported (text only)"),
+    (j({"messages": [{"role": "user", "content": []}]}), "invalid_record",
+     "messages[0].content must be a string or a non-empty array of content parts"),
+    (j({"messages": [{"role": "user", "content": ["hi"]}]}), "invalid_record",
+     "messages[0].content[0] must be a content part object, got string"),
+    (j({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}), "invalid_record",
+     "messages[0].content[0].type is missing"),
+    (j({"messages": [{"role": "user", "content": [{"type": 1, "text": "hi"}]}]}),
+     "invalid_record", "messages[0].content[0].type must be a string, got 1"),
+    (j({"messages": [{"role": "user", "content": [{"type": "text"}]}]}), "invalid_record",
+     "messages[0].content[0].text is missing"),
+    (j({"messages": [{"role": "user", "content": [{"type": "text", "text": ["a"]}]}]}),
+     "invalid_record", "messages[0].content[0].text must be a string, got an array"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "invalid_record", "'messages[0].content[0].text' contains an unpaired surrogate"),
     # overrides
     (j({"prompt": "hi", "max_tokens": 0}), "invalid_record",
      "'max_tokens' must be an integer >= 1, got 0"),
@@ -224,6 +247,21 @@ def test_messages_record_keeps_only_role_and_content():
     ]
     assert item.overrides == {"stop": ["a", "b"]}
     assert item.id == "0"
+
+
+def test_content_parts_text_is_joined_by_newlines():
+    # Real OpenAI batch files send content as parts; vLLM and llama.cpp join text parts so.
+    item = read_one(j({"custom_id": "r", "body": {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "First part."},
+                                     {"type": "text", "text": "", "cache_control": {}},
+                                     {"type": "text", "text": "Second part."}]},
+    ]}}))
+    assert isinstance(item, Request)
+    assert item.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "First part.\n\nSecond part."},
+    ]
 
 
 def test_openai_chat_batch_line():

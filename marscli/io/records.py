@@ -9,6 +9,8 @@ Accepted record formats (one JSON object per line):
 
 - ``{"id"?: ..., "prompt": "..."}`` with optional sampling overrides at top level.
 - ``{"id"?: ..., "messages": [{"role": ..., "content": ...}, ...]}`` with optional overrides.
+  ``content`` is a string, or an array of OpenAI content parts of which only text parts
+  (``{"type": "text", "text": ...}``) are supported; their texts are joined by a newline.
 - OpenAI batch lines: ``{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions"
   | "/v1/completions", "body": {...}}``; the body carries ``messages`` (chat) or ``prompt``
   (completions) and the overrides; ``max_completion_tokens`` is accepted as ``max_tokens``;
@@ -52,6 +54,15 @@ _SEED_LIMIT = 2**63
 _ROLES = ("system", "user", "assistant")
 _BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 _OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+#: The one OpenAI chat content part type marscli reads (image_url, input_audio, file... need a
+#: multimodal target).
+_TEXT_PART = "text"
+#: What joins the text parts of one message. OpenAI does not document how its own servers join
+#: them; the open servers that take OpenAI requests for models whose chat template wants a
+#: string join them with a newline: vLLM (entrypoints/chat_utils.py, "\n".join(texts)) and
+#: llama.cpp (common/chat.cpp, concat_typed_text). Joining as they do gives a batch file the
+#: same prompt here as there.
+_PART_SEPARATOR = "\n"
 _UTF8_BOM = b"\xef\xbb\xbf"
 # bytes.strip() strips ASCII whitespace only: a line of these is blank, not a record.
 _ASCII_WS = b" \t\n\r\x0b\x0c"
@@ -391,13 +402,49 @@ def _messages(value: Any, key: str) -> list[dict[str, str]]:
             )
         if "content" not in msg:
             raise _Invalid(f"{where}.content is missing")
-        content = msg["content"]
-        if not isinstance(content, str):
-            raise _Invalid(f"{where}.content must be a string, got {show_value(content)}")
-        _check_text(f"{where}.content", content)
+        content = _content(msg["content"], f"{where}.content")
         # Only role and content go on: extra keys (name, tool_calls...) are not supported.
         out.append({"role": role, "content": content})
     return out
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's content: a string, or OpenAI content parts whose text parts are joined.
+
+    Real OpenAI batch files often send ``[{"type": "text", "text": "..."}, ...]``. Only text
+    parts are supported (an image or audio part needs a multimodal target); any other part is
+    an error naming its position and type.
+    """
+    if isinstance(value, str):
+        _check_text(where, value)
+        return value
+    if not isinstance(value, list):
+        raise _Invalid(
+            f"{where} must be a string, got {show_value(value)} (or an array of content parts)"
+        )
+    if not value:
+        raise _Invalid(f"{where} must be a string or a non-empty array of content parts, "
+                       "got an empty array")
+    texts = []
+    for j, part in enumerate(value):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise _Invalid(f"{at} must be a content part object, got {json_type(part)}")
+        if "type" not in part:
+            raise _Invalid(f"{at}.type is missing")
+        kind = part["type"]
+        if not isinstance(kind, str):
+            raise _Invalid(f"{at}.type must be a string, got {show_value(kind)}")
+        if kind != _TEXT_PART:
+            raise _Invalid(f"{at}: part type {show_value(kind)} is not supported (text only)")
+        if "text" not in part:
+            raise _Invalid(f"{at}.text is missing")
+        text = part["text"]
+        if not isinstance(text, str):
+            raise _Invalid(f"{at}.text must be a string, got {show_value(text)}")
+        _check_text(f"{at}.text", text)
+        texts.append(text)
+    return _PART_SEPARATOR.join(texts)
 
 
 def _overrides(obj: dict, prefix: str) -> dict[str, Any]:
