@@ -887,6 +887,8 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
                 raise run.with_resume_hint(e) from None
             finally:
                 run.close()
+                if run.output is not None:
+                    run.output.close()  # after the merge: the output is this run's until now
     finally:
         if group is not None:
             group.close()
@@ -916,7 +918,8 @@ class _GenerateRun:
         step = group.step if group is not None else solo_step
         # Everything that can be checked without the models is checked before loading them.
         with step("reading the input") as s:
-            self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input)
+            self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input,
+                                             lock=group is None or group.is_main)
             items, input_sha = read_input(cfg.input, limit=cfg.limit,
                                           digest=output.path is not None or group is not None)
             # "profile" is known once the target is loaded (a profile matches the loaded weights).

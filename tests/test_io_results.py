@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 
 import pytest
 
-from marscli.errors import MarscliError, UsageError
-from marscli.io.results import ResultWriter, atomic_write_text, dump_json_line, scan_output
+from marscli.errors import MarscliError, OutputInUseError, UsageError
+from marscli.io.results import (
+    OutputLock,
+    ResultWriter,
+    atomic_write_text,
+    dump_json_line,
+    lock_path,
+    scan_output,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,3 +234,91 @@ def test_scan_output_refuses_files_it_did_not_write(tmp_path, content, fragment)
     with pytest.raises(UsageError) as exc:
         scan_output(p)
     assert fragment in str(exc.value) and "\n" not in str(exc.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The output lock
+
+
+def test_output_lock_excludes_names_its_holder_and_cleans_up(tmp_path):
+    out = tmp_path / "out.jsonl"
+    lock = OutputLock.acquire(out)
+    assert lock.held and lock.path == lock_path(out) == f"{out}.marscli.lock"
+    holder = json.loads(open(lock.path).read())
+    assert holder["pid"] == os.getpid() and holder["host"] and holder["started"]
+    with pytest.raises(OutputInUseError, match=rf"pid {os.getpid()} on host .*, started "):
+        OutputLock.acquire(out)  # a second open file description: flock refuses it
+    lock.release()
+    lock.release()  # twice is fine
+    assert not os.path.exists(lock.path)
+    with OutputLock.acquire(out) as again:
+        assert again.held
+    assert not os.path.exists(lock.path)
+
+
+def test_output_lock_takes_over_a_lock_file_left_by_a_dead_run(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with open(lock_path(out), "wb") as f:
+        f.write(b"\xff garbage from a killed run, much longer than what we write" * 10)
+    with OutputLock.acquire(out):
+        holder = json.loads(open(lock_path(out)).read())  # rewritten whole, nothing left over
+        assert holder["pid"] == os.getpid()
+
+
+def test_output_lock_holder_unreadable_is_still_refused_in_one_line(tmp_path, monkeypatch):
+    import marscli.io.results as results
+
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(results, "_HOLDER_WAIT_S", 0.05)
+    with OutputLock.acquire(out):
+        with open(lock_path(out), "wb") as f:
+            f.write(b'{"pid": "1\n2", "host": ')  # an untrusted file: torn, control characters
+        with pytest.raises(OutputInUseError, match="it has not said who it is") as exc:
+            OutputLock.acquire(out)
+        assert "\n" not in str(exc.value)
+        with open(lock_path(out), "w") as f:
+            f.write('{"pid": "1\\n2", "host": "h\\u0007", "started": "' + "x" * 500 + '"}')
+        with pytest.raises(OutputInUseError) as exc:
+            OutputLock.acquire(out)
+        assert "pid 1?2 on host h?, started " + "x" * 64 + ")" in str(exc.value)
+
+
+def test_output_lock_relocks_when_the_file_is_replaced_under_it(tmp_path, monkeypatch):
+    """The holder before us unlinks the lock file as it releases: if that happens between our
+    open and our flock, we must lock the file now at the path, not the unlinked one (else two
+    runs would both think they hold the output)."""
+    import marscli.io.results as results
+
+    out = tmp_path / "out.jsonl"
+    real_open = os.open
+    opened = []
+
+    def racing_open(path, flags, mode=0o777):
+        fd = real_open(path, flags, mode)
+        if not opened:  # first try: a releasing holder removes the file, a newcomer recreates it
+            os.unlink(path)
+            real_open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(results.os, "open", racing_open)
+    with OutputLock.acquire(out) as lock:
+        assert len(opened) == 2
+        assert os.path.samestat(os.fstat(opened[1]), os.stat(lock.path))
+        # ... and the lock really is on the file at the path: a third run is refused.
+        monkeypatch.setattr(results.os, "open", real_open)
+        with pytest.raises(OutputInUseError):
+            OutputLock.acquire(out)
+
+
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EOPNOTSUPP])
+def test_output_lock_on_a_filesystem_without_locks_goes_on_unlocked(tmp_path, monkeypatch, err):
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = OutputLock.acquire(tmp_path / "out.jsonl")
+    assert not lock.held
+    lock.release()

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from marscli.config import Request
-from marscli.errors import UsageError
-from marscli.io.results import scan_output
+from marscli.errors import EXIT_USAGE, OutputInUseError, UsageError
+from marscli.io.results import lock_path, scan_output
 from marscli.io.resume import (
     RunOutput,
     fingerprint_diff,
@@ -66,6 +66,7 @@ def test_run_output_fresh_then_resume(tmp_path):
     w = run.open(fp, items)
     w.write(0, {"id": "0", "error": None})
     w.close()
+    run.close()  # the run is over: the next may take the output
     assert read_sidecar(sidecar_path(out)) == fp
     with open(out, "a") as f:
         f.write('{"id": "1", "err')  # torn by a crash
@@ -77,6 +78,47 @@ def test_run_output_fresh_then_resume(tmp_path):
     w.write(1, {"id": "1", "error": None})
     w.write(2, {"id": "2", "error": None})
     w.close()
+    run.close()
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["0", "1", "2"]
     with pytest.raises(UsageError, match="--resume needs -o FILE"):
         RunOutput("-", resume=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# One run per output: RunOutput holds the output's lock from construction to close()
+
+
+def test_run_output_refuses_a_second_run_on_the_same_output(tmp_path):
+    out = tmp_path / "out.jsonl"
+    items = [Request(index=0, line=1, id="0", prompt="p")]
+    first = RunOutput(str(out), resume=False)
+    w = first.open({"s": 1}, items)
+    w.write(0, {"id": "0", "error": None})
+    w.close()
+    before = out.read_bytes()
+    for resume in (False, True):
+        with pytest.raises(OutputInUseError) as exc:
+            RunOutput(str(out), resume=resume)
+        message = str(exc.value)
+        assert f"output {out} is in use by another marscli run (pid {os.getpid()} on host " in message
+        assert "started 20" in message and "\n" not in message
+        assert exc.value.exit_code == EXIT_USAGE
+    assert out.read_bytes() == before  # the refused runs touched nothing
+    # Another rank of a data-parallel run (lock=False) and results on stdout take no lock.
+    RunOutput(str(out), resume=True, lock=False).close()
+    RunOutput(None, resume=False).close()
+    RunOutput("-", resume=False).close()
+    first.close()
+    assert not os.path.exists(lock_path(out))  # a clean end leaves no lock file
+    with RunOutput(str(out), resume=True) as again:  # free once the first run is over
+        assert again.done == {"0": False}
+        assert os.path.exists(lock_path(out))
+
+
+def test_run_output_that_fails_its_checks_releases_the_lock(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("not a result\n")
+    with pytest.raises(UsageError, match="line 1 is not a marscli result"):
+        RunOutput(str(out), resume=True)
+    assert not os.path.exists(lock_path(out))
+    RunOutput(str(out), resume=False).close()  # not left locked by the failed one

@@ -529,6 +529,52 @@ def test_killed_subprocess_then_resume_is_byte_identical(runner, records_file, t
     assert_complete(out.read_bytes(), reference)
 
 
+def _wait_for_lock(proc: subprocess.Popen, out: Path, timeout: float = 120.0) -> None:
+    """Poll until `proc` has locked `out` (its pid is in the lock file)."""
+    lock = Path(f"{out}.marscli.lock")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if json.loads(lock.read_text())["pid"] == proc.pid:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.002)
+    proc.kill()
+    pytest.fail(f"the first run did not lock {out} (exit code {proc.poll()})")
+
+
+def test_two_runs_on_one_output_the_second_is_refused_and_the_first_ends_intact(
+        records_file, tiny_model_dir, tmp_path, reference):
+    """Two real `marscli generate -o SAME` runs: the second exits 2 naming the first, which
+    finishes the very file an undisturbed run writes. The first is frozen (SIGSTOP) while it
+    holds the lock, so the two surely overlap however fast the machine."""
+    import socket
+
+    out = tmp_path / "out.jsonl"
+    args = [str(records_file), "--target", str(tiny_model_dir), "-o", str(out), *RUN]
+    first = _start(args, stdout=subprocess.DEVNULL)
+    try:
+        _wait_for_lock(first, out)
+        first.send_signal(signal.SIGSTOP)
+        for extra in ([], ["--resume"]):
+            second = subprocess.run([sys.executable, "-m", "marscli", "generate", *args, *extra],
+                                    env=_subprocess_env(), capture_output=True, timeout=120)
+            stderr = second.stderr.decode()
+            assert second.returncode == EXIT_USAGE, stderr
+            assert stderr.count("\n") == 1 and "Traceback" not in stderr
+            assert stderr.startswith(f"marscli: error: output {out} is in use by another marscli "
+                                     f"run (pid {first.pid} on host {socket.gethostname()}, "
+                                     "started "), stderr
+            assert second.stdout == b""
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == EXIT_RECORDS_FAILED, stderr.decode()
+    assert_complete(out.read_bytes(), reference)
+    assert not Path(f"{out}.marscli.lock").exists()
+
+
 def test_closed_stdout_exits_0_quietly(records_file, tiny_model_dir):
     """`marscli generate ... | head -1`: the reader leaves after one line."""
     proc = _start([str(records_file), "--target", str(tiny_model_dir), *RUN],

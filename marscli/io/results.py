@@ -5,24 +5,33 @@ so an interrupted run leaves a clean, ordered prefix. `atomic_file` / `atomic_wr
 replace a file whole (profiles, reports, sidecars, merged outputs). `scan_output` reads back
 what a writer wrote (which ids are done, where each line sits) for --resume and for
 `merge_results`, which puts the part files of a data-parallel run into one output in input
-order.
+order. `OutputLock` keeps a second run off an output for the whole of a run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import errno
 import json
 import os
 import re
+import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TextIO
 
 from marscli.config import Request, RecordError
-from marscli.errors import MarscliError, UsageError
+from marscli.errors import MarscliError, OutputInUseError, UsageError
 from marscli.io.records import json_type
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: runs go unlocked
+    fcntl = None  # type: ignore[assignment]
 
 # --------------------------------------------------------------------------------------------
 # Writing in input order
@@ -392,3 +401,141 @@ class PartWriter(ResultWriter):
             raise ValueError("PartWriter is closed")
         self._emit(result)
 
+
+# --------------------------------------------------------------------------------------------
+# One run per output
+#
+# Two runs writing one output would interleave their lines into a file neither could resume.
+# The run that owns an output (the single process, or rank 0 of a data-parallel run; the other
+# ranks write only their own part files) holds an exclusive flock for its whole length, resume
+# and final merge included. The lock is on a file BESIDE the output: the output and its sidecar
+# are replaced with os.replace (merge, sidecar), and a lock on a replaced inode excludes nobody.
+
+LOCK_SUFFIX = ".marscli.lock"
+#: Locking errors that mean "this filesystem cannot lock", not "someone holds it": the run goes
+#: on unlocked there, as it did before marscli locked outputs.
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+#: Tries at taking the lock while other runs replace the lock file under us (see acquire).
+_LOCK_TRIES = 20
+#: A holder writes who it is right after locking: how long a refused run waits to read it.
+_HOLDER_WAIT_S = 0.5
+_HOLDER_MAX_BYTES = 4096
+
+
+def lock_path(output: str | os.PathLike) -> str:
+    return os.fspath(output) + LOCK_SUFFIX
+
+
+class OutputLock:
+    """An exclusive lock on an output, held from `acquire` to `release`.
+
+    The kernel drops a flock when its process dies, however it dies, so a crashed run never
+    leaves the output locked; a lock file left behind by one is simply taken over. The file
+    holds its holder's pid, host and start time, which a refused run names.
+    """
+
+    def __init__(self, output: str | os.PathLike) -> None:
+        self.output = os.fspath(output)
+        self.path = lock_path(output)
+        self._fd: int | None = None
+
+    @classmethod
+    def acquire(cls, output: str | os.PathLike) -> OutputLock:
+        """Lock `output`, or raise OutputInUseError naming the run that holds it."""
+        lock = cls(output)
+        if fcntl is not None:
+            lock._acquire()
+        return lock
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def _acquire(self) -> None:
+        for _ in range(_LOCK_TRIES):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            except OSError as e:
+                raise UsageError(f"cannot lock output {self.output}: cannot create {self.path}: "
+                                 f"{e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not self._still_at_path(fd):  # its holder just released and removed it
+                    os.close(fd)
+                    continue
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise OutputInUseError(
+                    f"output {self.output} is in use by another marscli run ({holder}); wait "
+                    "for it to end or write elsewhere") from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno in _NO_LOCKS:
+                    return
+                raise MarscliError(f"cannot lock output {self.output}: {e.strerror or e}") from None
+            # A holder removes the file when it releases: if it did so between our open and our
+            # flock, we locked a file nobody else will open, and must lock the one at the path.
+            if self._still_at_path(fd):
+                self._fd = fd
+                self._write_holder()
+                return
+            os.close(fd)
+        raise MarscliError(f"cannot lock output {self.output}: {self.path} keeps being replaced")
+
+    def _still_at_path(self, fd: int) -> bool:
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            return False
+
+    def _write_holder(self) -> None:
+        assert self._fd is not None
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        doc = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, (json.dumps(doc) + "\n").encode(), 0)
+        except OSError:
+            pass  # who holds it is a courtesy to the refused run; the lock itself is held
+
+    def release(self) -> None:
+        """Remove the lock file, then unlock; safe to call twice."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        # Unlink while still locked: a run that opened the file meanwhile sees it gone once it
+        # gets the flock (the inode check in _acquire) and locks a new file instead.
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(fd)
+
+    def __enter__(self) -> OutputLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    """'pid P on host H, started T' from a held lock file (untrusted: any bytes)."""
+    deadline = time.monotonic() + _HOLDER_WAIT_S
+    while True:
+        try:
+            doc = json.loads(os.pread(fd, _HOLDER_MAX_BYTES, 0).decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            doc = None
+        if isinstance(doc, dict) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)  # locked, but who it is not written yet
+    if not isinstance(doc, dict):
+        return "it has not said who it is"
+    return (f"pid {_printable(doc.get('pid'))} on host {_printable(doc.get('host'))}, "
+            f"started {_printable(doc.get('started'))}")
+
+
+def _printable(value: Any, limit: int = 64) -> str:
+    text = str(value)[:limit]
+    return "".join(c if c.isprintable() else "?" for c in text)

@@ -25,6 +25,7 @@ from marscli.errors import MarscliError, UsageError
 from marscli.io.records import MAX_LINE_BYTES, is_number, reject_constant, show_value
 from marscli.io.results import (
     MergeReport,
+    OutputLock,
     OutputScan,
     PartWriter,
     ResultWriter,
@@ -120,19 +121,26 @@ class RunOutput:
     """Where a run's results go: stdout, or `-o FILE` with its sidecar; fresh or resumed.
 
     Use in three steps so every check that can fail does so as early as it can:
-    construct before reading input and loading models (a bad path or an output that cannot
-    be resumed fails at once); `check(fp, ignore=...)` once the input is read, ignoring the
-    components known only once the models are loaded; `open(fp, items)` once models are
-    loaded: it refuses a resume whose fingerprint differs,
+    construct before reading input and loading models (a bad path, an output another run is
+    writing, or an output that cannot be resumed fails at once); `check(fp, ignore=...)` once
+    the input is read, ignoring the components known only once the models are loaded;
+    `open(fp, items)` once models are loaded: it refuses a resume whose fingerprint differs,
     then truncates (fresh) or cuts the torn tail (resume), writes the sidecar, and returns
     the ResultWriter. If `needs_merge(items)` after the run, `merge(items)` puts the output in
-    input order (a resume over part files, or over an output with gaps).
+    input order (a resume over part files, or over an output with gaps). `close()` at the
+    very end, after any merge, releases the output.
 
     A data-parallel run instead calls `prepare_parts` on the main process, `open_part` on
     every process, and `merge` on the main process at the end.
+
+    lock: hold the output's `OutputLock` from construction to `close()` (a second run on the
+    same file is refused with OutputInUseError, exit 2). Only the process that owns the
+    output locks it: False on the other ranks of a data-parallel run, which write only their
+    part files. Results on stdout take no lock.
     """
 
-    def __init__(self, path: str | None, *, resume: bool, input_path: str | None = None):
+    def __init__(self, path: str | None, *, resume: bool, input_path: str | None = None,
+                 lock: bool = True):
         self.path = None if path is None or path == "-" else path
         self.resume = resume
         self.previous: dict[str, Any] | None = None  # the existing run's fingerprint
@@ -141,24 +149,49 @@ class RunOutput:
         self.parts_base: str | None = self.path  # part files are named after it
         self._done: dict[str, bool] | None = None
         self._temp_dir: str | None = None
+        self._lock: OutputLock | None = None
         if self.path is None:
             if resume:
                 raise UsageError("--resume needs -o FILE: results written to stdout cannot be resumed")
             return
-        _check_writable(self.path, input_path)
-        if resume:
-            if os.path.exists(self.path):
-                self.scan = scan_output(self.path)
-            for p in find_parts(self.path):
-                self.part_scans[p] = scan_output(p)
-            if os.path.exists(self.path) or self.part_scans:
-                self.previous = read_sidecar(sidecar_path(self.path))
-            if self.previous is None and (self.scan.done or any(s.done for s in self.part_scans.values())):
-                raise UsageError(
-                    f"cannot resume {self.path}: its sidecar {sidecar_path(self.path)} is "
-                    "missing, so nothing says which settings made it; run without --resume "
-                    "to start over (this overwrites the file)"
-                )
+        _check_output_path(self.path, input_path)
+        # Locked before anything reads or touches the output (the write probe, the resume scan).
+        self._lock = OutputLock.acquire(self.path) if lock else None
+        try:
+            _probe_writable(self.path)
+            if resume:
+                self._scan_previous()
+        except BaseException:
+            self.close()
+            raise
+
+    def _scan_previous(self) -> None:
+        """--resume: read what the output and its parts already hold, and its sidecar."""
+        assert self.path is not None
+        if os.path.exists(self.path):
+            self.scan = scan_output(self.path)
+        for p in find_parts(self.path):
+            self.part_scans[p] = scan_output(p)
+        if os.path.exists(self.path) or self.part_scans:
+            self.previous = read_sidecar(sidecar_path(self.path))
+        if self.previous is None and (self.scan.done or any(s.done for s in self.part_scans.values())):
+            raise UsageError(
+                f"cannot resume {self.path}: its sidecar {sidecar_path(self.path)} is "
+                "missing, so nothing says which settings made it; run without --resume "
+                "to start over (this overwrites the file)"
+            )
+
+    def close(self) -> None:
+        """Release the output's lock (after the last write and merge); safe to call twice."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> RunOutput:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def resuming(self) -> bool:
@@ -306,8 +339,8 @@ class RunOutput:
             raise MarscliError(f"cannot remove stale sidecar: {e.strerror or e}") from None
 
 
-def _check_writable(path: str, input_path: str | None) -> None:
-    """Fail now, not after loading models, if results could not be written to `path`."""
+def _check_output_path(path: str, input_path: str | None) -> None:
+    """Fail now, not after loading models, if `path` cannot be an output (nothing written)."""
     if os.path.isdir(path):
         raise UsageError(f"output {path} is a directory, not a file")
     folder = os.path.dirname(os.path.abspath(path))
@@ -320,6 +353,10 @@ def _check_writable(path: str, input_path: str | None) -> None:
             same = False
         if same:
             raise UsageError(f"output {path} is the input file; write results elsewhere")
+
+
+def _probe_writable(path: str) -> None:
+    """Fail now, not after loading models, if results could not be written to `path`."""
     existed = os.path.exists(path)
     try:
         open(path, "ab").close()  # append mode: nothing is truncated yet
