@@ -115,6 +115,9 @@ class ModelConfig:
     #: device map. Devices are GPU indices, "cpu" or "disk".
     max_memory: tuple[tuple[str, str], ...] | None = None
     bnb_compute_dtype: str = "auto"  # 4-bit matmul dtype: auto (= the model dtype) or a dtype
+    #: Never download: a hub id must already be in the local Hugging Face cache (as with
+    #: HF_HUB_OFFLINE=1). False: a hub id not in the cache is downloaded into it.
+    offline: bool = False
 
 
 @dataclass
