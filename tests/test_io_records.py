@@ -84,7 +84,8 @@ ERROR_CASES = [
     (j({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}),
-     "invalid_record", "messages[0].content[1]: part type 'image_url' is not supported (text only)"),
+     "invalid_record",
+     "messages[0].content[1]: part type 'image_url' is not supported (text only)"),
     (j({"custom_id": "r1", "body": {"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}}),
      "invalid_record",

@@ -100,7 +100,8 @@ def test_run_output_refuses_a_second_run_on_the_same_output(tmp_path):
         with pytest.raises(OutputInUseError) as exc:
             RunOutput(str(out), resume=resume)
         message = str(exc.value)
-        assert f"output {out} is in use by another marscli run (pid {os.getpid()} on host " in message
+        holder = f"(pid {os.getpid()} on host "
+        assert f"output {out} is in use by another marscli run {holder}" in message
         assert "started 20" in message and "\n" not in message
         assert exc.value.exit_code == EXIT_USAGE
     assert out.read_bytes() == before  # the refused runs touched nothing
