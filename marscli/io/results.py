@@ -419,6 +419,7 @@ _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _LOCK_TRIES = 20
 #: A holder writes who it is right after locking: how long a refused run waits to read it.
 _HOLDER_WAIT_S = 0.5
+_HOLDER_POLL_S = 0.02
 _HOLDER_MAX_BYTES = 4096
 
 
@@ -529,7 +530,7 @@ def _read_holder(fd: int) -> str:
             doc = None
         if isinstance(doc, dict) or time.monotonic() > deadline:
             break
-        time.sleep(0.02)  # locked, but who it is not written yet
+        time.sleep(_HOLDER_POLL_S)  # locked, but who holds it is not written yet
     if not isinstance(doc, dict):
         return "it has not said who it is"
     return (f"pid {_printable(doc.get('pid'))} on host {_printable(doc.get('host'))}, "
