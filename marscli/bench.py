@@ -221,7 +221,7 @@ class BenchPrompt:
 def read_prompt_records(source: str, limit: int | None) -> tuple[list[tuple[Request, str | None]], list[dict], int]:
     """The first `limit` records of a JSONL input -> ([(request, reference text)], skipped,
     number of records whose per-record sampling overrides are ignored)."""
-    from marscli.io import find_duplicate_ids, read_requests
+    from marscli.io.records import find_duplicate_ids, read_requests
 
     data = _read_bytes(source)
     lines = data.split(b"\n")
@@ -246,7 +246,7 @@ def read_prompt_records(source: str, limit: int | None) -> tuple[list[tuple[Requ
 
 
 def _read_bytes(source: str) -> bytes:
-    from marscli.io import open_input
+    from marscli.io.records import open_input
 
     if source == "-":
         return sys.stdin.buffer.read()
@@ -1015,7 +1015,7 @@ def _environment(bench: Bench) -> dict[str, Any]:
 
 
 def write_outputs(cfg: BenchConfig, report: dict[str, Any], log: Log) -> None:
-    from marscli.io import atomic_write_text
+    from marscli.io.results import atomic_write_text
 
     text = json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
     if cfg.report == "-":

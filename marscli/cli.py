@@ -887,6 +887,8 @@ def run_generate(cfg: GenerateConfig, log: _Log) -> int:
                 raise run.with_resume_hint(e) from None
             finally:
                 run.close()
+                if run.output is not None:
+                    run.output.close()  # after the merge: the output is this run's until now
     finally:
         if group is not None:
             group.close()
@@ -908,13 +910,16 @@ class _GenerateRun:
 
     def execute(self) -> int:
         from marscli.distributed import ids_digest, solo_step
-        from marscli.io import LOADED_COMPONENTS, RunOutput, read_input, run_fingerprint
+        from marscli.io.records import read_input
+        from marscli.io.resume import RunOutput
+        from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint
 
         cfg, log, group = self.cfg, self.log, self.group
         step = group.step if group is not None else solo_step
         # Everything that can be checked without the models is checked before loading them.
         with step("reading the input") as s:
-            self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input)
+            self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input,
+                                             lock=group is None or group.is_main)
             items, input_sha = read_input(cfg.input, limit=cfg.limit,
                                           digest=output.path is not None or group is not None)
             # "profile" is known once the target is loaded (a profile matches the loaded weights).
@@ -1039,7 +1044,7 @@ class _GenerateRun:
         self.log.note(msg)
 
     def _check_same_run(self, fingerprints: list[dict]) -> None:
-        from marscli.io import fingerprint_diff
+        from marscli.io.resume import fingerprint_diff
 
         for r, fp in enumerate(fingerprints):
             diffs = fingerprint_diff(fingerprints[0], fp)
@@ -1198,7 +1203,7 @@ def _calibrate(cfg: CalibrateConfig, log: _Log, group) -> int:
     from marscli.engine import build_engine
     from marscli.engine.sequence import RecordFailure
     from marscli.errors import InputError
-    from marscli.io import read_input
+    from marscli.io.records import read_input
     from marscli.profiles import default_profile_name, identity_for_profile, save_profile, user_profile_dir
 
     step = group.step if group is not None else solo_step

@@ -41,7 +41,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def with_overrides(self, overrides: dict[str, Any]) -> SamplingParams:
-        """Apply per-record overrides (already validated by marscli.io)."""
+        """Apply per-record overrides (already validated by marscli.io.records)."""
         if not overrides:
             return self
         kw = dict(overrides)
@@ -117,6 +117,9 @@ class ModelConfig:
     #: device map. Devices are GPU indices, "cpu" or "disk".
     max_memory: tuple[tuple[str, str], ...] | None = None
     bnb_compute_dtype: str = "auto"  # 4-bit matmul dtype: auto (= the model dtype) or a dtype
+    #: Never download: a hub id must already be in the local Hugging Face cache (as with
+    #: HF_HUB_OFFLINE=1). False: a hub id not in the cache is downloaded into it.
+    offline: bool = False
 
 
 @dataclass

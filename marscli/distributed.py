@@ -11,9 +11,9 @@ result.
 Results never cross the network. Each rank writes its own part file beside the output
 (``results.jsonl.rank1-of-8.part``), a line per finished record, flushed as it is written, so a
 killed rank loses nothing it wrote; the main process (rank 0) merges the parts in input order
-into the output once every rank is done (marscli.io). That needs the output's folder on a
-filesystem every process sees: one machine always does; several machines need a shared one
-(NFS, Lustre...), which is checked before any record is generated.
+into the output once every rank is done (marscli.io.results). That needs the output's folder
+on a filesystem every process sees: one machine always does; several machines need a shared
+one (NFS, Lustre...), which is checked before any record is generated.
 
 Coordination is small and goes through a gloo process group and its key-value store, on GPUs
 too (no tensor ever crosses processes, so NCCL would buy nothing):

@@ -551,12 +551,12 @@ def build_head(sd: dict[str, torch.Tensor], cfg: HeadConfig, target_model,
 
 def resolve_head_folder(source: str) -> tuple[Path, str, str, str | None]:
     """A head source (folder or hub id from the local cache) -> (folder, name, kind, revision)."""
-    from marscli.models import KIND_DIR, _resolve_source
+    from marscli.models import KIND_DIR, resolve_source
 
     if source.lower().endswith(".gguf"):
         raise ModelLoadError(f"EAGLE-3 head {source}: a .gguf file is not an EAGLE-3 head; pass the "
                              "head's folder (config.json + model.safetensors or pytorch_model.bin)")
-    resolved = _resolve_source(source, "EAGLE-3 head")
+    resolved = resolve_source(source, "EAGLE-3 head")
     if resolved.path.is_file():
         raise ModelLoadError(f"EAGLE-3 head {source} is a file; pass the head's folder")
     return resolved.path, resolved.name, resolved.kind if resolved.kind != KIND_DIR else "dir", resolved.revision
@@ -564,7 +564,7 @@ def resolve_head_folder(source: str) -> tuple[Path, str, str, str | None]:
 
 def load_head(source: str, target, *, log=None) -> LoadedHead:
     """Load an EAGLE-3 head for `target` (a LoadedModel); ModelLoadError on any mismatch."""
-    from marscli.models import _fingerprint_or_none
+    from marscli.models import fingerprint_or_none
 
     folder, name, kind, revision = resolve_head_folder(source)
     cfg_path = folder / CONFIG_FILE
@@ -587,7 +587,7 @@ def load_head(source: str, target, *, log=None) -> LoadedHead:
             f"{cfg.draft_vocab_size}/{cfg.vocab_size}, features from target layers {list(layers)}")
     identity = {
         "name": name, "source": source, "kind": kind, "sha256": None,
-        "fingerprint": _fingerprint_or_none(folder), "revision": revision,
+        "fingerprint": fingerprint_or_none(folder), "revision": revision,
         "dtype": str(emb.dtype).removeprefix("torch."), "quantization": None,
         "device": str(emb.device), "format": "eagle3",
     }

@@ -40,3 +40,7 @@ class InputError(MarscliError):
     """The input file as a whole is unusable (e.g. duplicate ids)."""
 
     exit_code = EXIT_USAGE
+
+
+class OutputInUseError(UsageError):
+    """Another run holds the output's lock (marscli.io.results.OutputLock)."""

@@ -9,8 +9,9 @@ A model source (``ModelConfig.source``) is one of:
   parameters), so :func:`convert_gguf` does it once and caches a float32 safetensors folder
   under ``cache_root()/gguf/<sha256>``.
 - a local directory with ``config.json`` (what ``save_pretrained`` writes).
-- a Hugging Face hub id, resolved only from the local cache (``HF_HOME``); marscli never
-  downloads anything.
+- a Hugging Face hub id: from the local cache (``HF_HOME``) if it is there, else downloaded
+  into it (progress on stderr), unless ``ModelConfig.offline`` or ``HF_HUB_OFFLINE=1`` says
+  to stay offline: then a hub id not in the cache is an error.
 
 Every failure surfaces as a one-line :class:`~marscli.errors.ModelLoadError`.
 """
@@ -63,6 +64,13 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 _SHA_CHUNK = 1 << 20
+_TRUE_VALUES = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's spelling of a true env variable
+#: Hub files no load reads: other frameworks' weights and exports, and the duplicate original
+#: checkpoints some repos carry (Meta's Llama repos: original/consolidated.00.pth).
+_NOT_DOWNLOADED = ("*.gguf", "*.onnx", "*.onnx_data", "onnx/*", "*.msgpack", "*.h5", "*.tflite",
+                   "*.ot", "*.mlmodel", "coreml/*", "openvino/*", "original/*")
+#: Pickled weights, skipped where the repo has the same weights as safetensors.
+_PICKLED_WEIGHTS = ["*.bin", "*.pt", "*.pth"]
 #: How many differing tokens a vocabulary mismatch message names.
 _VOCAB_DIFF_SHOWN = 5
 
@@ -84,7 +92,7 @@ class LoadedModel:
 
 
 @dataclass(frozen=True)
-class _Resolved:
+class ResolvedSource:
     """A source resolved to something on local disk."""
 
     kind: str
@@ -222,7 +230,7 @@ def folder_fingerprint(folder: Path) -> str:
     return "folder-v1:" + h.hexdigest()
 
 
-def _fingerprint_or_none(folder: Path) -> str | None:
+def fingerprint_or_none(folder: Path) -> str | None:
     try:
         return folder_fingerprint(folder)
     except OSError:
@@ -240,6 +248,35 @@ def _hf_hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
+def hub_offline() -> bool:
+    """Whether the environment forbids the hub: HF_HUB_OFFLINE (or its older alias
+    TRANSFORMERS_OFFLINE, which huggingface_hub honours too), read now or at its import."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return env.strip().upper() in _TRUE_VALUES or bool(constants.HF_HUB_OFFLINE)
+
+
+def _download(repo_id: str, role: str, cache: Path, log: Log | None) -> Path:
+    """Fetch what loading a hub model reads into the hub cache; progress bars on stderr."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    if log:
+        log(f"downloading {role} model {repo_id} from the Hugging Face Hub into {cache}")
+    try:
+        files = HfApi().list_repo_files(repo_id)
+        ignore = list(_NOT_DOWNLOADED)
+        if any(f.endswith(".safetensors") for f in files):
+            ignore += _PICKLED_WEIGHTS  # transformers reads the safetensors copy
+        return Path(snapshot_download(repo_id, cache_dir=str(cache), ignore_patterns=ignore))
+    except Exception as exc:  # RepositoryNotFoundError, GatedRepoError, network errors, ...
+        raise ModelLoadError(
+            f"cannot download {role} model {repo_id} from the Hugging Face Hub: "
+            f"{_reason(exc)} (a gated or private repo needs `hf auth login`; --offline or "
+            "HF_HUB_OFFLINE=1 keeps to the local cache)"
+        ) from None
+
+
 def _looks_like_path(source: str) -> bool:
     return source.startswith((".", "/", "~", "\\")) or source.lower().endswith(".gguf")
 
@@ -252,14 +289,20 @@ def _reason(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _resolve_source(source: str | None, role: str) -> _Resolved:
+def resolve_source(source: str | None, role: str, *, offline: bool = False,
+                   log: Log | None = None) -> ResolvedSource:
+    """A model source (None, a .gguf, a folder, a hub id) -> what it is and where it lies.
+
+    A hub id not in the local cache is downloaded into it, unless `offline` or the
+    environment (HF_HUB_OFFLINE=1) says not to. `role` names the model in error messages.
+    """
     if source is None:
         gguf = embedded_gguf_path()
-        return _Resolved(KIND_EMBEDDED, EMBEDDED_NAME, str(gguf), gguf)
+        return ResolvedSource(KIND_EMBEDDED, EMBEDDED_NAME, str(gguf), gguf)
 
     if source in CHUNKED_MODELS:
         gguf = chunked_gguf_path(source)
-        return _Resolved(KIND_GGUF, Path(CHUNKED_MODELS[source].file).stem, source, gguf)
+        return ResolvedSource(KIND_GGUF, Path(CHUNKED_MODELS[source].file).stem, source, gguf)
 
     path = Path(source).expanduser()
     if path.exists() or _looks_like_path(source):
@@ -272,17 +315,17 @@ def _resolve_source(source: str | None, role: str) -> _Resolved:
                     f"{role} model {source} is a file but not a .gguf; "
                     "pass a .gguf file or a folder containing config.json"
                 )
-            return _Resolved(KIND_GGUF, path.stem, str(path), path)
+            return ResolvedSource(KIND_GGUF, path.stem, str(path), path)
         if not (path / "config.json").is_file():
             ggufs = sorted(path.glob("*.gguf"))
             hint = f"; pass the .gguf file itself, e.g. {ggufs[0]}" if ggufs else ""
             raise ModelLoadError(f"{role} model folder {source} has no config.json{hint}")
-        return _Resolved(KIND_DIR, path.name, str(path), path)
+        return ResolvedSource(KIND_DIR, path.name, str(path), path)
 
-    return _resolve_hub(source, role)
+    return _resolve_hub(source, role, offline=offline, log=log)
 
 
-def _resolve_hub(repo_id: str, role: str) -> _Resolved:
+def _resolve_hub(repo_id: str, role: str, *, offline: bool, log: Log | None) -> ResolvedSource:
     from huggingface_hub import snapshot_download
 
     cache = _hf_hub_cache()
@@ -296,17 +339,19 @@ def _resolve_hub(repo_id: str, role: str) -> _Resolved:
                 f"{role} model {repo_id!r} is neither an existing path nor a valid "
                 f"Hugging Face repo id ({_reason(exc)})"
             ) from None
-        raise ModelLoadError(
-            f"{role} model {repo_id} is not in the local Hugging Face cache "
-            f"(HF_HOME, {cache}); marscli never downloads: fetch it first "
-            f"(e.g. `hf download {repo_id}`) or pass a local path"
-        ) from None
+        if offline or hub_offline():
+            raise ModelLoadError(
+                f"{role} model {repo_id} is not in the local Hugging Face cache "
+                f"(HF_HOME, {cache}) and downloads are off (--offline or HF_HUB_OFFLINE=1): "
+                f"fetch it first (e.g. `hf download {repo_id}`) or pass a local path"
+            ) from None
+        snapshot = _download(repo_id, role, cache, log)
     if not (snapshot / "config.json").is_file():
         raise ModelLoadError(
             f"{role} model {repo_id} in the local Hugging Face cache ({snapshot}) "
             "has no config.json"
         )
-    return _Resolved(KIND_HUB, repo_id, repo_id, snapshot, revision=snapshot.name)
+    return ResolvedSource(KIND_HUB, repo_id, repo_id, snapshot, revision=snapshot.name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,7 +637,7 @@ def load_model(
     if device_map is not None and device_map not in DEVICE_MAPS:
         raise ModelLoadError(f"--device-map {device_map}: expected {', '.join(DEVICE_MAPS)}")
 
-    resolved = _resolve_source(cfg.source, role)
+    resolved = resolve_source(cfg.source, role, offline=cfg.offline, log=log)
     sha256: str | None = None
     folder = resolved.path
     if resolved.kind in (KIND_EMBEDDED, KIND_GGUF):
@@ -649,7 +694,7 @@ def load_model(
         "source": resolved.source,
         "kind": resolved.kind,
         "sha256": sha256,
-        "fingerprint": None if sha256 is not None else _fingerprint_or_none(folder),
+        "fingerprint": None if sha256 is not None else fingerprint_or_none(folder),
         "revision": resolved.revision,
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": quant_label,

@@ -419,7 +419,7 @@ def load_profile(path: str | os.PathLike) -> Profile:
 
 def save_profile(data: dict[str, Any], path: str | os.PathLike) -> Profile:
     """Validate ``data`` and write it atomically (temp file in the same folder, then rename)."""
-    from marscli.io import atomic_write_text
+    from marscli.io.results import atomic_write_text
 
     text = dump_profile(data)
     prof = parse_profile(text, str(path), Path(path))  # what we write must read back

@@ -154,3 +154,24 @@ def test_mars_default_theta_is_announced(runner, tiny_model_dir, tmp_path):
 def test_help_lists_exit_codes(runner):
     r = runner.invoke(app, ["generate", "--help"])
     assert r.exit_code == 0 and "Exit codes" in r.stdout
+
+
+def test_openai_content_parts_give_the_joined_string_prompt(runner, tiny_model_dir, tmp_path):
+    """An OpenAI batch line whose content is text parts generates what the same text as one
+    string (parts joined by newlines) generates, prompt tokens included."""
+    parts = [{"type": "text", "text": "the quick brown fox"}, {"type": "text", "text": "jumps over"}]
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "parts", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": parts}]}},
+        {"custom_id": "string", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "the quick brown fox\njumps over"}]}},
+        {"custom_id": "glued", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "the quick brown foxjumps over"}]}},
+    ])
+    r = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--max-tokens", "8",
+                            "--token-ids", "--no-timing"])
+    assert r.exit_code == EXIT_OK, r.stderr
+    by_id = {x["custom_id"]: x for x in parse_stdout(r.stdout)}
+    strip = lambda x: {k: v for k, v in x.items() if k != "custom_id"}  # noqa: E731
+    assert strip(by_id["parts"]) == strip(by_id["string"])
+    assert by_id["parts"]["usage"]["prompt_tokens"] != by_id["glued"]["usage"]["prompt_tokens"]

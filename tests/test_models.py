@@ -151,16 +151,105 @@ def test_corrupt_gguf(tmp_path):
 
 
 def test_hub_id_cache_miss_names_id():
+    """The tests run with HF_HUB_OFFLINE=1: a hub id not in the cache is an error that says
+    downloads are off and how to turn them on or fetch the model."""
     with pytest.raises(ModelLoadError) as exc:
         load_model(ModelConfig(source="some-org/some-model"))
     message = str(exc.value)
-    assert "some-org/some-model" in message
-    assert "local Hugging Face cache" in message and "never downloads" in message
+    assert "some-org/some-model" in message and "\n" not in message
+    assert "local Hugging Face cache" in message and "downloads are off" in message
+    assert "--offline" in message and "HF_HUB_OFFLINE=1" in message
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """The environment allows downloads (the session's offline flags lifted for one test)."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path, tiny_model_dir):
+    """A hub that holds `some-org/tiny` (the tiny model): no network. Records each call."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    calls: list[dict] = []
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+    def snapshot_download(repo_id, *, cache_dir, local_files_only=False, ignore_patterns=None):
+        snap = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+        if local_files_only:
+            if not snap.exists():
+                raise LocalEntryNotFoundError("not in the cache")
+            return str(snap)
+        calls.append({"repo_id": repo_id, "ignore_patterns": ignore_patterns})
+        if repo_id != "some-org/tiny":
+            raise ConnectionError(f"Cannot reach https://huggingface.co/{repo_id}.\n\nDetails...")
+        shutil.copytree(tiny_model_dir, snap)
+        (snap.parents[1] / "refs").mkdir()
+        (snap.parents[1] / "refs" / "main").write_text(COMMIT)
+        return str(snap)
+
+    class FakeApi:
+        def list_repo_files(self, repo_id):
+            return ["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json"]
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    return calls
+
+
+def test_hub_id_not_in_the_cache_is_downloaded(online, fake_hub):
+    said: list[str] = []
+    lm = load_model(ModelConfig(source="some-org/tiny"), log=said.append)
+    assert (lm.identity["kind"], lm.identity["name"], lm.identity["revision"]) == (
+        "hub", "some-org/tiny", COMMIT)
+    assert [c["repo_id"] for c in fake_hub] == ["some-org/tiny"]
+    ignored = fake_hub[0]["ignore_patterns"]
+    assert "*.bin" in ignored and "original/*" in ignored  # safetensors are there: no pickles
+    assert any(m.startswith("downloading target model some-org/tiny from the Hugging Face Hub")
+               for m in said)
+    # Once cached, it loads from the cache: no second download.
+    load_model(ModelConfig(source="some-org/tiny"))
+    assert len(fake_hub) == 1
+
+
+@pytest.mark.parametrize("how", ["config", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_offline_never_downloads(online, fake_hub, monkeypatch, how):
+    if how != "config":
+        monkeypatch.setenv(how, "yes")
+    with pytest.raises(ModelLoadError, match="downloads are off .--offline or HF_HUB_OFFLINE=1.") as exc:
+        load_model(ModelConfig(source="some-org/tiny", offline=how == "config"), role="draft")
+    assert str(exc.value).startswith("draft model some-org/tiny is not in the local Hugging Face cache")
+    assert fake_hub == []
+
+
+def test_hub_offline_reads_the_environment_as_huggingface_hub_does(online, monkeypatch):
+    for value, offline in [("1", True), ("true", True), ("ON", True), ("0", False), ("", False),
+                           ("no", False)]:
+        monkeypatch.setenv("HF_HUB_OFFLINE", value)
+        assert models.hub_offline() is offline, value
+
+
+def test_a_failed_download_is_one_line(online, fake_hub):
+    with pytest.raises(ModelLoadError) as exc:
+        load_model(ModelConfig(source="some-org/missing"))
+    message = str(exc.value)
+    assert message.startswith("cannot download target model some-org/missing from the Hugging "
+                              "Face Hub: Cannot reach https://huggingface.co/some-org/missing. (")
+    assert "\n" not in message and "--offline" in message
 
 
 def test_hub_id_from_local_cache(monkeypatch, tmp_path, tiny_model_dir):
     """A hub id resolves to the cached snapshot; identity records the commit."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
+    commit = COMMIT
     repo = tmp_path / "hf" / "hub" / "models--some-org--tiny"
     shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
     (repo / "refs").mkdir()

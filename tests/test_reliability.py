@@ -26,8 +26,10 @@ from marscli.errors import (
     EXIT_RUNTIME,
     EXIT_TERMINATED,
     EXIT_USAGE,
+    MarscliError,
 )
-from marscli.io import MAX_LINE_BYTES, sidecar_path
+from marscli.io.records import MAX_LINE_BYTES
+from marscli.io.resume import sidecar_path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Fast settings: the tiny model, no drafter, a few tokens.
@@ -85,8 +87,14 @@ BAD_INPUT = [
                  id="prompt-wrong-type"),
     pytest.param({"prompt": "hi", "max_tokens": "5"}, "invalid_record",
                  "'max_tokens' must be an integer >= 1, got '5'", id="override-wrong-type"),
-    pytest.param({"messages": [{"role": "user", "content": ["hi"]}]}, "invalid_record",
-                 "messages[0].content must be a string, got an array", id="content-wrong-type"),
+    pytest.param({"messages": [{"role": "user", "content": 42}]}, "invalid_record",
+                 "messages[0].content must be a string, got 42", id="content-wrong-type"),
+    pytest.param({"messages": [{"role": "user", "content": [
+                     {"type": "text", "text": "what is in this picture?"},
+                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+                 "invalid_record",
+                 "messages[0].content[1]: part type 'image_url' is not supported (text only)",
+                 id="content-part-not-text"),
     pytest.param({"messages": [{"role": "robot", "content": "hi"}]}, "invalid_record",
                  "messages[0].role: unknown role 'robot'", id="unknown-role"),
     pytest.param(b'{"prompt": "caf\xe9"}', "invalid_encoding", "line is not valid UTF-8",
@@ -290,18 +298,18 @@ def test_bad_output_path_fails_before_loading(runner, tmp_path, where, fragment)
 
 def test_write_failure_mid_run_keeps_results_and_says_resume(runner, tiny_model_dir, tmp_path,
                                                             monkeypatch):
-    import marscli.io as mio
+    from marscli.io.results import ResultWriter
 
-    real = mio.ResultWriter._emit
+    real = ResultWriter._emit
     calls = {"n": 0}
 
     def emit(self, result):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise mio.MarscliError("cannot write results: No space left on device")
+            raise MarscliError("cannot write results: No space left on device")
         real(self, result)
 
-    monkeypatch.setattr(mio.ResultWriter, "_emit", emit)
+    monkeypatch.setattr(ResultWriter, "_emit", emit)
     src = write_lines(tmp_path / "in.jsonl", [{"id": str(i), "prompt": "hi"} for i in range(4)])
     out = tmp_path / "out.jsonl"
     r = gen(runner, src, "--target", tiny_model_dir, "-o", out, *FAST)
@@ -456,9 +464,9 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
 
 def test_ctrl_c_while_writing_a_line_waits_for_the_line(runner, tiny_model_dir, tmp_path,
                                                         monkeypatch):
-    import marscli.io as mio
+    from marscli.io.results import ResultWriter
 
-    real = mio.ResultWriter._emit
+    real = ResultWriter._emit
 
     def emit(self, result):
         if result["id"] == "1":
@@ -466,7 +474,7 @@ def test_ctrl_c_while_writing_a_line_waits_for_the_line(runner, tiny_model_dir, 
             time.sleep(0.05)
         real(self, result)
 
-    monkeypatch.setattr(mio.ResultWriter, "_emit", emit)
+    monkeypatch.setattr(ResultWriter, "_emit", emit)
     src = write_lines(tmp_path / "in.jsonl", [{"id": str(i), "prompt": "hi"} for i in range(4)])
     out = tmp_path / "out.jsonl"
     r = gen(runner, src, "--target", tiny_model_dir, "-o", out, *FAST)
@@ -519,6 +527,52 @@ def test_killed_subprocess_then_resume_is_byte_identical(runner, records_file, t
     r = gen(runner, *args, "--resume")
     assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
     assert_complete(out.read_bytes(), reference)
+
+
+def _wait_for_lock(proc: subprocess.Popen, out: Path, timeout: float = 120.0) -> None:
+    """Poll until `proc` has locked `out` (its pid is in the lock file)."""
+    lock = Path(f"{out}.marscli.lock")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if json.loads(lock.read_text())["pid"] == proc.pid:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.002)
+    proc.kill()
+    pytest.fail(f"the first run did not lock {out} (exit code {proc.poll()})")
+
+
+def test_two_runs_on_one_output_the_second_is_refused_and_the_first_ends_intact(
+        records_file, tiny_model_dir, tmp_path, reference):
+    """Two real `marscli generate -o SAME` runs: the second exits 2 naming the first, which
+    finishes the very file an undisturbed run writes. The first is frozen (SIGSTOP) while it
+    holds the lock, so the two surely overlap however fast the machine."""
+    import socket
+
+    out = tmp_path / "out.jsonl"
+    args = [str(records_file), "--target", str(tiny_model_dir), "-o", str(out), *RUN]
+    first = _start(args, stdout=subprocess.DEVNULL)
+    try:
+        _wait_for_lock(first, out)
+        first.send_signal(signal.SIGSTOP)
+        for extra in ([], ["--resume"]):
+            second = subprocess.run([sys.executable, "-m", "marscli", "generate", *args, *extra],
+                                    env=_subprocess_env(), capture_output=True, timeout=120)
+            stderr = second.stderr.decode()
+            assert second.returncode == EXIT_USAGE, stderr
+            assert stderr.count("\n") == 1 and "Traceback" not in stderr
+            assert stderr.startswith(f"marscli: error: output {out} is in use by another marscli "
+                                     f"run (pid {first.pid} on host {socket.gethostname()}, "
+                                     "started "), stderr
+            assert second.stdout == b""
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == EXIT_RECORDS_FAILED, stderr.decode()
+    assert_complete(out.read_bytes(), reference)
+    assert not Path(f"{out}.marscli.lock").exists()
 
 
 def test_closed_stdout_exits_0_quietly(records_file, tiny_model_dir):

@@ -29,7 +29,8 @@ from typer.testing import CliRunner
 from marscli.cli import app
 from marscli.distributed import Group, Launch, RankLost, launch_from_env, shard
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE, MarscliError, UsageError
-from marscli.io import find_parts, merge_results, part_path, sidecar_path
+from marscli.io.results import OutputLock, find_parts, merge_results, part_path
+from marscli.io.resume import sidecar_path
 
 ROOT = Path(__file__).resolve().parents[1]
 N_RECORDS = 24
@@ -193,6 +194,22 @@ def test_rank_killed_mid_run_then_resume_completes_without_duplicates(records_fi
     assert find_parts(out) == []
 
 
+def test_an_output_in_use_refuses_the_whole_launched_run(records_file, tiny_model_dir, tmp_path):
+    """Rank 0 owns the output and takes its lock (the other ranks write only part files, and
+    the launched runs above show they take none); when another run holds it, every rank stops
+    before loading a model and the error names the holder once."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b"another run's results\n")
+    with OutputLock.acquire(out):
+        r = run_launch(torchrun_cmd("generate", str(records_file), "--target", str(tiny_model_dir),
+                                    "-o", str(out), *RUN))
+    assert f"exitcode  : {EXIT_USAGE}".encode() in r.stderr, r.stderr.decode()
+    refused = [n for n in marscli_lines(r.stderr) if "is in use by another marscli run" in n]
+    assert len(refused) == 1 and f"(pid {os.getpid()} on host " in refused[0], r.stderr.decode()
+    assert out.read_bytes() == b"another run's results\n" and find_parts(out) == []
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl"]
+
+
 def test_calibrate_under_two_processes_writes_the_same_histogram(records_file, tiny_model_dir,
                                                                  tmp_path):
     args = ["--target", str(tiny_model_dir), "--max-tokens", "16", "-q"]
@@ -271,7 +288,7 @@ def _items(ids: list[str]):
 
 
 def test_merge_orders_dedups_and_reports_missing(tmp_path):
-    from marscli.io import dump_json_line
+    from marscli.io.results import dump_json_line
 
     line = lambda rid, **kw: dump_json_line(_result(rid, **kw)) + "\n"  # noqa: E731
     final = tmp_path / "out.jsonl"

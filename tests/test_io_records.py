@@ -1,26 +1,20 @@
-"""Tests of marscli.io: record validation, reading, ordered writing, atomic writes."""
+"""Tests of marscli.io.records: record validation and reading."""
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import types
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import marscli.io as mio
+import marscli.io.records as records
 from marscli.config import RecordError, Request, SamplingParams
-from marscli.errors import InputError, MarscliError
-from marscli.io import (
-    ResultWriter,
-    atomic_write_text,
-    dump_json_line,
-    find_duplicate_ids,
-    read_requests,
-)
+from marscli.errors import InputError
+from marscli.io.records import find_duplicate_ids, read_input, read_requests
+from marscli.io.results import dump_json_line
 
 
 def read_bytes(data: bytes) -> list[Request | RecordError]:
@@ -36,6 +30,7 @@ def read_one(line: str | bytes) -> Request | RecordError:
 
 def j(obj) -> str:
     return json.dumps(obj)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,8 +78,32 @@ ERROR_CASES = [
      "invalid_record", "messages[2].role: unknown role 'bot'"),
     (j({"messages": [{"role": "user", "content": None}]}), "invalid_record",
      "messages[0].content must be a string, got null"),
-    (j({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
-     "invalid_record", "messages[0].content must be a string, got an array"),
+    (j({"messages": [{"role": "user", "content": 42}]}), "invalid_record",
+     "messages[0].content must be a string, got 42"),
+    # content parts: text only, each problem named with the part's position
+    (j({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}),
+     "invalid_record",
+     "messages[0].content[1]: part type 'image_url' is not supported (text only)"),
+    (j({"custom_id": "r1", "body": {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}}),
+     "invalid_record",
+     "body.messages[0].content[0]: part type 'input_audio' is not supported (text only)"),
+    (j({"messages": [{"role": "user", "content": []}]}), "invalid_record",
+     "messages[0].content must be a string or a non-empty array of content parts"),
+    (j({"messages": [{"role": "user", "content": ["hi"]}]}), "invalid_record",
+     "messages[0].content[0] must be a content part object, got string"),
+    (j({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}), "invalid_record",
+     "messages[0].content[0].type is missing"),
+    (j({"messages": [{"role": "user", "content": [{"type": 1, "text": "hi"}]}]}),
+     "invalid_record", "messages[0].content[0].type must be a string, got 1"),
+    (j({"messages": [{"role": "user", "content": [{"type": "text"}]}]}), "invalid_record",
+     "messages[0].content[0].text is missing"),
+    (j({"messages": [{"role": "user", "content": [{"type": "text", "text": ["a"]}]}]}),
+     "invalid_record", "messages[0].content[0].text must be a string, got an array"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "invalid_record", "'messages[0].content[0].text' contains an unpaired surrogate"),
     # overrides
     (j({"prompt": "hi", "max_tokens": 0}), "invalid_record",
      "'max_tokens' must be an integer >= 1, got 0"),
@@ -231,6 +250,21 @@ def test_messages_record_keeps_only_role_and_content():
     assert item.id == "0"
 
 
+def test_content_parts_text_is_joined_by_newlines():
+    # Real OpenAI batch files send content as parts; vLLM and llama.cpp join text parts so.
+    item = read_one(j({"custom_id": "r", "body": {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "First part."},
+                                     {"type": "text", "text": "", "cache_control": {}},
+                                     {"type": "text", "text": "Second part."}]},
+    ]}}))
+    assert isinstance(item, Request)
+    assert item.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "First part.\n\nSecond part."},
+    ]
+
+
 def test_openai_chat_batch_line():
     item = read_one(j({
         "custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions",
@@ -297,8 +331,8 @@ def test_invalid_utf8_does_not_spoil_other_lines():
 
 
 def test_long_line(monkeypatch):
-    monkeypatch.setattr(mio, "MAX_LINE_BYTES", 32)
-    monkeypatch.setattr(mio, "_DISCARD_CHUNK", 7)
+    monkeypatch.setattr(records, "MAX_LINE_BYTES", 32)
+    monkeypatch.setattr(records, "DISCARD_CHUNK", 7)
     ok = j({"prompt": "a" * 10}).encode()  # 24 bytes
     exact = j({"prompt": "b" * 18}).encode()  # 32 bytes: at the limit, accepted
     long = j({"prompt": "c" * 200}).encode()
@@ -323,10 +357,10 @@ def test_long_line_memory_is_bounded(monkeypatch):
             calls.append(size)
             return super().readline(size)
 
-    monkeypatch.setattr(mio, "MAX_LINE_BYTES", 100)
+    monkeypatch.setattr(records, "MAX_LINE_BYTES", 100)
     items = list(read_requests(Spy(b"x" * 10_000 + b"\n" + j({"prompt": "a"}).encode())))
     assert [type(it).__name__ for it in items] == ["RecordError", "Request"]
-    assert all(0 < size <= mio._DISCARD_CHUNK for size in calls)
+    assert all(0 < size <= records.DISCARD_CHUNK for size in calls)
 
 
 def test_path_source(tmp_path):
@@ -380,7 +414,7 @@ def test_find_duplicate_ids():
 # Property test: nothing on a line makes the reader raise
 
 
-def _json_values():
+def json_values():
     keys = st.sampled_from([
         "id", "prompt", "messages", "role", "content", "max_tokens", "temperature", "top_p",
         "top_k", "seed", "stop", "custom_id", "method", "url", "body", "max_completion_tokens",
@@ -433,7 +467,7 @@ def test_arbitrary_bytes_never_raise(data):
 
 
 @settings(max_examples=250, deadline=None)
-@given(st.lists(_json_values(), max_size=6), st.booleans())
+@given(st.lists(json_values(), max_size=6), st.booleans())
 def test_arbitrary_json_never_raises(values, ascii_only):
     lines = [json.dumps(v, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
              for v in values]
@@ -444,187 +478,7 @@ def test_arbitrary_json_never_raises(values, ascii_only):
 
 
 # ---------------------------------------------------------------------------------------------
-# Writing
-
-
-class FlushSpy(io.StringIO):
-    def __init__(self):
-        super().__init__()
-        self.flushed: list[str] = []
-
-    def flush(self):
-        super().flush()
-        self.flushed.append(self.getvalue())
-
-
-def test_dump_json_line():
-    assert dump_json_line({"b": 1, "a": "é", "c": [1, 2]}) == '{"b": 1, "a": "é", "c": [1, 2]}'
-    with pytest.raises(ValueError):
-        dump_json_line({"x": float("nan")})
-
-
-def test_writer_reorders_and_flushes_per_line():
-    out = FlushSpy()
-    w = ResultWriter(out)
-    w.write(2, {"i": 2})
-    w.write(1, {"i": 1})
-    assert out.getvalue() == ""
-    assert w.pending == [1, 2]
-    w.write(0, {"i": 0})
-    assert out.getvalue() == '{"i": 0}\n{"i": 1}\n{"i": 2}\n'
-    assert out.flushed[:3] == ['{"i": 0}\n', '{"i": 0}\n{"i": 1}\n',
-                               '{"i": 0}\n{"i": 1}\n{"i": 2}\n']
-    assert w.written == 3 and w.next_index == 3
-    w.close(strict=True, total=3)
-    assert not out.closed  # a stream we did not open stays open
-
-
-def test_writer_start_index_and_skip():
-    out = io.StringIO()
-    w = ResultWriter(out, start_index=5, skip={6, 8})
-    w.write(7, {"i": 7})
-    assert out.getvalue() == ""
-    w.write(5, {"i": 5})
-    assert [json.loads(x)["i"] for x in out.getvalue().splitlines()] == [5, 7]
-    assert w.next_index == 9
-    for bad in (4, 5, 6, 8):
-        with pytest.raises(ValueError):
-            w.write(bad, {})
-    w.close(strict=True)
-
-
-def test_writer_skip_at_start():
-    out = io.StringIO()
-    w = ResultWriter(out, skip=[0, 1])
-    assert w.next_index == 2
-    w.write(2, {"i": 2})
-    assert out.getvalue() == '{"i": 2}\n'
-
-
-def test_writer_close_strict_reports_gaps():
-    out = io.StringIO()
-    w = ResultWriter(out)
-    w.write(0, {})
-    w.write(2, {})
-    with pytest.raises(RuntimeError, match="missing for indices 1"):
-        w.close(strict=True)
-    assert out.getvalue() == "{}\n"  # results behind a gap are not written
-
-    w = ResultWriter(io.StringIO())
-    w.write(0, {})
-    with pytest.raises(RuntimeError, match="1, 2"):
-        w.close(strict=True, total=3)
-
-    w = ResultWriter(io.StringIO())
-    w.write(1, {})
-    w.close()  # not strict: no error
-    with pytest.raises(ValueError):
-        w.write(0, {})
-
-
-def test_writer_file_dest_and_append(tmp_path):
-    p = tmp_path / "out.jsonl"
-    with ResultWriter(p) as w:
-        w.write(0, {"id": "a", "text": "ü"})
-    with ResultWriter(str(p), append=True, start_index=1) as w:
-        w.write(1, {"id": "b"})
-    assert p.read_bytes() == '{"id": "a", "text": "ü"}\n{"id": "b"}\n'.encode()
-    with ResultWriter(p) as w:
-        w.write(0, {"id": "c"})
-    assert p.read_text(encoding="utf-8") == '{"id": "c"}\n'
-    with pytest.raises(MarscliError, match="cannot write output file"):
-        ResultWriter(tmp_path / "no" / "such" / "dir.jsonl")
-
-
-@pytest.mark.parametrize("dest", [None, "-"])
-def test_writer_stdout(dest, capsys):
-    with ResultWriter(dest) as w:
-        w.write(0, {"ok": True})
-    assert capsys.readouterr().out == '{"ok": true}\n'
-
-
-class BrokenStream(io.StringIO):
-    def __init__(self, fail_after: int):
-        super().__init__()
-        self.fail_after = fail_after
-        self.writes = 0
-
-    def write(self, s):
-        self.writes += 1
-        if self.writes > self.fail_after:
-            raise BrokenPipeError(32, "Broken pipe")
-        return super().write(s)
-
-
-def test_writer_broken_pipe_is_quiet():
-    out = BrokenStream(fail_after=1)
-    w = ResultWriter(out)
-    w.write(0, {"i": 0})
-    assert not w.broken_pipe
-    w.write(1, {"i": 1})  # raises inside, swallowed
-    assert w.broken_pipe
-    w.write(2, {"i": 2})  # silently dropped
-    w.write(5, {"i": 5})
-    assert out.writes == 2 and w.written == 1
-    w.close(strict=True)  # no exception after a broken pipe
-    assert out.getvalue() == '{"i": 0}\n'
-
-
-def test_writer_broken_pipe_on_stdout(monkeypatch):
-    class BrokenFlush(io.StringIO):
-        def flush(self):
-            raise BrokenPipeError(32, "Broken pipe")
-
-    monkeypatch.setattr("sys.stdout", BrokenFlush())
-    with ResultWriter("-") as w:
-        w.write(0, {})
-        w.write(1, {})
-    assert w.broken_pipe
-
-
-# ---------------------------------------------------------------------------------------------
-# Atomic writes
-
-
-def test_atomic_write_text_replaces_and_leaves_no_temp(tmp_path):
-    p = tmp_path / "profile.yaml"
-    atomic_write_text(p, "a: 1\n")
-    assert p.read_text(encoding="utf-8") == "a: 1\n"
-    os.chmod(p, 0o640)
-    atomic_write_text(str(p), "a: 2\nb: é\n")
-    assert p.read_bytes() == "a: 2\nb: é\n".encode()
-    assert os.stat(p).st_mode & 0o777 == 0o640
-    assert sorted(os.listdir(tmp_path)) == ["profile.yaml"]
-
-
-def test_atomic_write_text_new_file_gets_umask_mode(tmp_path):
-    old = os.umask(0o022)
-    try:
-        atomic_write_text(tmp_path / "r.json", "{}")
-    finally:
-        os.umask(old)
-    assert os.stat(tmp_path / "r.json").st_mode & 0o777 == 0o644
-
-
-def test_atomic_write_text_cleans_up_on_error(tmp_path, monkeypatch):
-    p = tmp_path / "report.json"
-    p.write_text("old", encoding="utf-8")
-
-    def boom(src, dst):
-        raise OSError("disk on fire")
-
-    monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError, match="disk on fire"):
-        atomic_write_text(p, "new")
-    assert p.read_text(encoding="utf-8") == "old"
-    assert sorted(os.listdir(tmp_path)) == ["report.json"]
-    with pytest.raises(TypeError):
-        atomic_write_text(p, b"bytes")  # type: ignore[arg-type]
-    assert sorted(os.listdir(tmp_path)) == ["report.json"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Whole-input reading, resume scanning, sidecars and fingerprints
+# Whole-input reading
 
 
 def test_read_input_digest_covers_the_whole_file_whatever_the_limit(tmp_path):
@@ -634,14 +488,14 @@ def test_read_input_digest_covers_the_whole_file_whatever_the_limit(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_bytes(data)
     whole = hashlib.sha256(data).hexdigest()
-    items, sha = mio.read_input(str(src), limit=2, digest=True)
+    items, sha = read_input(str(src), limit=2, digest=True)
     assert [it.id for it in items] == ["0", "1"] and sha == whole
-    items, sha = mio.read_input(str(src), digest=True)
+    items, sha = read_input(str(src), digest=True)
     assert len(items) == 5 and sha == whole
-    assert mio.read_input(str(src))[1] is None
+    assert read_input(str(src))[1] is None
     src.write_bytes(b'{"id": "a", "prompt": "x"}\n\n{"id": "a", "prompt": "y"}\n')
     with pytest.raises(InputError, match="duplicate id 'a' on lines 1 and 3"):
-        mio.read_input(str(src))
+        read_input(str(src))
 
 
 def test_read_input_stdin_is_read_to_the_end_for_the_digest(monkeypatch):
@@ -649,132 +503,5 @@ def test_read_input_stdin_is_read_to_the_end_for_the_digest(monkeypatch):
 
     data = b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n'
     monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(data)))
-    items, sha = mio.read_input("-", limit=1, digest=True)
+    items, sha = read_input("-", limit=1, digest=True)
     assert len(items) == 1 and sha == hashlib.sha256(data).hexdigest()
-
-
-def _result(rid, error=None):
-    return dump_json_line({"id": rid, "output": "x", "error": error}) + "\n"
-
-
-def test_scan_output_keeps_complete_lines_and_cuts_a_torn_one(tmp_path):
-    p = tmp_path / "out.jsonl"
-    body = _result("a") + _result("b", {"type": "invalid_json"}) + dump_json_line(
-        {"custom_id": "c", "error": None}) + "\n"
-    p.write_bytes(body.encode() + b'{"id": "d", "out')
-    scan = mio.scan_output(p)
-    assert scan.done == {"a": False, "b": True, "c": False}
-    assert scan.keep_bytes == len(body.encode()) and scan.torn_bytes == len(b'{"id": "d", "out')
-    # A complete last line without its newline is torn too: it is regenerated.
-    p.write_bytes(_result("a").encode() + _result("b").encode().rstrip(b"\n"))
-    assert list(mio.scan_output(p).done) == ["a"]
-
-
-@pytest.mark.parametrize("content,fragment", [
-    (b"garbage\n", "line 1 is not a marscli result (not valid JSON)"),
-    (b'{"id": "a"}\n[1]\n', "line 2 is not a marscli result (a JSON array, not an object)"),
-    (b'{"id": 3}\n', "no string 'id' or 'custom_id'"),
-    (b'{"id": "a"}\n{"id": "a"}\n', "id 'a' appears twice (line 2)"),
-    (b'\xff\xfe\n', "not valid JSON"),
-])
-def test_scan_output_refuses_files_it_did_not_write(tmp_path, content, fragment):
-    p = tmp_path / "out.jsonl"
-    p.write_bytes(content)
-    with pytest.raises(mio.UsageError) as exc:
-        mio.scan_output(p)
-    assert fragment in str(exc.value) and "\n" not in str(exc.value)
-
-
-def test_sidecar_round_trip_and_atomic(tmp_path):
-    side = tmp_path / "out.jsonl.marscli.json"
-    assert mio.read_sidecar(side) is None
-    fp = {"sampling": {"seed": 1}, "profile": None}
-    mio.write_sidecar(side, fp)
-    assert mio.read_sidecar(side) == fp
-    assert sorted(os.listdir(tmp_path)) == [side.name]  # no temp file left
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.binary(max_size=200) | _json_values().map(lambda v: json.dumps(v).encode()))
-def test_untrusted_sidecar_and_output_never_raise_unhandled(tmp_path_factory, data):
-    d = tmp_path_factory.mktemp("untrusted")
-    p = d / "f"
-    p.write_bytes(data)
-    for read in (mio.read_sidecar, mio.scan_output):
-        try:
-            read(p)
-        except mio.UsageError as e:
-            assert str(e) and "\n" not in str(e)
-
-
-def _cfg(**kw):
-    from marscli.config import DraftConfig, GenerateConfig, ModelConfig, VerifyConfig
-
-    base = {"input": "in.jsonl", "output": "out.jsonl", "target": ModelConfig("m"),
-            "draft": DraftConfig(), "draft_model": None, "verify": VerifyConfig(),
-            "sampling": SamplingParams()}
-    return GenerateConfig(**{**base, **kw})
-
-
-TARGET = {"name": "m", "source": "/m", "kind": "dir", "sha256": None, "revision": None,
-          "dtype": "float32", "quantization": None, "device": "cuda:1"}
-
-
-def test_run_fingerprint_components_and_what_it_leaves_out():
-    extra = {"input": {"sha256": "ab"}, "profile": None}
-    fp = mio.run_fingerprint(_cfg(), TARGET, None, extra)
-    assert fp["target"]["device"] == "cuda"  # which GPU does not change results
-    assert fp["verify"] == {"mode": "strict", "theta": None, "margin": "logit-ratio"}
-    assert fp["input"] == {"sha256": "ab"} and fp["profile"] is None
-    json.dumps(fp, allow_nan=False)
-    # Things that do not change the result bytes are not part of it.
-    same = mio.run_fingerprint(_cfg(limit=3, fail_fast=True, resume=True, output="other.jsonl"),
-                               dict(TARGET, device="cuda:0"), None, extra)
-    assert same == fp
-    from marscli.config import DraftConfig
-
-    none = mio.run_fingerprint(_cfg(draft=DraftConfig(kind="none", ngram_max=5)), TARGET, None, extra)
-    assert none["drafter"] == {"kind": "none"}
-    # The verification really used (e.g. set by a profile) replaces the command line's.
-    from marscli.config import VerifyConfig
-
-    mars = mio.run_fingerprint(_cfg(), TARGET, None, extra, verify=VerifyConfig("mars", 0.93))
-    assert mars["verify"] == {"mode": "mars", "theta": 0.93, "margin": "logit-ratio"}
-
-
-def test_fingerprint_diff_names_each_difference():
-    old = {"sampling": {"temperature": 0.0, "seed": 1}, "profile": None, "input": {"sha256": "a"}}
-    new = {"sampling": {"temperature": 0.7, "seed": 1}, "profile": {"name": "p"},
-           "input": {"sha256": "a"}, "extra": 1}
-    assert mio.fingerprint_diff(old, new) == [
-        "sampling.temperature: 0.0 in the existing run, 0.7 now",
-        'profile: null in the existing run, {"name": "p"} now',
-        "extra: (absent) in the existing run, 1 now",
-    ]
-    assert mio.fingerprint_diff(old, new, ignore=["sampling", "profile", "extra"]) == []
-    assert mio.fingerprint_diff({"a": 1}, {"a": 1.0}) == []
-
-
-def test_run_output_fresh_then_resume(tmp_path):
-    out = tmp_path / "out.jsonl"
-    items = [Request(index=i, line=i + 1, id=str(i), prompt="p") for i in range(3)]
-    fp = {"sampling": {"seed": 1}}
-    run = mio.RunOutput(str(out), resume=False)
-    assert not out.exists()  # validated without creating it
-    w = run.open(fp, items)
-    w.write(0, {"id": "0", "error": None})
-    w.close()
-    assert mio.read_sidecar(mio.sidecar_path(out)) == fp
-    with open(out, "a") as f:
-        f.write('{"id": "1", "err')  # torn by a crash
-    run = mio.RunOutput(str(out), resume=True)
-    assert run.resuming and run.done == {"0": False} and run.scan.torn_bytes > 0
-    with pytest.raises(mio.UsageError, match="sampling.seed: 1 in the existing run, 2 now"):
-        run.check({"sampling": {"seed": 2}})
-    w = run.open(fp, items)
-    w.write(1, {"id": "1", "error": None})
-    w.write(2, {"id": "2", "error": None})
-    w.close()
-    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["0", "1", "2"]
-    with pytest.raises(mio.UsageError, match="--resume needs -o FILE"):
-        mio.RunOutput("-", resume=True)

@@ -1,0 +1,11 @@
+"""JSONL in and out. Callers import from the submodules; nothing is re-exported here.
+
+- `marscli.io.records`: input parsing. JSONL lines -> validated `Request`s or `RecordError`s
+  (prompt, chat messages, OpenAI batch lines, prompt-set records), whole-input reading with a
+  digest, duplicate ids.
+- `marscli.io.results`: output. Results in input order (`ResultWriter`, `PartWriter`), atomic
+  file replacement, reading an output back (`scan_output`), part files of data-parallel runs
+  and their merge (`merge_results`).
+- `marscli.io.resume`: resumable runs. The sidecar holding a run's fingerprint, fingerprint
+  comparison, and `RunOutput`: where a run's results go, fresh or resumed.
+"""

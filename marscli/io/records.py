@@ -1,0 +1,567 @@
+"""Input records: JSONL lines -> validated `Request`s, or `RecordError`s naming the problem.
+
+Input is read line by line in binary mode, so a huge file never sits in memory and a bad byte
+sequence on one line cannot spoil the others. Every non-blank line becomes exactly one
+`Request` or one `RecordError`; bad content never raises (the CLI turns a `RecordError` into a
+result with an `error` object and goes on).
+
+Accepted record formats (one JSON object per line):
+
+- ``{"id"?: ..., "prompt": "..."}`` with optional sampling overrides at top level.
+- ``{"id"?: ..., "messages": [{"role": ..., "content": ...}, ...]}`` with optional overrides.
+  ``content`` is a string, or an array of OpenAI content parts of which only text parts
+  (``{"type": "text", "text": ...}``) are supported; their texts are joined by a newline.
+- OpenAI batch lines: ``{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions"
+  | "/v1/completions", "body": {...}}``; the body carries ``messages`` (chat) or ``prompt``
+  (completions) and the overrides; ``max_completion_tokens`` is accepted as ``max_tokens``;
+  ``model`` and other body keys are ignored. The result echoes ``custom_id``.
+- Benchmark prompt sets (MT-Bench style): ``{"question_id": ..., "category": ..., "turns":
+  [...]}``. Only the FIRST turn is used, as a single user message; the id is the question_id.
+
+Overrides: ``max_tokens`` (int >= 1), ``temperature`` (finite number >= 0), ``top_p`` (number in
+(0, 1]), ``top_k`` (int >= 0), ``seed`` (int in [0, 2**63)), ``stop`` (a string or a list of at
+most 16 non-empty strings; normalised to a list). JSON booleans are never numbers here. An
+override given as ``null`` counts as absent (OpenAI clients often serialise unset fields so).
+Unknown top-level keys are ignored: users keep their own metadata in the lines.
+
+Ids: ``id`` (or ``custom_id`` / ``question_id``) may be a string or an integer and is kept as a
+string. A record without one gets ``str(index)``, its 0-based position among the records, which
+is stable across runs of the same file (so it can clash with an explicit id "3";
+`find_duplicate_ids` reports that like any other clash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, BinaryIO
+
+from marscli.config import Request, RecordError
+from marscli.errors import InputError
+
+#: Longest accepted input line, newline excluded. Longer lines become `line_too_long` errors
+#: and are skipped in chunks, so memory stays bounded whatever the input.
+MAX_LINE_BYTES = 8 * 1024 * 1024
+#: Chunk size used to skip the rest of an over-long line.
+DISCARD_CHUNK = 1024 * 1024
+_MAX_STOP = 16
+_SEED_LIMIT = 2**63
+_ROLES = ("system", "user", "assistant")
+_BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+_OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+#: The one OpenAI chat content part type marscli reads (image_url, input_audio, file... need a
+#: multimodal target).
+_TEXT_PART = "text"
+#: What joins the text parts of one message. OpenAI does not document how its own servers join
+#: them; the open servers that take OpenAI requests for models whose chat template wants a
+#: string join them with a newline: vLLM (entrypoints/chat_utils.py, "\n".join(texts)) and
+#: llama.cpp (common/chat.cpp, concat_typed_text). Joining as they do gives a batch file the
+#: same prompt here as there.
+_PART_SEPARATOR = "\n"
+_UTF8_BOM = b"\xef\xbb\xbf"
+# bytes.strip() strips ASCII whitespace only: a line of these is blank, not a record.
+_ASCII_WS = b" \t\n\r\x0b\x0c"
+
+ERR_ENCODING = "invalid_encoding"
+ERR_TOO_LONG = "line_too_long"
+ERR_JSON = "invalid_json"
+ERR_RECORD = "invalid_record"
+
+
+class _Invalid(Exception):
+    """Internal: a record failed validation; `args[0]` is the one-line message."""
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_requests(source: str | os.PathLike | BinaryIO) -> Iterator[Request | RecordError]:
+    """Yield one `Request` or `RecordError` per non-blank line of a JSONL input.
+
+    `source` is a path, ``"-"`` for standard input, or a binary file object (left open).
+    A missing or unreadable file raises `InputError` here, at call time, not on first
+    iteration. Lines are 1-based; blank lines are skipped but still counted. `index` is the
+    0-based position among records (good and bad alike), i.e. the output order.
+    """
+    if isinstance(source, (str, os.PathLike)) and os.fspath(source) == "-":
+        return _iter_records(sys.stdin.buffer, close=False)
+    if isinstance(source, (str, os.PathLike)):
+        return _iter_records(open_input(os.fspath(source)), close=True)
+    return _iter_records(_binary(source), close=False)
+
+
+def open_input(path: str) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise InputError(f"input file not found: {path}") from None
+    except IsADirectoryError:
+        raise InputError(f"input is a directory, not a file: {path}") from None
+    except OSError as e:
+        raise InputError(f"cannot read input file {path}: {e.strerror or e}") from None
+
+
+class _HashingReader:
+    """A binary stream wrapper that hashes every byte read through it (readline only)."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self._hash = hashlib.sha256()
+
+    def readline(self, size: int = -1) -> bytes:
+        chunk = self._fh.readline(size)
+        self._hash.update(chunk)
+        return chunk
+
+    def hexdigest_to_end(self) -> str:
+        """The sha256 of the whole stream: what was read plus the rest, read now."""
+        while chunk := self._fh.read(DISCARD_CHUNK):
+            self._hash.update(chunk)
+        return self._hash.hexdigest()
+
+
+def read_input(
+    source: str, *, limit: int | None = None, digest: bool = False
+) -> tuple[list[Request | RecordError], str | None]:
+    """Every record of an input (the first `limit` with a limit) -> (items, sha256 or None).
+
+    The whole input is read before generating so that duplicate ids reject the run up front
+    (InputError naming both lines). With ``digest`` the sha256 covers the WHOLE input, also
+    past `limit`, so a resume may raise --limit over the same file; for stdin that means
+    reading it to the end.
+    """
+    path = os.fspath(source)
+    fh = sys.stdin.buffer if path == "-" else open_input(path)
+    reader = _HashingReader(fh)
+    try:
+        items: list[Request | RecordError] = []
+        if limit is None or limit > 0:
+            for item in _iter_records(reader, close=False):  # type: ignore[arg-type]
+                items.append(item)
+                if limit is not None and len(items) >= limit:
+                    break
+        sha = reader.hexdigest_to_end() if digest else None
+    finally:
+        if fh is not sys.stdin.buffer:
+            fh.close()
+    dup = find_duplicate_ids(items)
+    if dup is not None:
+        raise InputError(f"{path}: duplicate id {dup[0]!r} on lines {dup[1]} and {dup[2]}")
+    return items, sha
+
+
+def _binary(stream: Any) -> BinaryIO:
+    """The byte stream under a text stream (e.g. sys.stdin), or the stream itself."""
+    if isinstance(stream, io.TextIOBase):
+        buf = getattr(stream, "buffer", None)
+        if buf is None:
+            raise TypeError("read_requests needs a binary stream, got a text stream")
+        return buf
+    return stream
+
+
+def _iter_records(fh: BinaryIO, *, close: bool) -> Iterator[Request | RecordError]:
+    try:
+        index = 0
+        for line_no, offset, raw, too_long in _read_lines(fh):
+            if too_long:
+                item: Request | RecordError = RecordError(
+                    index, line_no, str(index), ERR_TOO_LONG,
+                    f"line is longer than the limit of {MAX_LINE_BYTES} bytes",
+                )
+            else:
+                item = _parse_line(raw, index, line_no, offset)
+            yield item
+            index += 1
+    finally:
+        if close:
+            fh.close()
+
+
+def _read_lines(fh: BinaryIO) -> Iterator[tuple[int, int, bytes, bool]]:
+    """Yield (line number, file offset, bytes without newline, too_long) per non-blank line.
+
+    For an over-long line the bytes are empty and too_long is True; the rest of the line is
+    read and dropped in bounded chunks.
+    """
+    line_no = 0
+    offset = 0
+    while True:
+        chunk = fh.readline(MAX_LINE_BYTES + 1)
+        if not chunk:
+            return
+        line_no += 1
+        start = offset
+        offset += len(chunk)
+        if chunk.endswith(b"\n") or len(chunk) <= MAX_LINE_BYTES:
+            # Whole line (the newline itself does not count against the limit).
+            body = chunk[:-1] if chunk.endswith(b"\n") else chunk
+            if line_no == 1 and body.startswith(_UTF8_BOM):
+                body = body[len(_UTF8_BOM):]
+                start += len(_UTF8_BOM)
+            if body.strip(_ASCII_WS):
+                yield line_no, start, body, False
+            continue
+        # Over-long: drop the rest, remembering whether it was all whitespace (still blank).
+        blank = not chunk.strip(_ASCII_WS)
+        while True:
+            rest = fh.readline(DISCARD_CHUNK)
+            offset += len(rest)
+            if not rest:
+                break
+            if blank and rest.strip(_ASCII_WS):
+                blank = False
+            if rest.endswith(b"\n"):
+                break
+        if not blank:
+            yield line_no, start, b"", True
+
+
+def _parse_line(raw: bytes, index: int, line: int, offset: int) -> Request | RecordError:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = raw[e.start : e.start + 1].hex()
+        return RecordError(
+            index, line, str(index), ERR_ENCODING,
+            f"line is not valid UTF-8: {e.reason} (byte 0x{bad}) at byte offset "
+            f"{offset + e.start} of the input ({e.start} into the line)",
+        )
+    try:
+        obj = json.loads(text, parse_constant=reject_constant)
+    except json.JSONDecodeError as e:
+        return RecordError(
+            index, line, str(index), ERR_JSON,
+            f"invalid JSON: {e.msg} at column {e.colno}",
+        )
+    except RecursionError:
+        return RecordError(index, line, str(index), ERR_JSON, "invalid JSON: nested too deeply")
+    except ValueError as e:  # NaN/Infinity, or an integer with too many digits
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return RecordError(index, line, str(index), ERR_JSON, f"invalid JSON: {msg}")
+    return _validate(obj, index, line)
+
+
+def reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed (JSON has no NaN or Infinity)")
+
+
+def _validate(obj: Any, index: int, line: int) -> Request | RecordError:
+    """Turn one decoded JSON value into a Request, or a RecordError naming the problem."""
+    if not isinstance(obj, dict):
+        return RecordError(
+            index, line, str(index), ERR_RECORD, f"expected a JSON object, got {json_type(obj)}"
+        )
+    has_prompt = "prompt" in obj
+    has_messages = "messages" in obj
+    is_batch = "body" in obj or ("custom_id" in obj and not has_prompt and not has_messages)
+    is_bench = not is_batch and not has_prompt and not has_messages and "turns" in obj
+    id_key = "custom_id" if is_batch else "id"
+    rid = str(index)
+    try:
+        if is_batch:
+            rid = _batch_id(obj)
+            prompt, messages, overrides = _batch_body(obj)
+        elif is_bench:
+            rid = _bench_id(obj, index)
+            messages = [{"role": "user", "content": _first_turn(obj)}]
+            prompt, overrides = None, _overrides(obj, "")
+        else:
+            rid = _plain_id(obj, index)
+            prompt, messages = _prompt_or_messages(obj, "")
+            overrides = _overrides(obj, "")
+    except _Invalid as e:
+        return RecordError(index, line, rid, ERR_RECORD, e.args[0], id_key=id_key)
+    return Request(
+        index=index, line=line, id=rid, prompt=prompt, messages=messages,
+        overrides=overrides, id_key=id_key,
+    )
+
+
+def _plain_id(obj: dict, index: int) -> str:
+    if "id" not in obj:
+        return str(index)
+    return _id_value(obj["id"], "id")
+
+
+def _bench_id(obj: dict, index: int) -> str:
+    if "question_id" in obj:
+        return _id_value(obj["question_id"], "question_id")
+    return _plain_id(obj, index)
+
+
+def _batch_id(obj: dict) -> str:
+    if "custom_id" not in obj:
+        raise _Invalid("OpenAI batch line has no 'custom_id'")
+    cid = obj["custom_id"]
+    if not isinstance(cid, str) or not cid:
+        raise _Invalid(f"'custom_id' must be a non-empty string, got {show_value(cid)}")
+    _check_text("custom_id", cid)
+    return cid
+
+
+def _id_value(value: Any, key: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise _Invalid(f"'{key}' must be a string or an integer, got {show_value(value)}")
+    if isinstance(value, str):
+        _check_text(key, value)
+    return str(value)
+
+
+def _batch_body(obj: dict) -> tuple[str | None, list[dict[str, str]] | None, dict[str, Any]]:
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise _Invalid(f"'method' must be \"POST\", got {show_value(method)}")
+    url = obj.get("url")
+    if url is not None and url not in _BATCH_URLS:
+        raise _Invalid(
+            f"unsupported 'url' {show_value(url)}: expected \"/v1/chat/completions\" or "
+            "\"/v1/completions\""
+        )
+    if "body" not in obj:
+        raise _Invalid("OpenAI batch line has no 'body'")
+    body = obj["body"]
+    if not isinstance(body, dict):
+        raise _Invalid(f"'body' must be a JSON object, got {json_type(body)}")
+    prompt, messages = _prompt_or_messages(body, "body.")
+    if url is not None:
+        want = _BATCH_URLS[url]
+        got = "prompt" if prompt is not None else "messages"
+        if want != got:
+            raise _Invalid(f"'body.{got}' does not fit url {show_value(url)}, which needs '{want}'")
+    overrides = _overrides(body, "body.")
+    mct = body.get("max_completion_tokens")
+    if mct is not None:
+        if "max_tokens" in overrides:
+            raise _Invalid("give only one of 'body.max_tokens' and 'body.max_completion_tokens'")
+        overrides["max_tokens"] = _int_at_least(mct, "body.max_completion_tokens", 1)
+    return prompt, messages, overrides
+
+
+def _first_turn(obj: dict) -> str:
+    turns = obj["turns"]
+    if not isinstance(turns, list) or not turns:
+        raise _Invalid(f"'turns' must be a non-empty array of strings, got {show_value(turns)}")
+    first = turns[0]
+    if not isinstance(first, str):
+        raise _Invalid(f"turns[0] must be a string, got {show_value(first)}")
+    if not first.strip():
+        raise _Invalid("turns[0] must not be empty or whitespace-only")
+    _check_text("turns[0]", first)
+    return first
+
+
+def _prompt_or_messages(
+    obj: dict, prefix: str
+) -> tuple[str | None, list[dict[str, str]] | None]:
+    has_prompt = "prompt" in obj
+    has_messages = "messages" in obj
+    if has_prompt and has_messages:
+        raise _Invalid(f"record has both '{prefix}prompt' and '{prefix}messages'; give one")
+    if has_prompt:
+        return _prompt(obj["prompt"], f"{prefix}prompt"), None
+    if has_messages:
+        return None, _messages(obj["messages"], f"{prefix}messages")
+    raise _Invalid(f"record has neither '{prefix}prompt' nor '{prefix}messages'")
+
+
+def _prompt(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise _Invalid(f"'{key}' must be a non-empty string, got {show_value(value)}")
+    if not value.strip():
+        raise _Invalid(f"'{key}' must not be empty or whitespace-only")
+    _check_text(key, value)
+    return value
+
+
+def _messages(value: Any, key: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise _Invalid(
+            f"'{key}' must be a non-empty array of message objects, got {show_value(value)}"
+        )
+    out = []
+    for i, msg in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(msg, dict):
+            raise _Invalid(f"{where} must be an object, got {json_type(msg)}")
+        if "role" not in msg:
+            raise _Invalid(f"{where}.role is missing")
+        role = msg["role"]
+        if not isinstance(role, str):
+            raise _Invalid(f"{where}.role must be a string, got {show_value(role)}")
+        if role not in _ROLES:
+            raise _Invalid(
+                f"{where}.role: unknown role {show_value(role)} "
+                "(expected system, user or assistant)"
+            )
+        if "content" not in msg:
+            raise _Invalid(f"{where}.content is missing")
+        content = _content(msg["content"], f"{where}.content")
+        # Only role and content go on: extra keys (name, tool_calls...) are not supported.
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's content: a string, or OpenAI content parts whose text parts are joined.
+
+    Real OpenAI batch files often send ``[{"type": "text", "text": "..."}, ...]``. Only text
+    parts are supported (an image or audio part needs a multimodal target); any other part is
+    an error naming its position and type.
+    """
+    if isinstance(value, str):
+        _check_text(where, value)
+        return value
+    if not isinstance(value, list):
+        raise _Invalid(
+            f"{where} must be a string, got {show_value(value)} (or an array of content parts)"
+        )
+    if not value:
+        raise _Invalid(f"{where} must be a string or a non-empty array of content parts, "
+                       "got an empty array")
+    texts = []
+    for j, part in enumerate(value):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise _Invalid(f"{at} must be a content part object, got {json_type(part)}")
+        if "type" not in part:
+            raise _Invalid(f"{at}.type is missing")
+        kind = part["type"]
+        if not isinstance(kind, str):
+            raise _Invalid(f"{at}.type must be a string, got {show_value(kind)}")
+        if kind != _TEXT_PART:
+            raise _Invalid(f"{at}: part type {show_value(kind)} is not supported (text only)")
+        if "text" not in part:
+            raise _Invalid(f"{at}.text is missing")
+        text = part["text"]
+        if not isinstance(text, str):
+            raise _Invalid(f"{at}.text must be a string, got {show_value(text)}")
+        _check_text(f"{at}.text", text)
+        texts.append(text)
+    return _PART_SEPARATOR.join(texts)
+
+
+def _overrides(obj: dict, prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in _OVERRIDE_KEYS:
+        value = obj.get(key)
+        if value is None:
+            continue
+        name = prefix + key
+        if key == "max_tokens":
+            out[key] = _int_at_least(value, name, 1)
+        elif key == "top_k":
+            out[key] = _int_at_least(value, name, 0)
+        elif key == "seed":
+            if _is_int(value) and 0 <= value < _SEED_LIMIT:
+                out[key] = value
+            else:
+                raise _Invalid(
+                    f"'{name}' must be an integer in [0, 2**63), got {show_value(value)}"
+                )
+        elif key == "temperature":
+            if is_number(value) and value >= 0:
+                out[key] = float(value)
+            else:
+                raise _Invalid(f"'{name}' must be a number >= 0, got {show_value(value)}")
+        elif key == "top_p":
+            if is_number(value) and 0 < value <= 1:
+                out[key] = float(value)
+            else:
+                raise _Invalid(f"'{name}' must be a number in (0, 1], got {show_value(value)}")
+        else:  # stop
+            out[key] = _stop(value, name)
+    return out
+
+
+def _stop(value: Any, name: str) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(items, list)
+        or len(items) > _MAX_STOP
+        or not all(isinstance(s, str) and s for s in items)
+    ):
+        raise _Invalid(
+            f"'{name}' must be a string or a list of at most {_MAX_STOP} non-empty strings, "
+            f"got {show_value(value)}"
+        )
+    for s in items:
+        _check_text(name, s)
+    return list(items)
+
+
+def _int_at_least(value: Any, name: str, low: int) -> int:
+    if _is_int(value) and value >= low:
+        return value
+    raise _Invalid(f"'{name}' must be an integer >= {low}, got {show_value(value)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value)  # 1e999 parses to inf
+
+
+def _check_text(key: str, value: str) -> None:
+    """Reject lone surrogates ("\\ud800" escapes): they cannot be tokenized or written back."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _Invalid(
+            f"'{key}' contains an unpaired surrogate \\u{ord(value[e.start]):04x}"
+        ) from None
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def show_value(value: Any, limit: int = 40) -> str:
+    """A short, one-line rendering of a user value for an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        # repr escapes newlines, control characters and lone surrogates: one printable line.
+        return repr(value) if len(value) <= limit else repr(value[:limit]) + "..."
+    if isinstance(value, (int, float)):
+        text = repr(value) if isinstance(value, float) else str(value)
+        return text if len(text) <= limit else text[:limit] + "..."
+    return f"an {json_type(value)}" if isinstance(value, (list, dict)) else json_type(value)
+
+
+def find_duplicate_ids(items: Iterable[Request | RecordError]) -> tuple[str, int, int] | None:
+    """The first id seen twice, as (id, first line, second line), or None.
+
+    Requests and RecordErrors both count: results are matched back to inputs by id.
+    """
+    seen: dict[str, int] = {}
+    for item in items:
+        if item.id in seen:
+            return item.id, seen[item.id], item.line
+        seen[item.id] = item.line
+    return None
+

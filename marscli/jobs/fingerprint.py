@@ -1,0 +1,79 @@
+"""The run fingerprint: the named components that decide a generate run's result bytes.
+
+Made here from a GenerateConfig and the loaded models' identities, then handed on as plain
+JSON data: marscli.io.resume stores it in the output's sidecar and compares it on --resume,
+and the ranks of a data-parallel run compare theirs with rank 0's. Nothing in marscli.io
+knows the config classes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: Fingerprint components known only once the models are loaded, so compared only then: the
+#: model identities, and the verification and profile, which a profile matched to the loaded
+#: target can decide.
+LOADED_COMPONENTS = ("target", "draft_model", "verify", "profile")
+#: Identity keys of a loaded model that change results ("device" is reduced to its type).
+#: "fingerprint" is a model folder's content fingerprint where models.py records one (folders
+#: have no sha256): with it, weights changed in place between a crash and a resume are caught.
+_MODEL_KEYS = ("name", "source", "kind", "sha256", "fingerprint", "revision", "dtype",
+               "quantization", "device")
+
+
+def run_fingerprint(
+    cfg: Any,
+    target_identity: dict[str, Any] | None,
+    draft_identity: dict[str, Any] | None,
+    extra: dict[str, Any],
+    *,
+    verify: Any = None,
+) -> dict[str, Any]:
+    """The named components that decide a run's result bytes (JSON values only).
+
+    cfg: a GenerateConfig; the identities come from LoadedModel.identity (None before the
+    models are loaded: see LOADED_COMPONENTS); extra: further components, which replace
+    those of the same name, e.g. {"profile": {"name": ..., "sha256": ...} or None,
+    "input": {"sha256": ...}}; verify: the VerifyConfig the run really uses when it differs
+    from cfg.verify (a profile applied). Left out on purpose: --limit (may grow on resume),
+    --quiet, progress, --fail-fast.
+    """
+    d = cfg.draft
+    drafter: dict[str, Any] = {"kind": d.kind}
+    if d.kind != "none":
+        drafter.update(num_draft_tokens=d.num_draft_tokens, adaptive=d.adaptive)
+    if d.kind == "ngram":
+        drafter.update(ngram_max=d.ngram_max, ngram_min=d.ngram_min)
+    if getattr(d, "tree", False):
+        drafter.update(tree={"depth": d.tree_depth, "top_k": d.tree_top_k, "tokens": d.tree_tokens})
+    v = verify if verify is not None else cfg.verify
+    s = cfg.sampling
+    fp: dict[str, Any] = {
+        "target": _model_fingerprint(target_identity),
+        "drafter": drafter,
+        "draft_model": _model_fingerprint(draft_identity),
+        "verify": {
+            "mode": v.mode,
+            "theta": None if v.mode == "strict" else v.theta,
+            "margin": v.margin,
+        },
+        "sampling": {
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "max_tokens": s.max_tokens, "seed": s.seed, "stop": list(s.stop),
+        },
+        "truncate_prompt": cfg.truncate_prompt,
+        "output": {"timing": cfg.timing, "token_ids": cfg.token_ids},
+        "profile": None,
+    }
+    fp.update(extra)
+    return json.loads(json.dumps(fp))  # plain JSON values, as read back from a sidecar
+
+
+def _model_fingerprint(identity: dict[str, Any] | None) -> dict[str, Any] | None:
+    if identity is None:
+        return None
+    out = {k: identity.get(k) for k in _MODEL_KEYS}
+    if isinstance(out["device"], str):  # cuda:0 and cuda:1 compute alike
+        out["device"] = out["device"].split(":")[0]
+    return out

@@ -1,0 +1,55 @@
+"""Tests of marscli.jobs.fingerprint: what decides a run's result bytes, and what does not."""
+
+from __future__ import annotations
+
+import json
+
+from marscli.config import DraftConfig, GenerateConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.io.resume import fingerprint_diff
+from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint
+
+
+def _cfg(**kw):
+    base = {"input": "in.jsonl", "output": "out.jsonl", "target": ModelConfig("m"),
+            "draft": DraftConfig(), "draft_model": None, "verify": VerifyConfig(),
+            "sampling": SamplingParams()}
+    return GenerateConfig(**{**base, **kw})
+
+
+TARGET = {"name": "m", "source": "/m", "kind": "dir", "sha256": None, "revision": None,
+          "dtype": "float32", "quantization": None, "device": "cuda:1"}
+
+
+def test_run_fingerprint_components_and_what_it_leaves_out():
+    extra = {"input": {"sha256": "ab"}, "profile": None}
+    fp = run_fingerprint(_cfg(), TARGET, None, extra)
+    assert fp["target"]["device"] == "cuda"  # which GPU does not change results
+    assert fp["verify"] == {"mode": "strict", "theta": None, "margin": "logit-ratio"}
+    assert fp["input"] == {"sha256": "ab"} and fp["profile"] is None
+    json.dumps(fp, allow_nan=False)
+    # Things that do not change the result bytes are not part of it.
+    same = run_fingerprint(_cfg(limit=3, fail_fast=True, resume=True, output="other.jsonl"),
+                           dict(TARGET, device="cuda:0"), None, extra)
+    assert same == fp
+    none = run_fingerprint(_cfg(draft=DraftConfig(kind="none", ngram_max=5)), TARGET, None, extra)
+    assert none["drafter"] == {"kind": "none"}
+    # The verification really used (e.g. set by a profile) replaces the command line's.
+    mars = run_fingerprint(_cfg(), TARGET, None, extra, verify=VerifyConfig("mars", 0.93))
+    assert mars["verify"] == {"mode": "mars", "theta": 0.93, "margin": "logit-ratio"}
+
+
+def test_loaded_components_cover_everything_loading_the_models_can_change():
+    """generate checks a resume before loading the models with ignore=LOADED_COMPONENTS: the
+    fingerprint made then must differ from the final one only in those components."""
+    extra = {"input": {"sha256": "ab"}, "profile": None}
+    before = run_fingerprint(_cfg(), None, None, extra)
+    after = run_fingerprint(_cfg(), TARGET, dict(TARGET, name="d"),
+                            dict(extra, profile={"name": "p", "sha256": "0f"}),
+                            verify=VerifyConfig("mars", 0.93))
+    changed = {d.split(":")[0].split(".")[0] for d in fingerprint_diff(before, after)}
+    assert changed == set(LOADED_COMPONENTS)
+    assert fingerprint_diff(before, after, ignore=LOADED_COMPONENTS) == []
+    # Anything else still counts before the models are loaded.
+    hotter = run_fingerprint(_cfg(sampling=SamplingParams(temperature=0.7)), None, None, extra)
+    assert fingerprint_diff(before, hotter, ignore=LOADED_COMPONENTS) == [
+        "sampling.temperature: 0.0 in the existing run, 0.7 now"]
