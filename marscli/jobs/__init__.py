@@ -1,0 +1,1 @@
+"""Orchestration of marscli's jobs: generate, calibrate, bench."""
