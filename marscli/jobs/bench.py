@@ -6,14 +6,11 @@ rationale and how runs add up: marscli.bench.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
-import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -51,6 +48,7 @@ from marscli.config import PAPER_THETA, DraftConfig, ModelConfig, Request, Sampl
 from marscli.errors import EXIT_OK, InputError, UsageError
 from marscli.jobs.console import UNIT_RUNS, Progress
 from marscli.jobs.console import Log as Narration
+from marscli.jobs.measure import ForwardCounter, forward_times, peak_rss_mib, quiet_transformers
 from marscli.jobs.setup import (
     check_choices,
     draft_config,
@@ -73,35 +71,6 @@ def method_verification(kind: str, theta: float | None, margin: str) -> VerifyCo
     the margin statistic already resolved."""
     mode = "mars" if kind in MARS_METHODS else "strict"
     return resolve_verification(VerifyRequest(mode, theta if mode == "mars" else None, margin), None)
-
-
-class _ForwardCounter:
-    """Counts calls of the target's forward (generate(), assisted or not, calls it per step)."""
-
-    def __init__(self, model):
-        self.count = 0
-        self._handle = model.register_forward_pre_hook(self._hook)
-
-    def _hook(self, *_: Any) -> None:
-        self.count += 1
-
-    def remove(self) -> None:
-        self._handle.remove()
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers 5 warns about generation flags on every call; bench sets them on purpose."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 Runner = Callable[[list[int], SamplingParams], tuple[list[int], Any]]
@@ -156,7 +125,7 @@ class Bench:
             kw = self._hf_generate_kwargs(sampling, self._max_new(ids, sampling))
             if not sampling.greedy:
                 torch.manual_seed(sampling.seed)
-            with _quiet_transformers():
+            with quiet_transformers():
                 out = target.model.generate(x, attention_mask=torch.ones_like(x), **kw, **extra)  # [1, P + new]
             return out[0, len(ids):].tolist(), None
 
@@ -233,7 +202,7 @@ class Bench:
         import torch
 
         cuda = self.target.device.type == "cuda"
-        counter = _ForwardCounter(self.target.model)
+        counter = ForwardCounter(self.target.model)
         try:
             if cuda:  # pragma: no cover - needs a GPU
                 torch.cuda.synchronize()
@@ -257,7 +226,7 @@ class Bench:
                 torch.cuda.reset_peak_memory_stats()
             self._timed(m.name, prompt.ids, sampling)
             memory[m.name] = {
-                "peak_rss_mib": round_or_none(_peak_rss_mib(), 1),
+                "peak_rss_mib": round_or_none(peak_rss_mib(), 1),
                 "cuda_peak_mib": round_or_none(torch.cuda.max_memory_allocated() / MIB, 1)
                 if self.target.device.type == "cuda" else None,
             }
@@ -269,10 +238,10 @@ class Bench:
         k = self.cfg.draft.num_draft_tokens if self.cfg.draft.kind != "none" else 0
         if any(m.kind in TREE_METHODS for m in self.cfg.methods):  # a tree pass scores N+1 tokens
             k = max(k, chain_or_tree(self.cfg.draft, True).tree_tokens - 1)
-        t_target = _forward_times(self.target.model, self.target.device, ids, k + 1)
+        t_target = forward_times(self.target.model, self.target.device, ids, k + 1)
         t_draft = None
         if self.draft is not None and self.cfg.draft.kind != "eagle3":  # a head has no forward of its own here
-            t_draft = _forward_times(self.draft.model, self.draft.device, ids, 1)[0]
+            t_draft = forward_times(self.draft.model, self.draft.device, ids, 1)[0]
         return {
             "context_tokens": len(ids),
             "repeats": FORWARD_TIMING_REPEATS,
@@ -372,7 +341,7 @@ class Bench:
                                           if stats and self.cfg.draft.kind != "none" and m.kind != AR else None),
                     "outputs_equal_first_batch_size": sum(a == b for a, b in zip(outputs, ref)),
                     "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16],
-                    "peak_rss_mib": round_or_none(_peak_rss_mib(), 1),
+                    "peak_rss_mib": round_or_none(peak_rss_mib(), 1),
                     "cuda_peak_mib": round_or_none(torch.cuda.max_memory_allocated() / MIB, 1) if cuda else None,
                     **extra,
                 }
@@ -403,7 +372,7 @@ class Bench:
             for b, p in enumerate(chunk):
                 ids[b, width - len(p.ids):] = torch.tensor(p.ids)
                 mask[b, width - len(p.ids):] = 1
-            with _quiet_transformers():
+            with quiet_transformers():
                 out = target.model.generate(ids.to(target.device), attention_mask=mask.to(target.device),
                                             **kw)  # [b, width + new]
             for row in out[:, width:].tolist():
@@ -455,44 +424,6 @@ class Bench:
                     "reference_token": base.tokens[r.first_mismatch] if r.first_mismatch < len(base.tokens) else None,
                 })
         return fails
-
-
-def _forward_times(model, device, ids: list[int], max_n: int) -> list[float]:
-    """Median seconds of one forward pass over n = 1..max_n new tokens after `ids` (cached)."""
-    import torch
-
-    from marscli.kvcache import new_cache, rollback
-
-    cuda = device.type == "cuda"
-    times: list[list[float]] = [[] for _ in range(max_n)]
-    with torch.inference_mode():
-        cache = new_cache(model)
-        model(input_ids=torch.tensor([ids[:-1] or ids], device=device), past_key_values=cache,
-              use_cache=True, logits_to_keep=1)
-        base = cache.get_seq_length()
-        filler = (ids * (max_n // max(len(ids), 1) + 1))[:max_n]  # any tokens: only time matters
-        for rep in range(FORWARD_TIMING_REPEATS + 1):  # the first round warms up
-            for n in range(1, max_n + 1):
-                x = torch.tensor([filler[:n]], dtype=torch.long, device=device)  # [1, n]
-                if cuda:  # pragma: no cover - needs a GPU
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                model(input_ids=x, past_key_values=cache, use_cache=True)
-                if cuda:  # pragma: no cover
-                    torch.cuda.synchronize()
-                if rep:
-                    times[n - 1].append(time.perf_counter() - t0)
-                rollback(cache, base)
-    return [metrics.median(t) for t in times]
-
-
-def _peak_rss_mib() -> float | None:
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / MIB if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
 
 
 # --------------------------------------------------------------------------------------------
