@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -62,11 +63,9 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
     return LLM(build_generator(setup, log.info), setup)
 
 
-def records_to_items(records: Record | Iterable[Record]) -> list:
-    """Strings and dicts -> marscli.io's Requests and RecordErrors, parsed exactly as the lines
-    of a JSONL file (a string s is the record {"prompt": s}); duplicate ids are refused."""
-    from marscli.io import find_duplicate_ids, read_requests
-
+def records_jsonl(records: Record | Iterable[Record]) -> bytes:
+    """Strings and dicts -> the JSONL bytes of a file holding them (a string s is the record
+    {"prompt": s})."""
     if isinstance(records, (str, dict)):
         records = [records]
     lines = []
@@ -79,7 +78,15 @@ def records_to_items(records: Record | Iterable[Record]) -> list:
             lines.append(json.dumps(rec, ensure_ascii=False))
         except (TypeError, ValueError) as e:
             raise UsageError(f"record {i} cannot be written as JSON: {e}") from None
-    data = ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
+    return ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
+
+
+def records_to_items(records: Record | Iterable[Record] | bytes) -> list:
+    """Records -> marscli.io's Requests and RecordErrors, parsed exactly as the lines of a
+    JSONL file (the CLI's parser); duplicate ids are refused as the CLI refuses them."""
+    from marscli.io import find_duplicate_ids, read_requests
+
+    data = records if isinstance(records, bytes) else records_jsonl(records)
     items = list(read_requests(io.BytesIO(data)))
     dup = find_duplicate_ids(items)
     if dup is not None:
@@ -148,7 +155,8 @@ class LLM:
             raise UsageError("calibrate needs a drafter: load with draft='ngram' or a draft model")
         policy, value = choose_policy(max_nll_increase, relax_rate, theta)
         sampling = SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop))
-        items = records_to_items(records)
+        data = records_jsonl(records)
+        items = records_to_items(data)
         if not items:
             raise InputError("no records to calibrate on")
         cfg = CalibrateConfig(input=PYTHON_INPUT_NAME, output=output, name=name, target=self.setup.target,
@@ -168,15 +176,12 @@ class LLM:
             per_record[item.index] = MarginCollector()
             return per_record[item.index]
 
-        import time
-
         t0 = time.perf_counter()
         collect_margins(engine, items, sampling, observer_for, skipped, lambda tokens: None)
         collector = MarginCollector()
         for index in sorted(per_record):
             collector.extend(per_record[index])
-        digest = hashlib.sha256(json.dumps(
-            [it.id for it in items], ensure_ascii=False).encode()).hexdigest()
+        digest = hashlib.sha256(data).hexdigest()  # as calibrate's of a file with these lines
         doc = margins_profile(collector, failed, len(items), time.perf_counter() - t0, cfg, gen.target,
                               gen.draft_loaded, input_name=PYTHON_INPUT_NAME, input_sha256=digest)
         if output is not None:
