@@ -253,14 +253,14 @@ def generate(
 @options("model", "placement", "drafting", "sampling", "run")
 def calibrate(
     input: Annotated[str, typer.Argument(help="JSONL calibration prompts (same formats as generate), or '-'.")],
-    model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
-    sampling: SimpleNamespace, run: SimpleNamespace,
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Profile file to write ('-': stdout). Default: NAME.yaml in the user profile dir, where generate finds it.", rich_help_panel=PANEL_OUTPUT)] = None,
     name: Annotated[Optional[str], typer.Option(help="Profile name. Default: target.drafter.dtype.", rich_help_panel=PANEL_OUTPUT)] = None,
     max_nll_increase: Annotated[Optional[float], typer.Option(min=0.0, help="Policy (default, 0.02): the most relaxing theta whose estimated cost stays within EPS nats of target log-probability per token.", rich_help_panel=PANEL_POLICY)] = None,
     relax_rate: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Policy: theta at which this share of verified draft positions is relaxable.", rich_help_panel=PANEL_POLICY)] = None,
     theta: Annotated[Optional[float], typer.Option(help="Policy: a fixed theta (e.g. the paper's 0.9), recorded as such.", rich_help_panel=PANEL_POLICY)] = None,
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
+    *, model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
+    sampling: SimpleNamespace, run: SimpleNamespace,
 ) -> None:
     """Measure the target's margins over prompts and write a profile with a calibrated theta.
 
