@@ -31,12 +31,21 @@ def runner():
     return CliRunner()
 
 
-def cli_lines(runner, tmp_path, records, *args) -> list[str]:
-    src = tmp_path / "in.jsonl"
+def cli_bytes(runner, tmp_path, records, *args) -> bytes:
+    """What `marscli generate --no-timing -o FILE` writes for `records`."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
-    r = runner.invoke(app, ["generate", str(src), "--no-timing", "-q", *map(str, args)])
+    r = runner.invoke(app, ["generate", str(src), "--no-timing", "-q", "-o", str(out), *map(str, args)])
     assert r.exit_code in (EXIT_OK, EXIT_RECORDS_FAILED), r.stderr
-    return r.stdout.splitlines()
+    return out.read_bytes()
+
+
+def as_bytes(results: list[dict]) -> bytes:
+    return "".join(dump_json_line(r) + "\n" for r in results).encode("utf-8")
+
+
+def cli_results(runner, tmp_path, records, *args) -> list[dict]:
+    return [json.loads(line) for line in cli_bytes(runner, tmp_path, records, *args).split(b"\n") if line]
 
 
 @pytest.mark.parametrize("options", [
@@ -48,10 +57,10 @@ def test_generate_returns_the_lines_the_cli_writes(runner, tiny_model_dir, tmp_p
     args = ["--target", tiny_model_dir, "--max-tokens", 16, "--token-ids"]
     for key, value in options.items():
         args += [f"--{key.replace('_', '-')}", value]
-    lines = cli_lines(runner, tmp_path, RECORDS, *args)
+    written = cli_bytes(runner, tmp_path, RECORDS, *args)
     llm = marscli.load(str(tiny_model_dir), **options)
     got = llm.generate(RECORDS, max_tokens=16, timing=False, token_ids=True)
-    assert [dump_json_line(r) for r in got] == [line + "\n" for line in lines]
+    assert as_bytes(got) == written
     # Bad records are error results in place, with the CLI's types and line numbers.
     assert got[2]["error"]["type"] == "invalid_record" and got[2]["error"]["line"] == 3
     assert got[3]["output"] is None and got[3]["error"]["line"] == 4
@@ -61,12 +70,12 @@ def test_generate_returns_the_lines_the_cli_writes(runner, tiny_model_dir, tmp_p
 
 def test_strings_are_prompt_records_and_stream_keeps_input_order(runner, tiny_model_dir, tmp_path):
     prompts = ["the cat sat on the mat", "one two three"]
-    lines = cli_lines(runner, tmp_path, [{"prompt": p} for p in prompts], "--target", tiny_model_dir,
-                      "--max-tokens", 8, "--no-profile")
+    written = cli_bytes(runner, tmp_path, [{"prompt": p} for p in prompts], "--target", tiny_model_dir,
+                        "--max-tokens", 8, "--no-profile")
     llm = marscli.load(str(tiny_model_dir), auto_profile=False, batch_size=2)
     streamed = list(llm.stream(prompts, max_tokens=8, timing=False))
     assert [r["id"] for r in streamed] == ["0", "1"]
-    assert [json.loads(line) for line in lines] == streamed
+    assert as_bytes(streamed) == written
     one = llm.generate("the cat sat on the mat", max_tokens=8, timing=False)
     assert one == streamed[:1]
 
@@ -74,10 +83,9 @@ def test_strings_are_prompt_records_and_stream_keeps_input_order(runner, tiny_mo
 def test_a_capped_max_tokens_is_said_in_the_result(runner, tiny_model_dir, tmp_path):
     """A record asking for more than the context window leaves gets usage.max_tokens_capped_to
     (the tiny model's window is 512 tokens); one that fits keeps its usage bytes unchanged."""
-    records = [{"id": "long", "prompt": "hello world " * 100, "max_tokens": 1000},
+    records = [{"id": "long", "prompt": "hello world " * 40, "max_tokens": 1000},
                {"id": "short", "prompt": "hello", "max_tokens": 4}]
-    lines = cli_lines(runner, tmp_path, records, "--target", tiny_model_dir, "--verify", "strict")
-    long, short = (json.loads(line) for line in lines)
+    long, short = cli_results(runner, tmp_path, records, "--target", tiny_model_dir, "--verify", "strict")
     usage = long["usage"]
     assert usage["max_tokens_capped_to"] == 512 - usage["prompt_tokens"]
     assert usage["completion_tokens"] <= usage["max_tokens_capped_to"]
