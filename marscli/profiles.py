@@ -589,35 +589,3 @@ def default_profile_name(target_name: str, drafter_kind: str, draft_name: str | 
         parts.append(quantization)
     slug = ".".join(re.sub(r"[^a-z0-9]+", "-", str(x).lower()).strip("-") for x in parts)
     return slug or "profile"
-
-
-# --------------------------------------------------------------------------- generate's choice
-
-
-def resolve_verification(req, profile: Profile | None, note: Callable[[str], None]):
-    """Command line > profile > defaults. req: config.VerifyRequest -> config.VerifyConfig.
-
-    With a profile, MARS at the profile's theta and margin statistic is the default; without
-    one, strict verification (or the paper's theta for an explicit --verify mars).
-    """
-    from marscli.config import PAPER_THETA, STRICT_THETA, VerifyConfig
-
-    if profile is not None:
-        mode = req.mode or "mars"
-        margin = req.margin or profile.margin
-        theta = req.theta if req.theta is not None else profile.theta
-        if mode == "mars" and req.theta is None and margin != profile.margin:
-            raise ProfileError(
-                f"{profile.describe()}: theta {profile.theta:g} was calibrated for "
-                f"{profile.margin}, not {margin}: give --theta with --margin {margin}"
-            )
-    else:
-        mode = req.mode or "strict"
-        margin = req.margin or "logit-ratio"
-        theta = req.theta
-        if mode == "mars" and theta is None:
-            theta = PAPER_THETA
-            note(f"--verify mars without --theta or a profile: using the paper's theta = {PAPER_THETA}")
-    if mode == "strict" and req.theta is not None:
-        note("--theta has no effect with --verify strict")
-    return VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin)

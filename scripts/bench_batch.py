@@ -59,12 +59,12 @@ def run_one(args) -> dict:
     import torch
 
     from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
-    from marscli.engine import build_engine
-    from marscli.models import load_model
+    from marscli.jobs.bench import batch_counters
+    from marscli.jobs.setup import load_models, make_engine
 
-    target = load_model(ModelConfig(source=args.target, device=args.device, dtype=args.dtype))
+    target, _ = load_models(ModelConfig(source=args.target, device=args.device, dtype=args.dtype), None)
     dcfg = DraftConfig(kind="ngram", num_draft_tokens=args.num_draft_tokens)
-    engine = build_engine(target, None, VerifyConfig(), dcfg, args.one)
+    engine = make_engine(target, None, VerifyConfig(), dcfg, args.one)
     records = load_records(args.prompts, args.per_file)
     sampling = SamplingParams(max_tokens=args.max_tokens)
     # Keyed by position: a record's index is its line in its own file, so records of
@@ -73,8 +73,10 @@ def run_one(args) -> dict:
                for it in records]
     # Warm up kernels and allocator outside the timed run.
     list(engine.run([0], lambda i: (prompts[i][-64:], SamplingParams(max_tokens=8))))
-    engine.peak_cache_bytes = 0
-    engine.prefill_seconds = 0.0
+    # The timed run's counters only (an engine without batch counters reports none).
+    for attr, zero in (("peak_cache_bytes", 0), ("prefill_seconds", 0.0)):
+        if hasattr(engine, attr):
+            setattr(engine, attr, zero)
     if target.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -91,6 +93,8 @@ def run_one(args) -> dict:
     if target.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    counters = batch_counters(engine)
+    prefill = counters["prefill_seconds"] or 0.0
     digest = hashlib.sha256(json.dumps([outputs[i] for i in sorted(outputs)]).encode()).hexdigest()[:12]
     out = {
         "batch_size": args.one,
@@ -100,12 +104,12 @@ def run_one(args) -> dict:
         "tokens": tokens,
         "seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / seconds, 2),
-        "prefill_seconds": round(engine.prefill_seconds, 2),
-        "decode_tokens_per_s": round(tokens / max(seconds - engine.prefill_seconds, 1e-9), 2),
+        "prefill_seconds": round(prefill, 2),
+        "decode_tokens_per_s": round(tokens / max(seconds - prefill, 1e-9), 2),
         "acceptance_length": round(tokens / max(steps, 1), 3),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "peak_kv_cache_mib": round(engine.peak_cache_bytes / 2**20, 1),
-        "oom_halvings": engine.oom_retries,
+        "peak_kv_cache_mib": round(counters["peak_kv_cache_mib"] or 0.0, 1),
+        "oom_halvings": counters["oom_halvings"] or 0,
         "outputs_sha256": digest,
         "device": str(target.device),
     }

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from marscli import bench as bench_mod
+from marscli.jobs import bench as bench_job
 from marscli.bench import MethodSpec, parse_float_list, parse_int_list, parse_methods
 from marscli.cli import app
 from marscli.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError
@@ -173,7 +174,7 @@ def test_sampling_reports_mean_and_spread_over_seeds(runner, prompts_file, tiny_
 
 
 def test_a_strict_mismatch_is_a_loud_correctness_failure(runner, prompts_file, tiny_model_dir, tmp_path, monkeypatch):
-    original = bench_mod.Bench.__init__
+    original = bench_job.Bench.__init__
 
     def init_with_broken_strict(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -185,7 +186,7 @@ def test_a_strict_mismatch_is_a_loud_correctness_failure(runner, prompts_file, t
 
         self.runners["strict"] = broken
 
-    monkeypatch.setattr(bench_mod.Bench, "__init__", init_with_broken_strict)
+    monkeypatch.setattr(bench_job.Bench, "__init__", init_with_broken_strict)
     out = tmp_path / "r.json"
     r = runner.invoke(app, bench_args(prompts_file, tiny_model_dir, "--methods", "hf-generate,ar,strict",
                                       "--report", str(out), "-q"))

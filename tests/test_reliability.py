@@ -193,16 +193,16 @@ def failing_generation(monkeypatch):
     """Make the 2nd record's generation raise `exc` (set by the test)."""
     from marscli.engine.scheduler import Engine
 
-    real = Engine.generate_ids
+    real = Engine._start_row
     state = {"calls": 0, "exc": None}
 
-    def generate_ids(self, ids, sampling, *a, **kw):
+    def start_row(self, *a, **kw):  # a record's generation starts with its row
         state["calls"] += 1
         if state["calls"] == 2:
             raise state["exc"]
-        return real(self, ids, sampling, *a, **kw)
+        return real(self, *a, **kw)
 
-    monkeypatch.setattr(Engine, "generate_ids", generate_ids)
+    monkeypatch.setattr(Engine, "_start_row", start_row)
     return state
 
 
@@ -438,16 +438,16 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
                                              reference, monkeypatch):
     from marscli.engine.scheduler import Engine
 
-    real = Engine.generate_ids
+    real = Engine._start_row
     calls = {"n": 0}
 
-    def generate_ids(self, *a, **kw):
+    def start_row(self, *a, **kw):
         calls["n"] += 1
         if calls["n"] == 4:
             os.kill(os.getpid(), signal.SIGTERM)
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(Engine, "generate_ids", generate_ids)
+    monkeypatch.setattr(Engine, "_start_row", start_row)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     out = tmp_path / "out.jsonl"
     r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN)
@@ -456,7 +456,7 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
     assert f"terminated (SIGTERM): 3 of {N_RECORDS} results are in" in r.stderr  # printed despite -q
     assert "rerun the same command with --resume" in r.stderr
     assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[:3])
-    monkeypatch.setattr(Engine, "generate_ids", real)
+    monkeypatch.setattr(Engine, "_start_row", real)
     r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN, "--resume")
     assert r.exit_code == EXIT_RECORDS_FAILED
     assert_complete(out.read_bytes(), reference)

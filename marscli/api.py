@@ -1,0 +1,189 @@
+"""marscli's Python API: load once, generate many times, from a notebook or a script.
+
+    import marscli
+
+    llm = marscli.load(verify="strict")                  # the embedded SmolLM2-135M-Instruct, ngram drafter
+    results = llm.generate(["def fibonacci(n):",
+                            {"id": "q1", "messages": [{"role": "user", "content": "Name three planets."}]}],
+                           max_tokens=48)
+    print(results[0]["output"], results[1]["spec"]["acceptance_length"])
+
+`generate` returns the same result dicts, in input order, that `marscli generate` writes as
+JSON lines (it is the code path the command runs): a string is a prompt record, a dict is
+parsed exactly like a JSONL record (prompt, messages, OpenAI batch lines, per-record
+overrides), and a bad record becomes a result with an `error` object. `calibrate` measures
+margins on records and returns the profile (marscli.profiles.Profile).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from marscli.config import DEFAULT_MAX_TOKENS, CalibrateConfig, SamplingParams, VerifyConfig
+from marscli.errors import InputError, UsageError
+from marscli.jobs.results import ResultOptions
+from marscli.jobs.setup import Generator, ModelSetup, build_generator, check_choices, generation_setup
+
+#: What calibrate records as the input's name in a profile made from Python objects.
+PYTHON_INPUT_NAME = "<python>"
+
+Record = str | dict[str, Any]
+
+
+def load(target: str | None = None, draft: str | None = None, *, verify: str | None = None,
+         theta: float | None = None, margin: str | None = None, profile: str | None = None,
+         auto_profile: bool = True, batch_size: int = 1, dtype: str = "auto", device: str = "auto",
+         num_draft_tokens: int | None = None, adaptive: bool | None = None,
+         ngram_max: int | None = None, ngram_min: int | None = None, tree_depth: int | None = None,
+         tree_top_k: int | None = None, tree_tokens: int | None = None, device_map: str | None = None,
+         max_memory: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
+         bnb_compute_dtype: str = "auto", quiet: bool = True) -> LLM:
+    """Load a target (default: the embedded model) and a drafter (default: the profile's, else
+    'ngram'; 'none', a draft model, or 'eagle3:PATH'), choose the profile and build the engine.
+
+    The arguments are `marscli generate`'s options, with the same defaults and the same rule:
+    what you pass > the profile (`profile=`, else the newest matching one unless
+    auto_profile=False) > defaults. quiet=False narrates loading on stderr as the CLI does.
+    """
+    from marscli.jobs.console import Log
+
+    setup = generation_setup(
+        target=target, draft=draft, verify=verify, theta=theta, margin=margin, profile=profile,
+        no_profile=not auto_profile, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+        ngram_max=ngram_max, ngram_min=ngram_min, tree_depth=tree_depth, tree_top_k=tree_top_k,
+        tree_tokens=tree_tokens, batch_size=batch_size, dtype=dtype, device=device,
+        device_map=device_map, load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit,
+        max_memory=max_memory, bnb_compute_dtype=bnb_compute_dtype)
+    log = Log(quiet)
+    return LLM(build_generator(setup, log.info), setup)
+
+
+def records_jsonl(records: Record | Iterable[Record]) -> bytes:
+    """Strings and dicts -> the JSONL bytes of a file holding them (a string s is the record
+    {"prompt": s})."""
+    if isinstance(records, (str, dict)):
+        records = [records]
+    lines = []
+    for i, rec in enumerate(records):
+        if isinstance(rec, str):
+            rec = {"prompt": rec}
+        if not isinstance(rec, dict):
+            raise UsageError(f"record {i}: give a prompt string or a dict, got {type(rec).__name__}")
+        try:
+            lines.append(json.dumps(rec, ensure_ascii=False))
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"record {i} cannot be written as JSON: {e}") from None
+    return ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
+
+
+def records_to_items(records: Record | Iterable[Record] | bytes) -> list:
+    """Records -> marscli.io's Requests and RecordErrors, parsed exactly as the lines of a
+    JSONL file (the CLI's parser); duplicate ids are refused as the CLI refuses them."""
+    from marscli.io.records import find_duplicate_ids, read_requests
+
+    data = records if isinstance(records, bytes) else records_jsonl(records)
+    items = list(read_requests(io.BytesIO(data)))
+    dup = find_duplicate_ids(items)
+    if dup is not None:
+        raise InputError(f"duplicate id {dup[0]!r} in records {dup[1] - 1} and {dup[2] - 1}")
+    return items
+
+
+class LLM:
+    """Loaded models, drafter, verification and profile (see marscli.load)."""
+
+    def __init__(self, generator: Generator, setup: ModelSetup):
+        self.generator = generator
+        self.setup = setup
+
+    @property
+    def verify(self) -> VerifyConfig:
+        """The verification in use (after the profile, if one was chosen)."""
+        return self.generator.verify
+
+    @property
+    def profile(self):
+        """The marscli.profiles.Profile in use, or None."""
+        return self.generator.profile
+
+    def stream(self, records: Record | Iterable[Record], *, max_tokens: int = DEFAULT_MAX_TOKENS,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+               stop: Iterable[str] = (), truncate_prompt: str = "none", timing: bool = True,
+               token_ids: bool = False) -> Iterator[dict[str, Any]]:
+        """Result dicts in input order, each as soon as it and those before it are done."""
+        check_choices(truncate_prompt=truncate_prompt)
+        if isinstance(stop, str):
+            stop = (stop,)
+        sampling = SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop))
+        items = records_to_items(records)
+        pending: dict[int, dict] = {}
+        next_index = 0
+        for item, result, _ in self.generator.results(
+                items, sampling, ResultOptions(truncate_prompt, timing, token_ids)):
+            pending[item.index] = result
+            while next_index in pending:
+                yield pending.pop(next_index)
+                next_index += 1
+
+    def generate(self, records: Record | Iterable[Record], **sampling: Any) -> list[dict[str, Any]]:
+        """Result dicts in input order, exactly the lines `marscli generate` writes for the
+        same records and options (max_tokens, temperature, top_p, top_k, seed, stop,
+        truncate_prompt, timing, token_ids)."""
+        return list(self.stream(records, **sampling))
+
+    def calibrate(self, records: Record | Iterable[Record], *, max_nll_increase: float | None = None,
+                  relax_rate: float | None = None, theta: float | None = None, margin: str = "logit-ratio",
+                  name: str | None = None, output: str | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                  stop: Iterable[str] = ()):
+        """Collect margins on `records` under strict verification with this drafter, choose
+        theta by one policy (default max_nll_increase=0.02) and return the profile; with
+        `output`, also write it there (a YAML file generate can use)."""
+        from marscli.calibrate import MarginCollector
+        from marscli.jobs.calibrate import choose_policy, collect_margins, margins_profile
+        from marscli.jobs.setup import make_engine
+        from marscli.profiles import dump_profile, parse_profile, save_profile
+
+        check_choices(margin)
+        gen = self.generator
+        if gen.draft.kind == "none":
+            raise UsageError("calibrate needs a drafter: load with draft='ngram' or a draft model")
+        policy, value = choose_policy(max_nll_increase, relax_rate, theta)
+        sampling = SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop))
+        data = records_jsonl(records)
+        items = records_to_items(data)
+        if not items:
+            raise InputError("no records to calibrate on")
+        cfg = CalibrateConfig(input=PYTHON_INPUT_NAME, output=output, name=name, target=self.setup.target,
+                              draft=gen.draft, draft_model=self.setup.draft_model, margin=margin,
+                              policy=policy, policy_value=value, sampling=sampling,
+                              batch_size=self.setup.batch_size)
+        engine = make_engine(gen.target, gen.draft_loaded, VerifyConfig(), gen.draft, self.setup.batch_size)
+        per_record: dict[int, MarginCollector] = {}
+        failed = 0
+
+        def skipped(item, message: str) -> None:
+            nonlocal failed
+            failed += 1
+            per_record.pop(item.index, None)
+
+        def observer_for(item):
+            per_record[item.index] = MarginCollector()
+            return per_record[item.index]
+
+        t0 = time.perf_counter()
+        collect_margins(engine, items, sampling, observer_for, skipped, lambda tokens: None)
+        collector = MarginCollector()
+        for index in sorted(per_record):
+            collector.extend(per_record[index])
+        digest = hashlib.sha256(data).hexdigest()  # as calibrate's of a file with these lines
+        doc = margins_profile(collector, failed, len(items), time.perf_counter() - t0, cfg, gen.target,
+                              gen.draft_loaded, input_name=PYTHON_INPUT_NAME, input_sha256=digest)
+        if output is not None:
+            return save_profile(doc, output)
+        return parse_profile(dump_profile(doc), PYTHON_INPUT_NAME)

@@ -1,0 +1,220 @@
+"""The calibrate job: collect margins under strict verification, choose theta, write and
+show the profile.
+
+Under a launcher each process collects the margins of its shard of the records; the main
+process gathers them, merges them in input order (so the profile is the one a single
+process computes) and alone writes the profile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+
+from marscli.config import CalibrateConfig, RecordError, VerifyConfig
+from marscli.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RECORDS_FAILED, InputError, MarscliError, UsageError
+from marscli.jobs.console import Log, Progress
+from marscli.jobs.generate import start_group
+from marscli.jobs.setup import load_models, make_engine
+
+
+def run_calibrate(cfg: CalibrateConfig, log: Log) -> int:
+    """Returns the exit code; the profile is written (or printed) on success."""
+    group = start_group(log, cfg.input)
+    try:
+        return _calibrate(cfg, log, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def collect_margins(engine, items, sampling, observer_for, skipped, tick) -> None:
+    """Generate every record under strict verification with a margin observer each.
+
+    Records that cannot be parsed or generated are `skipped(item, message)`; a failure of
+    the run itself (not of one record) is raised. Every batch size goes through engine.run.
+    """
+    from marscli.engine.sequence import RecordFailure
+
+    valid = []
+    for item in items:
+        if isinstance(item, RecordError):
+            skipped(item, item.message)
+        else:
+            valid.append(item)
+
+    def prepare(it):
+        return engine.encode(it), sampling.with_overrides(it.overrides)
+
+    for item, res in engine.run(valid, prepare, observer_for=observer_for):
+        if isinstance(res, RecordFailure):
+            skipped(item, res.message)
+        elif isinstance(res, BaseException):
+            raise res
+        else:
+            tick(res.completion_tokens)
+
+
+def choose_policy(max_nll_increase: float | None = None, relax_rate: float | None = None,
+                  theta: float | None = None) -> tuple[str, float]:
+    """The one policy that picks theta -> (name, value); the default: --max-nll-increase 0.02."""
+    from marscli.calibrate import DEFAULT_MAX_NLL_INCREASE
+    from marscli.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
+
+    chosen = [(n, v) for n, v in ((POLICY_MAX_NLL, max_nll_increase), (POLICY_RELAX_RATE, relax_rate),
+                                  (POLICY_FIXED, theta)) if v is not None]
+    if len(chosen) > 1:
+        raise UsageError("give one policy: --max-nll-increase, --relax-rate or --theta "
+                         f"(got {', '.join('--' + n if n != POLICY_FIXED else '--theta' for n, _ in chosen)})")
+    if theta is not None and not math.isfinite(theta):
+        raise UsageError("--theta must be a finite number")
+    policy, value = chosen[0] if chosen else (POLICY_MAX_NLL, DEFAULT_MAX_NLL_INCREASE)
+    return policy, float(value)
+
+
+def margins_profile(collector, failed: int, records: int, seconds: float, cfg: CalibrateConfig, target,
+                    draft_loaded, *, input_name: str, input_sha256: str | None) -> dict:
+    """The profile document for the margins collected (theta chosen by cfg's policy)."""
+    from marscli.calibrate import analyse, build_profile
+    from marscli.profiles import default_profile_name
+
+    data = collector.data(records=records - failed, failed=failed)
+    if data.positions == 0:
+        raise MarscliError(f"{cfg.input}: the drafter proposed no tokens on these prompts, so there "
+                           "are no margins to calibrate on (try --fixed-k, more or longer prompts, or another drafter)")
+    cal = analyse(data, cfg.margin, cfg.policy, cfg.policy_value, seconds)
+    ident = target.identity
+    name = cfg.name or default_profile_name(
+        str(ident.get("name")), cfg.draft.kind, draft_loaded.identity.get("name") if draft_loaded else None,
+        str(ident.get("dtype")), ident.get("quantization"))
+    return build_profile(
+        name=name, cal=cal, data=data, target_identity=ident, draft_cfg=cfg.draft,
+        draft_identity=draft_loaded.identity if draft_loaded else None, sampling=cfg.sampling,
+        input_name=input_name, input_sha256=input_sha256, seconds=seconds,
+    )
+
+
+def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
+    from marscli.calibrate import MarginCollector, plot_profile
+    from marscli.distributed import shard, solo_step
+    from marscli.io.records import read_input
+    from marscli.profiles import identity_for_profile, save_profile, user_profile_dir
+
+    step = group.step if group is not None else solo_step
+    with step("reading the input") as s:
+        items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=True)
+        if not items:
+            raise InputError(f"{cfg.input}: no records to calibrate on")
+        s.value = (input_sha, len(items))
+    if group is not None and len(set(s.values)) > 1:
+        raise group.fail_all("the processes read different inputs: every process must see the "
+                             "same input file")
+
+    with step("loading the models") as s:
+        target, draft_loaded = load_models(cfg.target, cfg.draft_model, log.info, group, cfg.draft.kind)
+        engine = make_engine(target, draft_loaded, VerifyConfig(), cfg.draft, cfg.batch_size)
+        s.value = (identity_for_profile(target.identity),
+                   identity_for_profile(draft_loaded.identity) if draft_loaded else None)
+    if group is not None and any(v != s.values[0] for v in s.values):
+        differ = [r for r, v in enumerate(s.values) if v != s.values[0]]
+        raise group.fail_all(f"rank(s) {', '.join(map(str, differ))} loaded other models (or "
+                             "dtype, quantization, device type) than rank 0")
+
+    mine = items if group is None else shard(items, group.rank, group.world_size)
+    collector = MarginCollector()
+    # One collector per record, merged in input order: the profile does not depend on the
+    # batch size or on how many processes shared the records.
+    per_record: dict[int, MarginCollector] = {}
+    progress = Progress(log, len(items), label="calibrating")
+    failed = 0
+    t0 = time.perf_counter()
+
+    def tick(tokens: int) -> None:
+        if group is not None:
+            group.add_progress(1, tokens)
+        else:
+            progress.advance(tokens)
+
+    def skipped(item, message: str) -> None:
+        nonlocal failed
+        failed += 1
+        per_record.pop(item.index, None)
+        log.note(f"{cfg.input}:{item.line}: skipped: {message}")
+        tick(0)
+
+    def observer_for(item):
+        per_record[item.index] = MarginCollector()  # a restart starts afresh
+        return per_record[item.index]
+
+    pump = contextlib.nullcontext()
+    if group is not None and group.is_main and not log.quiet:
+        from marscli.distributed import ProgressPump
+
+        pump = ProgressPump(group, progress.set)
+    try:
+        with pump:
+            collect_margins(engine, mine, cfg.sampling, observer_for, skipped, tick)
+            if group is not None:
+                group.mark_done({"failed": failed})
+                group.wait_all_done()
+    except KeyboardInterrupt:
+        progress.close()
+        log.info("interrupted: no profile written")
+        return EXIT_INTERRUPTED
+    if group is not None:
+        gathered = group.gather((per_record, failed), "gathering the margins")
+        if gathered is None:
+            return EXIT_OK  # the main process writes the profile
+        per_record = {i: c for part, _ in gathered for i, c in part.items()}
+        failed = sum(f for _, f in gathered)
+    for index in sorted(per_record):
+        collector.extend(per_record[index])
+    progress.close()
+    doc = margins_profile(collector, failed, len(items), time.perf_counter() - t0, cfg, target, draft_loaded,
+                          input_name="-" if cfg.input == "-" else os.path.basename(cfg.input),
+                          input_sha256=input_sha)
+    name = doc["name"]
+    from marscli.profiles import dump_profile, parse_profile
+
+    if cfg.output == "-":
+        text = dump_profile(doc)
+        prof = parse_profile(text, "<stdout>")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        out = cfg.output or str(user_profile_dir() / f"{name}.yaml")
+        existed = os.path.exists(out)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        prof = save_profile(doc, out)
+        log.info(f"{'replaced' if existed else 'wrote'} profile {out}")
+    if not log.quiet:
+        show_profile(prof, log.console)
+    if cfg.plot:
+        plot_profile(doc, cfg.plot)
+        log.info(f"wrote plot {cfg.plot}")
+    if failed:
+        log.info(f"{failed} of {len(items)} records failed and were left out")
+    return EXIT_RECORDS_FAILED if failed else EXIT_OK
+
+
+def show_profile(p, con) -> None:
+    """A profile's choice, summary, histogram and trade-off curve, on `con` (a rich Console)."""
+    from marscli.calibrate import curve_table, histogram_text
+
+    d = p.data
+    s = d["summary"]
+    cd = d["calibration_data"]
+    con.print(f"profile {p.describe()}  sha256 {p.short_hash}", markup=False)
+    con.print(f"target {d['target']['name']} ({d['target']['dtype']}, {d['target']['device_type']}); "
+              f"drafter {d['drafter']['kind']} K<={d['drafter']['num_draft_tokens']}", markup=False)
+    con.print(f"theta {p.theta:.6g} ({p.margin}) by {d['policy']['name']} {d['policy']['value']:g}; "
+              f"calibrated on {cd['file']}: {cd['records']} records, {cd['tokens']} tokens, "
+              f"{cd['positions']} verified draft positions", markup=False)
+    con.print(f"estimated: tau strict {s['tau_strict']:.3f} -> mars {s['tau_mars']:.3f}, relaxable "
+              f"{s['relaxable_share']:.3f}, relaxed {s['relaxed_share']:.3f}/token, NLL +{s['nll_increase']:.4f} nats/token",
+              markup=False)
+    con.print(histogram_text(d["histogram"], p.theta), markup=False, highlight=False)
+    con.print(curve_table(d, "trade-off curve (replayed on the calibration run)"))

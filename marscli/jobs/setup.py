@@ -1,0 +1,366 @@
+"""The one place a job gets its models and its engine.
+
+Every job (generate, calibrate, bench) and the Python API come here to turn options into
+configs, to apply the precedence rule "command line > profile > defaults" (target, drafter,
+verification), to load the models (on this rank's device under a launcher), to choose the
+profile and to build the engine (marscli.engine.build_engine). Nothing else does any of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from marscli.config import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    PAPER_THETA,
+    STRICT_THETA,
+    TREE_DEFAULTS,
+    DraftConfig,
+    ModelConfig,
+    SamplingParams,
+    VerifyConfig,
+    VerifyRequest,
+)
+from marscli.errors import UsageError
+
+DRAFT_NONE = "none"
+DRAFT_NGRAM = "ngram"
+DRAFT_MODEL = "model"
+DRAFT_EAGLE3 = "eagle3"
+EAGLE3_PREFIX = "eagle3:"
+VERIFY_MODES = ("strict", "mars")
+MARGINS = ("logit-ratio", "prob-ratio")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRUNCATIONS = ("none", "left")
+DEFAULT_NGRAM_MAX = 3
+DEFAULT_NGRAM_MIN = 1
+TREE_BATCH_MESSAGE = ("EAGLE-3 tree drafting runs one record at a time: drop --batch-size "
+                      "or the --tree-* options (chain drafting batches)")
+
+Note = Callable[[str], None]
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------- options -> configs
+
+
+def parse_draft(draft: str) -> tuple[str, str | None]:
+    """'none' | 'ngram' | 'eagle3:PATH' | a model path or hub id -> (kind, model)."""
+    if draft in (DRAFT_NONE, DRAFT_NGRAM):
+        return draft, None
+    if draft.startswith(EAGLE3_PREFIX):
+        head = draft[len(EAGLE3_PREFIX):]
+        if not head:
+            raise UsageError("--draft eagle3: needs the head's folder or hub id, e.g. "
+                             "--draft eagle3:./EAGLE3-LLaMA3.1-Instruct-8B")
+        return DRAFT_EAGLE3, head
+    return DRAFT_MODEL, draft
+
+
+def check_choices(margin: str | None = None, dtype: str = "auto", ngram_min: int | None = None,
+                  ngram_max: int | None = None, verify: str | None = None,
+                  truncate_prompt: str = "none") -> None:
+    """Values Typer cannot check by itself (free strings of a fixed set, pairs)."""
+    if verify is not None and verify not in VERIFY_MODES:
+        raise UsageError(f"--verify must be 'strict' or 'mars', got {verify!r}")
+    if margin is not None and margin not in MARGINS:
+        raise UsageError(f"--margin must be 'logit-ratio' or 'prob-ratio', got {margin!r}")
+    low, high = ngram_min or DEFAULT_NGRAM_MIN, ngram_max or DEFAULT_NGRAM_MAX
+    if low > high:
+        raise UsageError(f"--ngram-min ({low}) must not exceed --ngram-max ({high})")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    if truncate_prompt not in TRUNCATIONS:
+        raise UsageError(f"--truncate-prompt must be 'none' or 'left', got {truncate_prompt!r}")
+
+
+def named_profile(name: str | None):
+    """The profile asked for by name or path (--profile), or None."""
+    if name is None:
+        return None
+    from marscli.profiles import resolve_profile
+
+    return resolve_profile(name)
+
+
+def target_source(target: str | None, profile) -> str | None:
+    """Command line > profile > the embedded default (None) for the target."""
+    if target is not None or profile is None:
+        return target
+    return profile.target_source
+
+
+def draft_config(draft: str | None, k: int | None = None, adaptive: bool | None = None,
+                 ngram_max: int | None = None, ngram_min: int | None = None, profile=None,
+                 tree: tuple[int | None, int | None, int | None] = (None, None, None)) -> DraftConfig:
+    """Command line > profile > defaults for the drafter. tree: --tree-depth, --tree-top-k,
+    --tree-tokens as given (any of them turns EAGLE-3 tree drafting on)."""
+    pd = profile.data["drafter"] if profile is not None else {}
+    if draft is None and pd:
+        if pd["kind"] == DRAFT_MODEL:
+            draft = (pd["model"] or {}).get("source")
+        elif pd["kind"] == DRAFT_EAGLE3:
+            draft = EAGLE3_PREFIX + str((pd["model"] or {}).get("source"))
+        else:
+            draft = pd["kind"]
+    kind, model = parse_draft(draft or DRAFT_NGRAM)
+    from_profile = bool(pd) and pd["kind"] == kind
+    prof_tree = (pd.get("tree") or {}) if from_profile else {}
+    if any(v is not None for v in tree) or prof_tree:
+        if kind != DRAFT_EAGLE3:
+            raise UsageError("--tree-depth, --tree-top-k and --tree-tokens need an EAGLE-3 "
+                             "drafter (--draft eagle3:PATH)")
+        depth, top_k, tokens = (v if v is not None else prof_tree.get(key, default)
+                                for v, key, default in zip(tree, ("depth", "top_k", "tokens"), TREE_DEFAULTS))
+    else:
+        depth = top_k = tokens = None
+
+    def pick(given, key, default):
+        if given is not None:
+            return given
+        if from_profile and pd.get(key) is not None:
+            return pd[key]
+        return default
+
+    return DraftConfig(
+        kind, model,
+        pick(k, "num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS),
+        pick(ngram_max, "ngram_max", DEFAULT_NGRAM_MAX),
+        pick(ngram_min, "ngram_min", DEFAULT_NGRAM_MIN),
+        pick(adaptive, "adaptive", True),
+        depth, top_k, tokens,
+    )
+
+
+def check_batch(draft: DraftConfig, batch_size: int) -> None:
+    """Refused before anything is loaded: trees decode one record at a time."""
+    if draft.tree and batch_size > 1:
+        raise UsageError(TREE_BATCH_MESSAGE)
+
+
+def model_configs(target: str | None, draft: DraftConfig, dtype: str = "auto", device: str = "auto",
+                  device_map: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
+                  max_memory: str | None = None, bnb_compute_dtype: str = "auto"):
+    """Target and draft model configs. --max-memory bounds the target only: the draft model,
+    loaded after it, is placed by accelerate in the memory left (a device map of its own)."""
+    from marscli.models import DEVICE_MAPS, parse_max_memory
+
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise UsageError(f"--device-map must be one of {', '.join(DEVICE_MAPS)}, got {device_map!r}")
+    if bnb_compute_dtype not in DTYPES:
+        raise UsageError(f"--bnb-compute-dtype must be auto, float32, bfloat16 or float16, got {bnb_compute_dtype!r}")
+    pairs = None
+    if max_memory is not None:
+        try:
+            pairs = parse_max_memory(max_memory)
+        except ValueError as e:
+            raise UsageError(f"--max-memory {e}") from None
+        device_map = device_map or "auto"
+    tcfg = ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit, pairs, bnb_compute_dtype)
+    dcfg = (ModelConfig(draft.model, dtype, device, device_map, load_in_8bit, load_in_4bit, None, bnb_compute_dtype)
+            if draft.model else None)
+    return tcfg, dcfg
+
+
+def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> VerifyConfig:
+    """Command line > profile > defaults for verification -> VerifyConfig.
+
+    With a profile, MARS at the profile's theta and margin statistic is the default; without
+    one, strict verification (or the paper's theta for an explicit --verify mars).
+    """
+    from marscli.profiles import ProfileError
+
+    if profile is not None:
+        mode = req.mode or "mars"
+        margin = req.margin or profile.margin
+        theta = req.theta if req.theta is not None else profile.theta
+        if mode == "mars" and req.theta is None and margin != profile.margin:
+            raise ProfileError(
+                f"{profile.describe()}: theta {profile.theta:g} was calibrated for "
+                f"{profile.margin}, not {margin}: give --theta with --margin {margin}"
+            )
+    else:
+        mode = req.mode or "strict"
+        margin = req.margin or "logit-ratio"
+        theta = req.theta
+        if mode == "mars" and theta is None:
+            theta = PAPER_THETA
+            note(f"--verify mars without --theta or a profile: using the paper's theta = {PAPER_THETA}")
+    if mode == "strict" and req.theta is not None:
+        note("--theta has no effect with --verify strict")
+    return VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def place(model: ModelConfig | None, group) -> ModelConfig | None:
+    """This rank's device: cuda:LOCAL_RANK for --device auto/cuda, its share of the GPUs for
+    --device-map."""
+    if model is None or group is None:
+        return model
+    from marscli.distributed import place_device, rank_max_memory
+    from marscli.models import max_memory_dict
+
+    if model.device_map is not None:
+        share = rank_max_memory(group.launch, max_memory_dict(model.max_memory))
+        pairs = None if share is None else tuple((str(k), v) for k, v in share.items())
+        return dataclasses.replace(model, max_memory=pairs)
+    return dataclasses.replace(model, device=place_device(model.device, group.launch))
+
+
+def load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, note: Note = _silent,
+                group=None, kind: str = DRAFT_MODEL):
+    """Load the target and (if any) the draft model or EAGLE-3 head (kind "eagle3"); check
+    that they fit each other. Under a launcher each model goes to this rank's device(s), the
+    draft model's share reckoned with the memory the target left."""
+    from marscli.models import check_vocab_compatible, load_model
+
+    t0 = time.perf_counter()
+    target = load_model(place(target_cfg, group), role="target", log=note)
+    draft = None
+    if draft_cfg is not None and kind == DRAFT_EAGLE3:
+        from marscli.eagle3 import load_head
+
+        draft = load_head(str(draft_cfg.source), target, log=note)
+    elif draft_cfg is not None:
+        draft = load_model(place(draft_cfg, group), role="draft", log=note)
+        check_vocab_compatible(target, draft)
+    note(f"loaded {target.identity.get('name')} on {target.device} in {time.perf_counter() - t0:.1f} s")
+    return target, draft
+
+
+def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | None = None,
+                   auto: bool = True, verify_mode: str | None = None, note: Note = _silent):
+    """The profile a generation runs with: the one asked for, else the newest matching one."""
+    from marscli.profiles import drafter_description, find_matching_profile, load_profile, match_problems
+
+    drafter = drafter_description(draft.kind, draft_loaded.identity if draft_loaded else None)
+    if profile is not None:
+        prof = load_profile(profile)
+        problems = match_problems(prof, target.identity, drafter)
+        if problems is None:
+            note(f"warning: profile {prof.describe()} was calibrated for other weights or another "
+                 "drafter; using it because you asked")
+        elif problems:
+            note(f"warning: profile {prof.describe()} was calibrated with {'; '.join(problems)}")
+        note(f"using profile {prof.describe()} (sha256 {prof.short_hash})")
+        return prof
+    if not auto or draft.kind == DRAFT_NONE:
+        return None
+    prof = find_matching_profile(target.identity, drafter, note=note)
+    if prof is not None:
+        note(f"using profile {prof.describe()} (sha256 {prof.short_hash}), matched to the target")
+    elif verify_mode is None:
+        note("no calibrated profile for this target and drafter: verifying strictly "
+             "(run `marscli calibrate` to make one)")
+    return prof
+
+
+def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, batch_size: int = 1):
+    """The engine of a job: marscli.engine.build_engine, the one constructor."""
+    from marscli.engine import build_engine
+
+    return build_engine(target, draft_loaded, verify, draft, batch_size=batch_size)
+
+
+def drafter_desc(d: DraftConfig) -> str:
+    if d.kind == DRAFT_NONE:
+        return "none"
+    if d.tree:
+        return f"{d.kind} tree (depth {d.tree_depth}, top-k {d.tree_top_k}, {d.tree_tokens} tokens)"
+    return f"{d.kind} (K<={d.num_draft_tokens})"
+
+
+def verify_desc(v: VerifyConfig) -> str:
+    return v.mode if v.mode == "strict" else f"mars (theta={v.theta:g}, {v.margin})"
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """What a generator is made of, resolved from options: models, drafter, verification as
+    asked, profile choice and batch size."""
+
+    target: ModelConfig
+    draft: DraftConfig
+    draft_model: ModelConfig | None
+    verify: VerifyRequest
+    profile: str | None = None  # a profile's path: use it; None: look for a matching one
+    auto_profile: bool = True
+    batch_size: int = 1
+
+
+@dataclass
+class Generator:
+    """Loaded models with their engine, verification and profile: what `marscli generate`
+    and `marscli.load(...)` generate with."""
+
+    target: Any  # marscli.models.LoadedModel
+    draft_loaded: Any  # the draft model or EAGLE-3 head, or None
+    draft: DraftConfig
+    verify: VerifyConfig
+    profile: Any  # marscli.profiles.Profile or None
+    engine: Any
+    batch_size: int = 1
+
+    @property
+    def spec_meta(self) -> dict[str, Any]:
+        """The verification fields of every result's `spec`."""
+        v = self.verify
+        return {"drafter": self.draft.kind, "verify": v.mode,
+                "theta": None if v.mode == "strict" else v.theta, "margin": v.margin,
+                "profile": self.profile.reference() if self.profile is not None else None}
+
+    def results(self, items: Iterable, sampling: SamplingParams, options) -> Iterator[tuple[Any, dict, float]]:
+        """(item, result line, seconds generating) per record, as records finish; see
+        marscli.jobs.results.generate_results."""
+        from marscli.jobs.results import generate_results
+
+        return generate_results(self.engine, items, sampling, options, self.spec_meta, self.batch_size)
+
+
+def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Generator:
+    """Load, choose the profile, resolve verification, build the engine."""
+    target, draft_loaded = load_models(setup.target, setup.draft_model, note, group, setup.draft.kind)
+    prof = choose_profile(target, draft_loaded, setup.draft, profile=setup.profile,
+                          auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
+    verify = resolve_verification(setup.verify, prof, note)
+    engine = make_engine(target, draft_loaded, verify, setup.draft, setup.batch_size)
+    if setup.batch_size > 1:
+        note(f"batch size {setup.batch_size}")
+    return Generator(target, draft_loaded, setup.draft, verify, prof, engine, setup.batch_size)
+
+
+def generation_setup(*, target: str | None = None, draft: str | None = None, verify: str | None = None,
+                     theta: float | None = None, margin: str | None = None, profile: str | None = None,
+                     no_profile: bool = False, num_draft_tokens: int | None = None,
+                     adaptive: bool | None = None, ngram_max: int | None = None, ngram_min: int | None = None,
+                     tree_depth: int | None = None, tree_top_k: int | None = None,
+                     tree_tokens: int | None = None, batch_size: int = 1, dtype: str = "auto",
+                     device: str = "auto", device_map: str | None = None, load_in_8bit: bool = False,
+                     load_in_4bit: bool = False, max_memory: str | None = None,
+                     bnb_compute_dtype: str = "auto") -> ModelSetup:
+    """Options of `marscli generate` (and of marscli.load) -> ModelSetup, checked before
+    anything is loaded. Command line > profile > defaults: a --profile supplies the target
+    and the drafter's settings that are not given."""
+    check_choices(margin, dtype, ngram_min, ngram_max, verify)
+    if profile is not None and no_profile:
+        raise UsageError("--profile and --no-profile exclude each other")
+    prof = named_profile(profile)
+    dcfg = draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min, prof,
+                        tree=(tree_depth, tree_top_k, tree_tokens))
+    check_batch(dcfg, batch_size)
+    tcfg, dmcfg = model_configs(target_source(target, prof), dcfg, dtype, device, device_map, load_in_8bit,
+                                load_in_4bit, max_memory, bnb_compute_dtype)
+    return ModelSetup(tcfg, dcfg, dmcfg, VerifyRequest(verify, theta, margin),
+                      str(prof.path) if prof is not None else None, not no_profile, batch_size)

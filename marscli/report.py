@@ -1,0 +1,212 @@
+"""marscli bench's report: the JSON file, the tables on stderr and the PNG plot.
+
+Column meanings: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from marscli.bench import MARS, MARS_METHODS, MARS_TREE, STRICT_TREE, BenchConfig, Log
+from marscli.errors import MarscliError, UsageError
+
+#: Width of the tables when stderr is not a terminal: one row per line.
+REPORT_WIDTH = 200
+
+
+def write_outputs(cfg: BenchConfig, report: dict[str, Any], log: Log) -> None:
+    from marscli.io.results import atomic_write_text
+
+    text = json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    if cfg.report == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    elif cfg.report:
+        try:
+            atomic_write_text(cfg.report, text)
+        except OSError as e:
+            raise MarscliError(f"cannot write the report to {cfg.report}: {e.strerror or e}") from None
+        log(f"report written to {cfg.report}")
+    if cfg.plot:
+        try:
+            write_plot(report, cfg.plot)
+        except OSError as e:
+            raise MarscliError(f"cannot write the plot to {cfg.plot}: {e.strerror or e}") from None
+        log(f"plot written to {cfg.plot}")
+
+
+def json_safe(obj: Any) -> Any:
+    """Floats rounded to 6 significant places; inf (theta that never relaxes) as a string."""
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+        return float(f"{obj:.6g}")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None:
+        return "-"
+    return format(v, spec)
+
+
+def _cell(a: dict[str, Any], f: str, spec: str) -> str:
+    s = _fmt(a.get(f), spec)
+    sd = (a.get("spread") or {}).get(f)
+    return f"{s} ± {format(sd, spec)}" if sd is not None and s != "-" else s
+
+
+TABLE_COLUMNS = (
+    # (header, field, format)
+    ("tok/s", "tokens_per_s", ".1f"),
+    ("median tok/s", "median_tokens_per_s", ".1f"),
+    ("x hf-gen", "speedup_vs_hf_generate", ".2f"),
+    ("x ar", "speedup_vs_ar", ".2f"),
+    ("tau", "acceptance_length", ".2f"),
+    ("accept", "acceptance_rate", ".2f"),
+    ("relaxed", "relaxed_share", ".3f"),
+    ("exact", "exact_match_rate", ".2f"),
+    ("prefix", "prefix_share", ".3f"),
+    ("NLL/tok", "nll_per_token", ".3f"),
+    ("ROUGE-L", "rouge_l", ".3f"),
+    ("ideal x ar", "ideal_speedup_vs_ar", ".2f"),
+    ("meas/ideal", "measured_over_ideal", ".2f"),
+)
+
+
+def render_tables(report: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    s = report["settings"]
+    mode = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']:g}, seeds {s['seeds']}"
+    d = s["drafter"]
+    title = (f"marscli bench: {report['prompts']['used']} prompts, max {s['max_tokens']} tokens, {mode}, "
+             f"drafter {d['kind'] if d['kind'] != 'model' else d['model']} (K<={d['num_draft_tokens']}), "
+             f"target {report['target'].get('name')} on {report['environment']['device']}")
+    methods = report["methods"]
+    cols = [c for c in TABLE_COLUMNS if any(a.get(c[1]) is not None for a in methods.values())]
+    table = Table(title=title, title_justify="left")
+    table.add_column("method")
+    for header, _, _ in cols:
+        table.add_column(header, justify="right")
+    for name, a in methods.items():
+        table.add_row(name, *[_cell(a, f, spec) for _, f, spec in cols])
+    console.print(table)
+
+    spec_methods = {n: a for n, a in methods.items() if a.get("per_position_acceptance_rate")}
+    if spec_methods:
+        k = max(len(a["per_position_acceptance_rate"]) for a in spec_methods.values())
+        pos = Table(title="acceptance rate by draft position", title_justify="left")
+        pos.add_column("method")
+        for i in range(k):
+            pos.add_column(str(i + 1), justify="right")
+        for name, a in spec_methods.items():
+            pos.add_row(name, *[_fmt(v, ".2f") for v in a["per_position_acceptance_rate"]])
+        console.print(pos)
+    tp = report.get("throughput") or []
+    if tp:
+        t = Table(title="batched throughput (all prompts; tokens/s include prefill)", title_justify="left")
+        for header in ("method", "batch", "tokens", "seconds", "tokens/s", "vs first batch", "tau",
+                       "same output", "prefill s", "peak KV MiB", "peak RSS MiB"):
+            t.add_column(header, justify="left" if header == "method" else "right")
+        for r in tp:
+            t.add_row(r["method"], str(r["batch_size"]), str(r["completion_tokens"]), _fmt(r["seconds"], ".1f"),
+                      _fmt(r["tokens_per_s"], ".1f"), _fmt(r["speedup_vs_first_batch_size"], ".2f") + ("x" if r["speedup_vs_first_batch_size"] else ""),
+                      _fmt(r["acceptance_length"], ".2f"), f"{r['outputs_equal_first_batch_size']}/{r['prompts']}",
+                      _fmt(r.get("prefill_seconds"), ".1f"), _fmt(r.get("peak_kv_cache_mib"), ".1f"),
+                      _fmt(r["peak_rss_mib"], ".0f"))
+        console.print(t)
+    p = report["physical_limit"]
+    console.print(f"target forward over a {p['context_tokens']}-token context: 1 token {1e3 * p['t_1_s']:.1f} ms, "
+                  f"K+1 = {len(p['target_forward_s'])} tokens {1e3 * p['t_k_plus_1_s']:.1f} ms"
+                  + (f"; draft model 1 token {1e3 * p['draft_forward_s']:.1f} ms" if p.get("draft_forward_s") else ""),
+                  markup=False, soft_wrap=True)
+    c = report["correctness"]
+    if c["checked"]:
+        verdict = "OK" if not c["failures"] else f"{c['failures']} FAILURES"
+        console.print(f"exactness of {', '.join(c['methods'])} against {c['reference']} (greedy, token for token): {verdict}",
+                      markup=False, soft_wrap=True)
+    for note in report["notes"]:
+        if "no ROUGE-L" in note or "ignores them" in note or "generation_config" in note:
+            console.print(f"note: {note}", markup=False, soft_wrap=True)
+
+# --------------------------------------------------------------------------------------------
+# Plot
+
+#: Quality panels of --plot, when the report has the figure: (field, axis label).
+PLOT_PANELS = (
+    ("nll_per_token", "target NLL per token (lower is likelier)"),
+    ("rouge_l", "ROUGE-L F1 against the reference"),
+    ("prefix_share", "prefix share with the reference method"),
+)
+
+
+_PLOT_COLORS = {MARS: "tab:red", MARS_TREE: "tab:purple", STRICT_TREE: "tab:green"}
+
+
+def write_plot(report: dict[str, Any], path: str) -> None:
+    """Speedup against quality, one point per method, MARS thetas joined by a line."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'marscli[bench]'") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    methods = report["methods"]
+    x_field = "speedup_vs_hf_generate" if any(a.get("speedup_vs_hf_generate") for a in methods.values()) \
+        else "speedup_vs_ar"
+    panels = [(f, label) for f, label in PLOT_PANELS if any(a.get(f) is not None for a in methods.values())]
+    if not panels:
+        raise UsageError("--plot: the report has no quality figure to plot")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
+    for ax, (field_, label) in zip(axes[0], panels):
+        mars_pts: dict[str, list] = {MARS: [], MARS_TREE: []}
+        for name, a in sorted(methods.items(), key=lambda kv: (kv[1]["kind"] in MARS_METHODS, kv[1]["theta"] or 0.0)):
+            x, y = a.get(x_field), a.get(field_)
+            if x is None or y is None:
+                continue
+            spread = a.get("spread") or {}
+            ax.errorbar(x, y, xerr=spread.get(x_field), yerr=spread.get(field_), fmt="o",
+                        color=_PLOT_COLORS.get(a["kind"], "tab:blue"), capsize=3)
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            if a["kind"] in mars_pts:
+                mars_pts[a["kind"]].append((x, y))
+        for kind, pts in mars_pts.items():
+            if len(pts) > 1:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, "-", color=_PLOT_COLORS[kind], alpha=0.5)
+        ax.set_xlabel(f"speedup ({x_field.removeprefix('speedup_vs_').replace('_', '-')} = 1)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    s = report["settings"]
+    fig.suptitle(f"marscli bench: {report['target'].get('name')}, {report['prompts']['used']} prompts, "
+                 f"max {s['max_tokens']} tokens, temperature {s['temperature']:g}", fontsize=10)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".plot.", suffix=".png", dir=directory)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
