@@ -88,9 +88,10 @@ def _root(
 
 
 def _model_group(
-    target: Annotated[Optional[str], typer.Option(help="Target model: local dir, .gguf file or hub id from the local cache. Default: embedded SmolLM2-135M-Instruct (or the --profile's target).", rich_help_panel=PANEL_MODEL)] = None,
+    target: Annotated[Optional[str], typer.Option(help="Target model: local dir, .gguf file or hub id (downloaded into the Hugging Face cache unless --offline). Default: embedded SmolLM2-135M-Instruct (or the --profile's target).", rich_help_panel=PANEL_MODEL)] = None,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL)] = "auto",
+    offline: Annotated[bool, typer.Option("--offline", help="Never download: a hub id must already be in the local cache (as with HF_HUB_OFFLINE=1).", rich_help_panel=PANEL_MODEL)] = False,
 ): ...
 
 
@@ -282,7 +283,7 @@ def calibrate(
         if draft_cfg.kind == "none":
             raise UsageError("calibrate needs a drafter: --draft ngram or a draft model")
         target_cfg, draft_model_cfg = model_configs(model.target, draft_cfg, model.dtype, model.device,
-                                                    **vars(placement))
+                                                    offline=model.offline, **vars(placement))
         cfg = CalibrateConfig(
             input=input, output=output, name=name, target=target_cfg, draft=draft_cfg,
             draft_model=draft_model_cfg, margin=d.margin or "logit-ratio", policy=policy, policy_value=value,

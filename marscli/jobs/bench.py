@@ -611,7 +611,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
                  target: str | None = None, dtype: str = "auto", device: str = "auto", draft: str | None = None,
                  num_draft_tokens: int | None = None, adaptive: bool | None = None, ngram_max: int | None = None,
                  ngram_min: int | None = None, tree_depth: int | None = None, tree_top_k: int | None = None,
-                 tree_tokens: int | None = None, margin: str | None = None,
+                 tree_tokens: int | None = None, margin: str | None = None, offline: bool = False,
                  note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's)."""
@@ -633,9 +633,9 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
     cfg = BenchConfig(
         input=input,
         methods=parse_methods(methods, thetas or (PAPER_THETA,)),
-        target=ModelConfig(target_source(target, prof), dtype, device),
+        target=ModelConfig(target_source(target, prof), dtype, device, offline=offline),
         draft=dcfg,
-        draft_model=ModelConfig(dcfg.model, dtype, device) if dcfg.model else None,
+        draft_model=ModelConfig(dcfg.model, dtype, device, offline=offline) if dcfg.model else None,
         margin=margin,
         max_tokens=max_tokens,
         temperature=temperature,

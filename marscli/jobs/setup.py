@@ -147,9 +147,10 @@ def check_batch(draft: DraftConfig, batch_size: int) -> None:
 
 def model_configs(target: str | None, draft: DraftConfig, dtype: str = "auto", device: str = "auto",
                   device_map: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
-                  max_memory: str | None = None, bnb_compute_dtype: str = "auto"):
+                  max_memory: str | None = None, bnb_compute_dtype: str = "auto", offline: bool = False):
     """Target and draft model configs. --max-memory bounds the target only: the draft model,
-    loaded after it, is placed by accelerate in the memory left (a device map of its own)."""
+    loaded after it, is placed by accelerate in the memory left (a device map of its own).
+    offline: a hub id must already be in the local cache (never download)."""
     from marscli.models import DEVICE_MAPS, parse_max_memory
 
     if device_map is not None and device_map not in DEVICE_MAPS:
@@ -163,9 +164,10 @@ def model_configs(target: str | None, draft: DraftConfig, dtype: str = "auto", d
         except ValueError as e:
             raise UsageError(f"--max-memory {e}") from None
         device_map = device_map or "auto"
-    tcfg = ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit, pairs, bnb_compute_dtype)
-    dcfg = (ModelConfig(draft.model, dtype, device, device_map, load_in_8bit, load_in_4bit, None, bnb_compute_dtype)
-            if draft.model else None)
+    tcfg = ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit, pairs, bnb_compute_dtype,
+                       offline)
+    dcfg = (ModelConfig(draft.model, dtype, device, device_map, load_in_8bit, load_in_4bit, None, bnb_compute_dtype,
+                        offline) if draft.model else None)
     return tcfg, dcfg
 
 
@@ -349,7 +351,7 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
                      tree_tokens: int | None = None, batch_size: int = 1, dtype: str = "auto",
                      device: str = "auto", device_map: str | None = None, load_in_8bit: bool = False,
                      load_in_4bit: bool = False, max_memory: str | None = None,
-                     bnb_compute_dtype: str = "auto") -> ModelSetup:
+                     bnb_compute_dtype: str = "auto", offline: bool = False) -> ModelSetup:
     """Options of `marscli generate` (and of marscli.load) -> ModelSetup, checked before
     anything is loaded. Command line > profile > defaults: a --profile supplies the target
     and the drafter's settings that are not given."""
@@ -361,6 +363,6 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
                         tree=(tree_depth, tree_top_k, tree_tokens))
     check_batch(dcfg, batch_size)
     tcfg, dmcfg = model_configs(target_source(target, prof), dcfg, dtype, device, device_map, load_in_8bit,
-                                load_in_4bit, max_memory, bnb_compute_dtype)
+                                load_in_4bit, max_memory, bnb_compute_dtype, offline)
     return ModelSetup(tcfg, dcfg, dmcfg, VerifyRequest(verify, theta, margin),
                       str(prof.path) if prof is not None else None, not no_profile, batch_size)
