@@ -21,6 +21,17 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
     return torch.cat([logits, pad])
 
 
+def reusable_prefix(cached: list[int], seq: list[int]) -> int:
+    """How many leading tokens of a draft cache still match the committed sequence; at least
+    seq's last token is always fed again (its logits start the next draft)."""
+    common = 0
+    for a, b in zip(cached, seq):
+        if a != b:
+            break
+        common += 1
+    return min(common, len(seq) - 1)
+
+
 def draft_token(logits: torch.Tensor, sampling: SamplingParams,
                 generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
     """One draft token from draft logits [V]: the argmax (greedy; q one-hot) or a draw from
@@ -84,12 +95,7 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
         if k <= 0:
             return Proposal([])
         # Bring the cache up to the committed sequence (at least the last token is new).
-        common = 0
-        for a, b in zip(self.cached, seq):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(seq) - 1)
+        common = reusable_prefix(self.cached, seq)
         rollback(self.cache, common)
         del self.cached[common:]
         logits = fit_vocab(self._forward(seq[common:]), self.vocab_size)
@@ -194,12 +200,7 @@ class BatchedModelDrafter(DraftModelSettings):
                 catch.append([])
                 continue
             # Bring the row's cache up to its committed sequence (at least the last token is new).
-            common = 0
-            for a, t in zip(h.cached, seq):
-                if a != t:
-                    break
-                common += 1
-            common = min(common, len(seq) - 1)
+            common = reusable_prefix(h.cached, seq)
             if common < len(h.cached):
                 self.kv.truncate_row(b, common)
                 del h.cached[common:]
