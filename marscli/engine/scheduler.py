@@ -128,10 +128,6 @@ class Engine:
 
     # ------------------------------------------------------------------ one record
 
-    def generate(self, req: Request, sampling: SamplingParams,
-                 observer: Observer | None = None) -> GenerationResult:
-        return self.generate_ids(self.encode(req), sampling, observer=observer)
-
     def generate_ids(self, prompt_ids: list[int], sampling: SamplingParams,
                      observer: Observer | None = None) -> GenerationResult:
         """One record alone; its failure raises."""

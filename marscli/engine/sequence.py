@@ -158,8 +158,8 @@ class RowSettings:
     context_length: int | None
 
 
-#: One verified step of one row: the tokens it keeps (accepted drafts, then the correction or
-#: bonus), the drafted positions k, the accepted count n, relaxed and relaxable counts.
+#: Builds a step's StepObservation from the number of tokens the step really added; called
+#: only when the record has an observer, so a run without one builds none.
 ObservationFactory = Callable[[int], StepObservation]
 
 
