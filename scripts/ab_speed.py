@@ -17,7 +17,9 @@ so "mars" is the shipped profile's theta), --repeats times per tree, on one inpu
 as scripts/compare_outputs.py builds it (the first N/4 records of mt_bench, humaneval, gsm8k
 and sum). Runs alternate between the trees in ABBA order (A B, B A, A B, ...) so that neither
 tree always runs first, i.e. a slow drift of the machine's speed does not favour one side.
-Pair i is the i-th run of A with the i-th run of B.
+Pair i is the i-th run of A with the i-th run of B. Before measuring, --warmup untimed runs
+per tree (default 1) fill the page cache and pay first-use costs: without them the very first
+run of a session came out at 1.6 tok/s against 9.6 for the same tree right after it.
 
 tokens/s is marscli's own figure: completion tokens over generation time, which leaves
 model loading out. Batch 1: the sum of the records' timing.seconds, which is what the stderr
@@ -127,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--records", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="runs per tree and case")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs per tree before measuring (page cache, first-use costs)")
     ap.add_argument("--threads", type=int, default=0, help="OMP/MKL threads per run (0: torch's default)")
     ap.add_argument("--work", default=None, help="folder for inputs, outputs and logs (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -152,6 +156,11 @@ def main(argv=None) -> int:
     if load_before != "?" and float(load_before) > 0.5:
         say(f"warning: load average {load_before}: this machine is not idle, the figures will be noisy")
     say(f"work folder {work}")
+    for w in range(args.warmup):
+        for side in ("A", "B"):
+            say(f"[warmup {w + 1}/{args.warmup}] {side} ({trees[side]}), not counted")
+            run_once(trees[side], work, env, input_path, sizes[0], verifies[0], args.max_tokens,
+                     f"warmup-{side}-{w + 1}")
     rows, failed = [], 0
     n_cases = len(sizes) * len(verifies)
     for ci, (bs, verify) in enumerate(((b, v) for b in sizes for v in verifies), 1):
@@ -185,7 +194,7 @@ def main(argv=None) -> int:
     print(f"- A: {trees['A']} @ {git_head(trees['A'])}")
     print(f"- B: {trees['B']} @ {git_head(trees['B'])}")
     print(f"- {args.records} records, --max-tokens {args.max_tokens}, {args.repeats} runs per tree and case "
-          f"(ABBA order); {os.cpu_count()} CPUs, threads per run: {args.threads or 'torch default'}; "
+          f"(ABBA order, {args.warmup} untimed warm-up per tree); {os.cpu_count()} CPUs, threads per run: {args.threads or 'torch default'}; "
           f"load average {load_before} before, {load()} after")
     print("- tok/s: marscli's own figure (generation only); B/A: median of per-pair ratios; "
           "wall: whole process, model load included")
