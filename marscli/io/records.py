@@ -390,11 +390,7 @@ def _messages(value: Any, key: str) -> list[dict[str, str]]:
         where = f"{key}[{i}]"
         if not isinstance(msg, dict):
             raise _Invalid(f"{where} must be an object, got {json_type(msg)}")
-        if "role" not in msg:
-            raise _Invalid(f"{where}.role is missing")
-        role = msg["role"]
-        if not isinstance(role, str):
-            raise _Invalid(f"{where}.role must be a string, got {show_value(role)}")
+        role = _string_field(msg, "role", where)
         if role not in _ROLES:
             raise _Invalid(
                 f"{where}.role: unknown role {show_value(role)} "
@@ -406,6 +402,16 @@ def _messages(value: Any, key: str) -> list[dict[str, str]]:
         # Only role and content go on: extra keys (name, tool_calls...) are not supported.
         out.append({"role": role, "content": content})
     return out
+
+
+def _string_field(obj: dict, key: str, where: str) -> str:
+    """obj[key], which must be there and be a string (errors name `where`.key)."""
+    if key not in obj:
+        raise _Invalid(f"{where}.{key} is missing")
+    value = obj[key]
+    if not isinstance(value, str):
+        raise _Invalid(f"{where}.{key} must be a string, got {show_value(value)}")
+    return value
 
 
 def _content(value: Any, where: str) -> str:
@@ -430,18 +436,10 @@ def _content(value: Any, where: str) -> str:
         at = f"{where}[{j}]"
         if not isinstance(part, dict):
             raise _Invalid(f"{at} must be a content part object, got {json_type(part)}")
-        if "type" not in part:
-            raise _Invalid(f"{at}.type is missing")
-        kind = part["type"]
-        if not isinstance(kind, str):
-            raise _Invalid(f"{at}.type must be a string, got {show_value(kind)}")
+        kind = _string_field(part, "type", at)
         if kind != _TEXT_PART:
             raise _Invalid(f"{at}: part type {show_value(kind)} is not supported (text only)")
-        if "text" not in part:
-            raise _Invalid(f"{at}.text is missing")
-        text = part["text"]
-        if not isinstance(text, str):
-            raise _Invalid(f"{at}.text must be a string, got {show_value(text)}")
+        text = _string_field(part, "text", at)
         _check_text(f"{at}.text", text)
         texts.append(text)
     return _PART_SEPARATOR.join(texts)
