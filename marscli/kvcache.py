@@ -83,6 +83,12 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
+def sliding_layers(model) -> list[int]:
+    """Indices of the cache layers of `model` that keep a sliding window (they cannot hold
+    holes or be rolled back per batch row)."""
+    return [i for i, layer in enumerate(new_cache(model).layers) if getattr(layer, "is_sliding", False)]
+
+
 def rollback(cache: DynamicCache, length: int) -> None:
     """Keep only the first `length` positions of every layer."""
     current = cache.get_seq_length()

@@ -6,7 +6,7 @@ import math
 
 from marscli.config import DraftConfig
 from marscli.drafters.base import BatchedDrafter, CostModel, Drafter, RowDrafters
-from marscli.kvcache import new_cache
+from marscli.kvcache import sliding_layers
 
 
 def _cost_for(target, drafter_model, device_type: str) -> CostModel:
@@ -70,8 +70,7 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
 
         return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size, cost=one.cost,
                                     adaptive=one.adaptive)
-    if batch_size > 1 and draft_cfg.kind == "model" and not any(
-            getattr(layer, "is_sliding", False) for layer in new_cache(draft_model.model).layers):
+    if batch_size > 1 and draft_cfg.kind == "model" and not sliding_layers(draft_model.model):
         # (windowed layers cannot be rolled back per row: those get a ModelDrafter per row)
         from marscli.drafters.model import BatchedModelDrafter
 

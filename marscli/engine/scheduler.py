@@ -33,7 +33,7 @@ from marscli.config import DraftConfig, Request, SamplingParams
 from marscli.drafters.base import BatchedDrafter, Proposal
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
 from marscli.engine.sequence import GenerationResult, RowSettings, Sequence, StepObservation
-from marscli.kvcache import HoleCache, compact_cache, new_cache
+from marscli.kvcache import HoleCache, compact_cache, sliding_layers
 from marscli.verify import Rule, verify_rows, verify_tree
 
 Observer = Callable[[StepObservation], None]
@@ -99,8 +99,7 @@ class Engine:
         tok = target.tokenizer
         self.pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
         if batch_size > 1:
-            sliding = [i for i, layer in enumerate(new_cache(self.model).layers)
-                       if getattr(layer, "is_sliding", False)]
+            sliding = sliding_layers(self.model)
             if sliding:
                 raise ValueError(
                     "batched decoding does not support models with sliding-window attention "
