@@ -536,7 +536,7 @@ def verify_tree(
     has_children[parents + 1] = True
     relaxable = rule.relaxable(stat) & has_children
     if temperature == 0.0:
-        path, relaxed, nxt = _tree_greedy(tree, kids, logits, z1, z2, t1, t2, stat, rule)
+        path, relaxed, nxt = _tree_greedy(tree, kids, logits, t1, t2, stat, rule)
     else:
         assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
         assert u_accept.shape == (n,), f"u_accept must be [N] = [{n}], got {tuple(u_accept.shape)}"
@@ -555,7 +555,7 @@ def _node_facts(tokens: torch.Tensor, alive: torch.Tensor, t1: torch.Tensor, t2:
     return PositionFacts({margin: stat}, ((tokens == t1) | (tokens == t2)) & alive, strict_ok)
 
 
-def _tree_greedy(tree, kids, logits, z1, z2, t1, t2, stat, rule: Rule):
+def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule):
     """Longest ok path. Nodes are visited in depth-first order (children in index order), so
     the first path found of a given (length, relaxed count) wins its ties."""
     rows = tree.parents.to(logits.device) + 1  # [N] the row that judges each node
