@@ -42,7 +42,9 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
          ngram_max: int | None = None, ngram_min: int | None = None, tree_depth: int | None = None,
          tree_top_k: int | None = None, tree_tokens: int | None = None, device_map: str | None = None,
          max_memory: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
-         bnb_compute_dtype: str = "auto", offline: bool = False, quiet: bool = True) -> LLM:
+         bnb_compute_dtype: str = "auto", offline: bool = False, repeat_guard: int | None = None,
+         repeat_window: int | None = None, max_relaxed_share: float | None = None,
+         no_guard: bool = False, quiet: bool = True) -> LLM:
     """Load a target (default: the embedded model) and a drafter (default: the profile's, else
     'ngram'; 'none', a draft model, or 'eagle3:PATH'), choose the profile and build the engine.
 
@@ -58,7 +60,9 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
         ngram_max=ngram_max, ngram_min=ngram_min, tree_depth=tree_depth, tree_top_k=tree_top_k,
         tree_tokens=tree_tokens, batch_size=batch_size, dtype=dtype, device=device,
         device_map=device_map, load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit,
-        max_memory=max_memory, bnb_compute_dtype=bnb_compute_dtype, offline=offline)
+        max_memory=max_memory, bnb_compute_dtype=bnb_compute_dtype, offline=offline,
+        repeat_guard=repeat_guard, repeat_window=repeat_window,
+        max_relaxed_share=max_relaxed_share, no_guard=no_guard)
     log = Log(quiet)
     return LLM(build_generator(setup, log.info), setup)
 
@@ -162,8 +166,9 @@ class LLM:
         cfg = CalibrateConfig(input=PYTHON_INPUT_NAME, output=output, name=name, target=self.setup.target,
                               draft=gen.draft, draft_model=self.setup.draft_model, margin=margin,
                               policy=policy, policy_value=value, sampling=sampling,
-                              batch_size=self.setup.batch_size)
-        engine = make_engine(gen.target, gen.draft_loaded, VerifyConfig(), gen.draft, self.setup.batch_size)
+                              batch_size=self.setup.batch_size, guard=gen.verify.guard)
+        engine = make_engine(gen.target, gen.draft_loaded, VerifyConfig(guard=gen.verify.guard), gen.draft,
+                             self.setup.batch_size)
         per_record: dict[int, MarginCollector] = {}
         failed = 0
 

@@ -40,6 +40,7 @@ from marscli import metrics
 from marscli.config import (
     PAPER_THETA,
     DraftConfig,
+    GuardConfig,
     MarginKind,
     ModelConfig,
     RecordError,
@@ -55,7 +56,10 @@ STRICT = "strict"
 MARS = "mars"
 STRICT_TREE = "strict-tree"
 MARS_TREE = "mars-tree"
-ALL_METHODS = (HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS, STRICT_TREE, MARS_TREE)
+#: MARS with the loop guard off (the paper's rule alone), beside `mars` (guarded by the run's
+#: --repeat-guard / --max-relaxed-share, on by default): what the guard changes.
+MARS_NOGUARD = "mars-noguard"
+ALL_METHODS = (HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE)
 DEFAULT_METHODS = ",".join((HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS))
 #: The default for an EAGLE-3 drafter: transformers has no EAGLE-3 assisted generation, and
 #: chain and tree drafting compare side by side.
@@ -63,15 +67,15 @@ DEFAULT_EAGLE3_METHODS = ",".join((HF_GENERATE, AR, STRICT, STRICT_TREE, MARS, M
 #: Methods whose greedy output must equal the reference method's token for token.
 EXACT_METHODS = (AR, STRICT, STRICT_TREE)
 #: Methods that need a drafter.
-DRAFTED_METHODS = (HF_ASSISTED, STRICT, MARS, STRICT_TREE, MARS_TREE)
+DRAFTED_METHODS = (HF_ASSISTED, STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE)
 #: Methods with per-step statistics (acceptance, relaxed share, the ideal speedup).
-SPEC_METHODS = (STRICT, MARS, STRICT_TREE, MARS_TREE)
+SPEC_METHODS = (STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE)
 #: Methods that verify with MARS (one per theta) and methods that draft trees.
-MARS_METHODS = (MARS, MARS_TREE)
+MARS_METHODS = (MARS, MARS_NOGUARD, MARS_TREE)
 TREE_METHODS = (STRICT_TREE, MARS_TREE)
 #: Methods measured at several batch sizes by --batch-size (transformers refuses assisted
 #: generation at batch size > 1, and draft trees run one record at a time).
-BATCHED_METHODS = (HF_GENERATE, AR, STRICT, MARS)
+BATCHED_METHODS = (HF_GENERATE, AR, STRICT, MARS, MARS_NOGUARD)
 #: Reference for quality comparisons, in order of preference.
 REFERENCE_METHODS = (HF_GENERATE, AR)
 
@@ -88,7 +92,7 @@ SPREAD_FIELDS = (
     "tokens_per_s", "median_tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_ar",
     "acceptance_length", "acceptance_rate", "relaxed_share", "tokens_per_target_forward",
     "exact_match_rate", "prefix_share", "nll_per_token", "rouge_l",
-    "ideal_speedup_vs_ar", "measured_over_ideal",
+    "ideal_speedup_vs_ar", "measured_over_ideal", "repeat_share", "loop_share",
 )
 
 Log = Callable[[str], None]
@@ -122,6 +126,8 @@ class BenchConfig:
     report: str | None = None  # path, "-" for stdout, None: no report file
     plot: str | None = None
     batch_sizes: tuple[int, ...] = ()  # non-empty: also measure batched throughput at these sizes
+    #: The loop guard of the `mars` and `mars-tree` methods (`mars-noguard` has none).
+    guard: GuardConfig = GuardConfig()
 
     @property
     def greedy(self) -> bool:
@@ -277,6 +283,15 @@ class Run:
     nll: list[float] = field(default_factory=list)
     rouge_l: float | None = None
 
+    @property
+    def repetition(self) -> dict[str, Any]:
+        """repeat_share and ends_in_loop of the output (marscli.repetition), computed once."""
+        if getattr(self, "_repetition", None) is None:
+            from marscli.repetition import repetition_stats
+
+            self._repetition = repetition_stats(self.tokens)
+        return self._repetition
+
     def to_json(self) -> dict[str, Any]:
         n = len(self.tokens)
         return {
@@ -290,6 +305,7 @@ class Run:
             "exact_match": self.exact, "prefix_share": round_or_none(self.prefix_share),
             "first_mismatch": self.first_mismatch,
             "nll_per_token": round_or_none(metrics.mean(self.nll)), "rouge_l": round_or_none(self.rouge_l),
+            **self.repetition,
         }
 
 
@@ -351,6 +367,9 @@ def aggregate(runs: Sequence[Run], spec: MethodSpec, t_target: Sequence[float] |
         "nll_per_token": sum(sum(r.nll) for r in runs) / nll_tokens if nll_tokens else None,
         "rouge_l": metrics.mean(rouge) if rouge else None,
         "rouge_l_prompts": len(rouge),
+        # label-free warning signs of a rule that runs away (marscli.repetition)
+        "repeat_share": metrics.mean([r.repetition["repeat_share"] for r in runs]) if runs else None,
+        "loop_share": metrics.mean([float(r.repetition["ends_in_loop"]) for r in runs]) if runs else None,
     })
     return out
 

@@ -18,6 +18,14 @@ The trade-off curve and the policies work on the replay:
 What the replay ignores: after a relaxed token the real run continues on another trajectory
 (different later drafts and margins), and the adaptive draft length would change with the
 higher acceptance. The estimate is per step, on the strict trajectory.
+
+The loop guard (marscli.repetition) is part of the rule that is replayed: collection records
+at each position whether the guard would refuse to relax the draft there (it completes an
+n-gram already in the record's recent output), and the replay judges those positions
+strictly, as generate will; the relaxation budget (--max-relaxed-share) is replayed per
+record. The cost is the regret of each relaxed token on the strict trajectory (log p1 -
+log p(draft)), a sum of non-negative terms: it cannot fall because text became repetitive,
+as the target's NLL of a looping output does (tests/test_repetition.py builds such a loop).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from marscli.config import GUARD_OFF, GuardConfig
 from marscli.profiles import (
     POLICY_FIXED,
     POLICY_MAX_NLL,
@@ -59,6 +68,11 @@ class MarginCollector:
         self.step_emitted: list[int] = []
         self._rows: list[np.ndarray] = []  # per step: [k, len(_COLS)] float64
         self._tree_rows: list[np.ndarray] = []  # per tree step: [nodes, len(TREE_COLS)]
+        self.max_tokens = 0  # the record's max tokens (a per-record collector's)
+        # Merged collectors: the record of each step and each record's max tokens (for the
+        # replay of the per-record relaxation budget).
+        self.step_record: list[int] = []
+        self.record_max_tokens: list[int] = []
 
     def __call__(self, obs) -> None:
         import torch
@@ -75,6 +89,7 @@ class MarginCollector:
         if getattr(obs, "tree", None) is not None:
             self._tree_step(obs)
             return
+        self.max_tokens = obs.sampling.max_tokens
         k = obs.drafts.shape[1]
         n = int(obs.result.num_accepted[0])
         self.step_k.append(k)
@@ -95,6 +110,8 @@ class MarginCollector:
                                                 obs.draft_probs)[0]
         logp = torch.log(p.double())
         rank = torch.where(d == t1, RANK_TOP1, torch.where(d == t2, RANK_TOP2, RANK_OTHER))
+        guarded = (obs.guard[0].to(z1.device).double() if obs.guard is not None
+                   else torch.zeros_like(z1, dtype=torch.float64))
         cols = torch.stack([
             margin_statistic(z1, z2, LOGIT_RATIO).double(),
             margin_statistic(z1, z2, PROB_RATIO).double(),
@@ -104,6 +121,7 @@ class MarginCollector:
             logp.gather(1, t2.unsqueeze(1)).squeeze(1),
             logp.gather(1, d.unsqueeze(1)).squeeze(1),
             strict_ok.double(),
+            guarded,
         ], dim=1)
         ok = strict_ok.tolist()
         replayed = ok.index(False) if False in ok else k
@@ -123,6 +141,8 @@ class MarginCollector:
         from marscli.verify import LOGIT_RATIO, PROB_RATIO, margin_statistic, sampling_probs, top2
 
         tree, L, res, s = obs.tree, obs.tree_logits.float(), obs.result, obs.sampling
+        self.max_tokens = s.max_tokens
+        guard = obs.guard.tolist() if obs.guard is not None else [False] * len(tree)
         path = [int(i) for i in res.path]
         n = len(path)
         z1, z2, t1, t2 = top2(L)  # [N+1] each
@@ -140,7 +160,7 @@ class MarginCollector:
             r, d = row(i), tokens[i]
             rank = RANK_TOP1 if d == t1l[r] else RANK_TOP2 if d == t2l[r] else RANK_OTHER
             return [float(stat_l[r]), float(stat_p[r]), float(z1[r]), rank, float(logp[r, t1l[r]]),
-                    float(logp[r, t2l[r]]), float(logp[r, d]), ok]
+                    float(logp[r, t2l[r]]), float(logp[r, d]), ok, float(guard[i])]
 
         if s.greedy and any(tokens[i] != t1l[row(i)] for i in path):
             raise RuntimeError("calibration replay disagrees with strict tree verification: "
@@ -170,7 +190,10 @@ class MarginCollector:
 
     def extend(self, other: MarginCollector) -> None:
         """Append another collector's steps after this one's (batched calibration collects
-        per record and merges in input order, so the data do not depend on the batch)."""
+        per record and merges in input order, so the data do not depend on the batch). Each
+        collector appended is one record."""
+        self.step_record += [len(self.record_max_tokens)] * len(other.step_k)
+        self.record_max_tokens.append(other.max_tokens)
         self.step_k += other.step_k
         self.step_n += other.step_n
         self.step_emitted += other.step_emitted
@@ -181,10 +204,19 @@ class MarginCollector:
             self._tree_rows.append(t)
         self._rows += other._rows
 
-    def data(self, records: int, failed: int = 0) -> MarginData:
+    def data(self, records: int, failed: int = 0, guard: GuardConfig = GUARD_OFF) -> MarginData:
+        """The collected arrays; ``guard``: the loop guard the replay applies (the guard's
+        verdicts were recorded with the engine's n-gram size and window)."""
         rows = np.concatenate(self._rows) if self._rows else np.zeros((0, len(_COLS)))
         tree = np.concatenate(self._tree_rows) if self._tree_rows else np.zeros((0, len(TREE_COLS)))
+        if self.record_max_tokens:
+            step_record, record_max = self.step_record, self.record_max_tokens
+        else:  # one collector, not merged: one record
+            step_record, record_max = [0] * len(self.step_k), [self.max_tokens]
         return MarginData(
+            step_record=np.asarray(step_record, dtype=np.int64),
+            record_max_tokens=np.asarray(record_max, dtype=np.int64),
+            guard=guard,
             tree_nodes=tree,
             step_k=np.asarray(self.step_k, dtype=np.int64),
             step_n=np.asarray(self.step_n, dtype=np.int64),
@@ -195,7 +227,8 @@ class MarginCollector:
         )
 
 
-_COLS = ("logit_ratio", "prob_ratio", "z1", "rank", "logp1", "logp2", "logp_draft", "strict_ok")
+_COLS = ("logit_ratio", "prob_ratio", "z1", "rank", "logp1", "logp2", "logp_draft", "strict_ok",
+         "guarded")
 #: Columns of MarginData.tree_nodes: those of a position (strict_ok: accepted), then the step
 #: number, the node's depth and whether it is on the accepted path.
 TREE_COLS = _COLS + ("step", "depth", "on_path")
@@ -224,9 +257,22 @@ class MarginData:
     logp2: np.ndarray  # [P]
     logp_draft: np.ndarray  # [P]
     strict_ok: np.ndarray  # [P] 1.0 where strict verification accepts the draft on its own
+    guarded: np.ndarray | None = None  # [P] 1.0 where the loop guard refuses to relax the draft
+    step_record: np.ndarray | None = None  # [S] the record of each step (0..R-1)
+    record_max_tokens: np.ndarray | None = None  # [R] each record's max tokens (its budget's base)
+    guard: GuardConfig = GUARD_OFF  # the guard the replay applies
     # Tree steps only: one row per node on the accepted path or beside it ([T, len(TREE_COLS)]).
     tree_nodes: np.ndarray = field(default_factory=lambda: np.zeros((0, len(TREE_COLS))))
     _grid: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        # Data without a guard (built by hand): nothing guarded, one record, no budget base.
+        if self.guarded is None:
+            self.guarded = np.zeros(len(self.rank))
+        if self.step_record is None:
+            self.step_record = np.zeros(len(self.step_k), dtype=np.int64)
+        if self.record_max_tokens is None:
+            self.record_max_tokens = np.asarray([self.tokens], dtype=np.int64)
 
     @property
     def steps(self) -> int:
@@ -244,7 +290,13 @@ class MarginData:
     @classmethod
     def merge(cls, parts: list[MarginData]) -> MarginData:
         """One MarginData from several (e.g. one per process): concatenated in order."""
+        offsets = np.cumsum([0] + [len(p.record_max_tokens) for p in parts])
         return cls(
+            step_record=np.concatenate([p.step_record + o for p, o in zip(parts, offsets)])
+            if parts else np.zeros(0, dtype=np.int64),
+            record_max_tokens=np.concatenate([p.record_max_tokens for p in parts])
+            if parts else np.zeros(0, dtype=np.int64),
+            guard=parts[0].guard if parts else GUARD_OFF,
             step_k=np.concatenate([p.step_k for p in parts]),
             step_n=np.concatenate([p.step_n for p in parts]),
             tokens=sum(p.tokens for p in parts),
@@ -274,6 +326,7 @@ class MarginData:
             "valid": valid,
             "stat": lay(self.statistic(margin), -math.inf),
             "strict_ok": lay(self.strict_ok, 0.0) > 0.5,
+            "guarded": lay(self.guarded, 0.0) > 0.5,
             # The facts' in_top2: the draft is the target's top-1/top-2 with p > 0.
             "eligible": lay(((self.rank <= RANK_TOP2) & np.isfinite(self.logp_draft)).astype(float), 0.0) > 0.5,
             "gain": lay(gain, 0.0),
@@ -282,13 +335,21 @@ class MarginData:
         return g
 
     def replay(self, theta: float, margin: str) -> Replay:
-        """Every step of the collection run, verified by MARS at ``theta`` instead."""
-        from marscli.verify import MARS, PositionFacts, Rule, relaxed_positions
+        """Every step of the collection run, verified by MARS at ``theta`` (with the data's
+        loop guard and relaxation budget) instead."""
+        from marscli.verify import MARS, PositionFacts, Rule, over_budget, relaxed_positions
 
         g = self._matrices(margin)
         S, P = self.steps, self.positions
+        rule = Rule(MARS, theta, margin)
         # The verifier's own per-position decision, on the recorded facts.
-        decision = Rule(MARS, theta, margin).decide(PositionFacts({margin: g["stat"]}, g["eligible"], g["strict_ok"]))
+        facts = PositionFacts({margin: g["stat"]}, g["eligible"], g["strict_ok"],
+                              g["guarded"] if self.guard.repeat_ngram else None)
+        decision = rule.decide(facts)
+        if self.guard.budgeted and rule.relaxes and S:
+            facts.guarded = self._budget_guard(decision, g) | (
+                False if facts.guarded is None else facts.guarded)
+            decision = rule.decide(facts)
         relaxable = g["valid"] & decision.relaxable
         ok = decision.ok & g["valid"]
         n = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(S, dtype=np.int64)
@@ -304,6 +365,25 @@ class MarginData:
             tau=emitted / S if S else 0.0,
             nll_increase=float(g["gain"][relaxed].sum() / emitted) if emitted else 0.0,
         )
+
+
+    def _budget_guard(self, decision, g) -> np.ndarray:
+        """[S, K] bool: positions reached after the record's relaxation budget is spent, as
+        the verifier's ``over_budget`` finds them step by step. Up to the step that spends it,
+        a record's steps are those of the replay without a budget, so the relaxations made
+        before each step are min(unbudgeted count so far, budget)."""
+        from marscli.verify import over_budget
+
+        wants = decision.ok & decision.relaxable & ~g["strict_ok"] & g["valid"]  # [S, K]
+        ok = decision.ok & g["valid"]
+        n = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(len(ok), dtype=np.int64)
+        made = (wants & (np.arange(ok.shape[1])[None, :] < n[:, None])).sum(axis=1)  # [S]
+        before = np.cumsum(made) - made  # relaxations before each step, over all records
+        first = np.r_[True, self.step_record[1:] != self.step_record[:-1]]
+        before = before - np.maximum.accumulate(np.where(first, before, 0))  # within its record
+        budget = np.floor(self.guard.max_relaxed_share * self.record_max_tokens[self.step_record] + 1e-9)
+        left = (budget - np.minimum(before, budget)).astype(np.int64)  # [S]
+        return over_budget(wants, left)
 
 
 @dataclass
@@ -612,7 +692,7 @@ def build_profile(*, name: str, cal: Calibration, data: MarginData, target_ident
             **({"tree": {"depth": draft_cfg.tree_depth, "top_k": draft_cfg.tree_top_k,
                          "tokens": draft_cfg.tree_tokens}} if getattr(draft_cfg, "tree", False) else {}),
         },
-        "verification": {"margin": cal.margin, "theta": cal.theta},
+        "verification": {"margin": cal.margin, "theta": cal.theta, "guard": data.guard.to_dict()},
         "policy": {"name": cal.policy, "value": cal.policy_value},
         "sampling": {
             "temperature": sampling.temperature,

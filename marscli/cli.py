@@ -117,6 +117,14 @@ def _draft_group(
 ): ...
 
 
+def _guard_group(
+    repeat_guard: Annotated[Optional[int], typer.Option("--repeat-guard", min=0, help="Loop guard of relaxed rules: never relax a draft token that completes an N-gram already in the last --repeat-window tokens of the output (0 = off). Default: the profile's, else 4.", rich_help_panel=PANEL_VERIFY)] = None,
+    repeat_window: Annotated[Optional[int], typer.Option("--repeat-window", min=1, help="Tokens of recent output the loop guard looks back over. Default: the profile's, else 256.", rich_help_panel=PANEL_VERIFY)] = None,
+    max_relaxed_share: Annotated[Optional[float], typer.Option("--max-relaxed-share", min=0.0, max=1.0, help="Relaxation budget: a record relaxes at most this share of its max tokens, then is verified strictly (1 = no budget). Default: the profile's, else 0.25.", rich_help_panel=PANEL_VERIFY)] = None,
+    no_guard: Annotated[bool, typer.Option("--no-guard", help="Neither loop guard nor budget: the paper's rule alone.", rich_help_panel=PANEL_VERIFY)] = False,
+): ...
+
+
 def _sampling_group(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.", rich_help_panel=PANEL_SAMPLING)] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel=PANEL_SAMPLING)] = 1.0,
@@ -135,7 +143,7 @@ def _run_group(
 
 
 GROUPS = {"model": _model_group, "placement": _placement_group, "drafting": _draft_group,
-          "sampling": _sampling_group, "run": _run_group}
+          "guard": _guard_group, "sampling": _sampling_group, "run": _run_group}
 
 
 def options(*names: str):
@@ -191,11 +199,11 @@ def _tree(d: SimpleNamespace) -> tuple[int | None, int | None, int | None]:
         + EXIT_CODES_HELP
     ),
 )
-@options("model", "placement", "drafting", "sampling", "run")
+@options("model", "placement", "drafting", "guard", "sampling", "run")
 def generate(
     input: Annotated[str, typer.Argument(help="JSONL file of records, or '-' for stdin.")],
     model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
-    sampling: SimpleNamespace, run: SimpleNamespace,
+    guard: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Write results here instead of stdout.", rich_help_panel=PANEL_OUTPUT)] = None,
     verify: Annotated[Optional[str], typer.Option(help="'strict' (exact) or 'mars' (relax at low-margin positions). Default: mars when a calibrated profile matches the target and drafter, else strict.", rich_help_panel=PANEL_VERIFY)] = None,
     theta: Annotated[Optional[float], typer.Option(help=f"MARS threshold. Default: the profile's, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)] = None,
@@ -222,7 +230,8 @@ def generate(
     def job() -> int:
         check_choices(truncate_prompt=truncate_prompt)
         setup = generation_setup(verify=verify, theta=theta, profile=profile, no_profile=no_profile,
-                                 batch_size=run.batch_size, **vars(model), **vars(placement), **vars(drafting))
+                                 batch_size=run.batch_size, **vars(model), **vars(placement), **vars(drafting),
+                                 **vars(guard))
         cfg = GenerateConfig(
             input=input, output=output, target=setup.target, draft=setup.draft, draft_model=setup.draft_model,
             verify=setup.verify, sampling=_sampling(sampling), limit=run.limit, timing=timing,
@@ -251,7 +260,7 @@ def generate(
         "3 profile written but some records failed; 130 interrupted."
     ),
 )
-@options("model", "placement", "drafting", "sampling", "run")
+@options("model", "placement", "drafting", "guard", "sampling", "run")
 def calibrate(
     input: Annotated[str, typer.Argument(help="JSONL calibration prompts (same formats as generate), or '-'.")],
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Profile file to write ('-': stdout). Default: NAME.yaml in the user profile dir, where generate finds it.", rich_help_panel=PANEL_OUTPUT)] = None,
@@ -261,7 +270,7 @@ def calibrate(
     theta: Annotated[Optional[float], typer.Option(help="Policy: a fixed theta (e.g. the paper's 0.9), recorded as such.", rich_help_panel=PANEL_POLICY)] = None,
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
     *, model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
-    sampling: SimpleNamespace, run: SimpleNamespace,
+    guard: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
 ) -> None:
     """Measure the target's margins over prompts and write a profile with a calibrated theta.
 
@@ -272,7 +281,15 @@ def calibrate(
     from marscli.config import CalibrateConfig
     from marscli.jobs.calibrate import choose_policy, run_calibrate
     from marscli.jobs.console import Log
-    from marscli.jobs.setup import check_batch, check_choices, draft_config, model_configs
+    from marscli.config import VerifyRequest
+    from marscli.jobs.setup import (
+        check_batch,
+        check_choices,
+        draft_config,
+        guard_request,
+        model_configs,
+        resolve_guard,
+    )
 
     def job() -> int:
         d = drafting
@@ -288,6 +305,7 @@ def calibrate(
             input=input, output=output, name=name, target=target_cfg, draft=draft_cfg,
             draft_model=draft_model_cfg, margin=d.margin or "logit-ratio", policy=policy, policy_value=value,
             sampling=_sampling(sampling), limit=run.limit, plot=plot, batch_size=run.batch_size,
+            guard=resolve_guard(VerifyRequest(**guard_request(**vars(guard))), None),
         )
         return run_calibrate(cfg, Log(run.quiet))
 
@@ -387,11 +405,11 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
         "error; 130 interrupted."
     ),
 )
-@options("model", "drafting")
+@options("model", "drafting", "guard")
 def bench(
     input: Annotated[str, typer.Argument(help="JSONL file of prompts (any format generate reads), or '-' for stdin.")],
-    model: SimpleNamespace, drafting: SimpleNamespace,
-    methods: Annotated[Optional[str], typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta); with an EAGLE-3 drafter also strict-tree, mars-tree (tree drafting). Default: hf-generate,hf-assisted,ar,strict,mars; with --draft eagle3:... hf-generate,ar,strict,strict-tree,mars,mars-tree.", rich_help_panel=PANEL_VERIFY)] = None,
+    model: SimpleNamespace, drafting: SimpleNamespace, guard: SimpleNamespace,
+    methods: Annotated[Optional[str], typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta, with the loop guard), mars-noguard (one per theta, the paper's rule alone); with an EAGLE-3 drafter also strict-tree, mars-tree (tree drafting). Default: hf-generate,hf-assisted,ar,strict,mars; with --draft eagle3:... hf-generate,ar,strict,strict-tree,mars,mars-tree.", rich_help_panel=PANEL_VERIFY)] = None,
     theta: Annotated[Optional[str], typer.Option(help=f"MARS thresholds, comma-separated. Default: the --profile's theta, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)] = None,
     profile: Annotated[Optional[str], typer.Option(help="Calibration profile (name or path): adds its theta (and supplies margin, target and drafter unless given).", rich_help_panel=PANEL_VERIFY)] = None,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; the same for every method.", rich_help_panel=PANEL_SAMPLING)] = 0.0,
@@ -419,7 +437,8 @@ def bench(
     def job() -> int:
         cfg = bench_config(input, methods=methods, theta=theta, profile=profile, temperature=temperature,
                            seeds=seeds, max_tokens=max_tokens, limit=limit, batch_size=batch_size,
-                           report=report, plot=plot, note=log.info, **vars(model), **vars(drafting))
+                           report=report, plot=plot, note=log.info, **vars(model), **vars(drafting),
+                           **vars(guard))
         return run_bench(cfg, log)
 
     _run(job)

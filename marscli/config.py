@@ -50,6 +50,53 @@ class SamplingParams:
         return replace(self, **kw)
 
 
+#: The loop guard's defaults (marscli.repetition; measured in docs/calibration.md, "Loops").
+DEFAULT_GUARD_NGRAM = 4
+DEFAULT_GUARD_WINDOW = 256
+#: Default relaxation budget per record, as a share of its max tokens (1.0: no budget).
+DEFAULT_MAX_RELAXED_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """What keeps a relaxed rule from running away (issue 17; marscli.repetition).
+
+    repeat_ngram: never relax a draft token that completes an n-gram of this size already
+    seen in the last ``repeat_window`` tokens of the record's output (0: no loop guard).
+    max_relaxed_share: a record relaxes at most floor(share * max_tokens) tokens, then is
+    verified strictly (1.0: no budget). Neither changes strict verification.
+    """
+
+    repeat_ngram: int = DEFAULT_GUARD_NGRAM
+    repeat_window: int = DEFAULT_GUARD_WINDOW
+    max_relaxed_share: float = DEFAULT_MAX_RELAXED_SHARE
+
+    def __post_init__(self) -> None:
+        if self.repeat_ngram != 0 and self.repeat_ngram < 2:
+            raise ValueError(f"--repeat-guard must be 0 (off) or at least 2, got {self.repeat_ngram}")
+        if self.repeat_ngram and self.repeat_window < self.repeat_ngram:
+            raise ValueError(f"--repeat-window ({self.repeat_window}) must be at least the "
+                             f"n-gram size ({self.repeat_ngram})")
+        if not 0.0 <= self.max_relaxed_share <= 1.0 or math.isnan(self.max_relaxed_share):
+            raise ValueError(f"--max-relaxed-share must be in [0, 1], got {self.max_relaxed_share}")
+
+    @property
+    def budgeted(self) -> bool:
+        return self.max_relaxed_share < 1.0
+
+    def budget(self, max_tokens: int) -> int | None:
+        """Relaxations a record of max_tokens may make (None: no budget)."""
+        return math.floor(self.max_relaxed_share * max_tokens + 1e-9) if self.budgeted else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"repeat_ngram": self.repeat_ngram, "repeat_window": self.repeat_window,
+                "max_relaxed_share": self.max_relaxed_share}
+
+
+#: Both guards off: a relaxed rule behaves as it did before the guard existed.
+GUARD_OFF = GuardConfig(0, DEFAULT_GUARD_WINDOW, 1.0)
+
+
 @dataclass(frozen=True)
 class VerifyConfig:
     """How draft tokens are checked against the target."""
@@ -57,6 +104,9 @@ class VerifyConfig:
     mode: VerifyMode = "strict"
     theta: float = STRICT_THETA
     margin: MarginKind = "logit-ratio"
+    #: The loop guard. Off here (the paper's rule, as the library's building block); the jobs
+    #: layer turns the default guard on for generate, bench and the Python API.
+    guard: GuardConfig = GUARD_OFF
 
     @property
     def rule(self):
@@ -74,6 +124,9 @@ class VerifyRequest:
     mode: VerifyMode | None = None
     theta: float | None = None
     margin: MarginKind | None = None
+    repeat_ngram: int | None = None
+    repeat_window: int | None = None
+    max_relaxed_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -189,3 +242,6 @@ class CalibrateConfig:
     limit: int | None = None
     plot: str | None = None
     batch_size: int = 1  # records decoded together (same profile as 1)
+    #: The loop guard the replay applies (and the profile records): calibrate and generate
+    #: must agree on which relaxations can happen.
+    guard: GuardConfig = GuardConfig()

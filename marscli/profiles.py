@@ -225,7 +225,14 @@ _SCHEMA = _mapping({
     "verification": _mapping({
         "margin": _choice("logit-ratio", "prob-ratio"),
         "theta": _number(),
-    }),
+        # the loop guard the theta was calibrated with (absent in older profiles: the
+        # default guard applies, and the theta was calibrated without one)
+        "guard": _mapping({
+            "repeat_ngram": _integer(lo=0),
+            "repeat_window": _integer(lo=1),
+            "max_relaxed_share": _share,
+        }),
+    }, optional=("guard",)),
     "policy": _mapping({
         "name": _choice(*POLICIES),
         "value": _number(),
@@ -344,6 +351,20 @@ class Profile:
     @property
     def margin(self) -> str:
         return self.data["verification"]["margin"]
+
+    @property
+    def guard(self):
+        """The loop guard the profile was calibrated with (a GuardConfig), or None for a
+        profile from before the guard."""
+        from marscli.config import GuardConfig
+
+        g = self.data["verification"].get("guard")
+        if g is None:
+            return None
+        try:
+            return GuardConfig(g["repeat_ngram"], g["repeat_window"], g["max_relaxed_share"])
+        except ValueError as e:
+            raise ProfileError(f"{self.describe()}: verification.guard: {e}") from None
 
     @property
     def target_source(self) -> str | None:

@@ -82,6 +82,8 @@ TABLE_COLUMNS = (
     ("prefix", "prefix_share", ".3f"),
     ("NLL/tok", "nll_per_token", ".3f"),
     ("ROUGE-L", "rouge_l", ".3f"),
+    ("repeat", "repeat_share", ".3f"),
+    ("loops", "loop_share", ".2f"),
     ("ideal x ar", "ideal_speedup_vs_ar", ".2f"),
     ("meas/ideal", "measured_over_ideal", ".2f"),
 )

@@ -114,10 +114,13 @@ class Rule:
         return stat > (self.theta if self.relaxes else math.inf)
 
     def decide(self, facts: PositionFacts) -> Decision:
-        """Judge every position on its own (the caller keeps the accepted prefix or path)."""
+        """Judge every position on its own (the caller keeps the accepted prefix or path).
+        A ``guarded`` position (the loop guard or the relaxation budget) is judged strictly."""
         if not self.relaxes:  # no margin needed: all False, of the facts' own type and shape
             return Decision(ok=facts.strict_ok, relaxable=facts.strict_ok & ~facts.strict_ok)
         relaxable = self.relaxable(facts.statistics[self.margin])
+        if facts.guarded is not None:
+            relaxable = relaxable & ~facts.guarded
         ok = (relaxable & facts.in_top2) | (~relaxable & facts.strict_ok)
         return Decision(ok=ok, relaxable=relaxable)
 
@@ -130,12 +133,25 @@ class PositionFacts:
     statistics: Mapping[str, Any]  # margin name -> statistic (at least the rule's margin)
     in_top2: Any  # bool: the draft is the target's top-1 or top-2 token and p(draft) > 0
     strict_ok: Any  # bool: the strict check accepts the draft there on its own
+    #: bool or None: never relax here (the loop guard: the draft would extend a repeated
+    #: n-gram of the recent output; or the record's relaxation budget is spent)
+    guarded: Any = None
 
 
 @dataclass
 class Decision:
     ok: Any  # bool: the rule accepts the draft at this position (judged on its own)
     relaxable: Any  # bool: the check was relaxed here (a rejection draws from p, not a residual)
+
+
+def over_budget(wants: Any, relax_left: Any) -> Any:
+    """Elementwise [..., K]: the record's relaxation budget is spent by the time position i
+    is reached: at least ``relax_left`` [...] would-be relaxations (``wants``: accepted only
+    if relaxed) lie ahead of it in its step. Such a position is judged strictly. Torch
+    tensors in the verifier, numpy arrays in calibration's replay."""
+    w = wants.long() if isinstance(wants, torch.Tensor) else wants.astype("int64")
+    ahead = w.cumsum(-1) - w
+    return ahead >= relax_left[..., None]
 
 
 def relaxed_positions(accepted: Any, relaxable: Any, strict_ok: Any) -> Any:
@@ -284,6 +300,9 @@ class VerifyResult:
     relaxed: torch.Tensor  # [B, K] bool: accepted only thanks to the relaxed rule
     relaxable: torch.Tensor  # [B, K] bool: the rule relaxed the check at that draft position
     statistic: torch.Tensor  # [B, K] float32: the rule's margin statistic at each position
+    #: [B] bool or None: the row's first rejection is a relaxation the loop guard or the
+    #: relaxation budget refused (the rule alone would have accepted the draft there)
+    refused: torch.Tensor | None = None
 
     def emitted(self, drafts: torch.Tensor, b: int) -> list[int]:
         """Tokens row b emits this step: its accepted drafts, then the next token."""
@@ -294,13 +313,16 @@ class VerifyResult:
         """Row b's result alone, cut to its k drafts ([1, k] shapes)."""
         return VerifyResult(self.num_accepted[b: b + 1], self.next_token[b: b + 1],
                             self.relaxed[b: b + 1, :k], self.relaxable[b: b + 1, :k],
-                            self.statistic[b: b + 1, :k])
+                            self.statistic[b: b + 1, :k],
+                            None if self.refused is None else self.refused[b: b + 1])
 
     def host_rows(self) -> list[list[int]]:
-        """Per row [n, next token, relaxed flags (K), relaxable flags (K)] as Python ints, in
-        ONE device-to-host transfer for the whole batch."""
+        """Per row [n, next token, relaxed flags (K), relaxable flags (K), refused] as Python
+        ints, in ONE device-to-host transfer for the whole batch."""
+        refused = (torch.zeros_like(self.num_accepted) if self.refused is None
+                   else self.refused.long()).unsqueeze(1)
         packed = torch.cat([self.num_accepted.unsqueeze(1), self.next_token.unsqueeze(1),
-                            self.relaxed.long(), self.relaxable.long()], dim=1)  # [B, 2 + 2K]
+                            self.relaxed.long(), self.relaxable.long(), refused], dim=1)  # [B, 3 + 2K]
         return packed.cpu().tolist()
 
 
@@ -347,6 +369,8 @@ def verify(
     u_sample: torch.Tensor | None = None,  # [B]
     draft_probs: torch.Tensor | None = None,  # [B, K, V]; None: deterministic drafter (one-hot q)
     draft_len: torch.Tensor | None = None,  # [B]
+    guard: torch.Tensor | None = None,  # [B, K] bool: never relax here (the loop guard)
+    relax_left: torch.Tensor | None = None,  # [B] long: relaxations each row may still make
 ) -> VerifyResult:
     """Verify a chain step for every row: greedy when temperature == 0, else sampling.
 
@@ -355,6 +379,10 @@ def verify(
     Sampling: the strict check is Leviathan et al.'s; a rejection judged by it draws the
     correction from norm(max(0, p - q)), one at a relaxable position from p; after K
     acceptances a bonus from p. With a strict rule this reproduces the target's law exactly.
+
+    ``guard`` marks positions the rule must judge strictly (``PositionFacts.guarded``);
+    ``relax_left`` is each row's remaining relaxation budget: a position after that many
+    relaxations in the step is judged strictly too (the record is strict from there on).
     """
     if rule is None:
         rule = Rule.from_theta(math.inf if theta is None else theta, margin)
@@ -382,14 +410,27 @@ def verify(
         p_x = p[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
         strict_ok = strict_sampling_accepts(drafts, p[:, :K], u_accept, draft_probs)
         in_top2 = ((drafts == t1) | (drafts == t2)) & (p_x > 0)
-    decision = rule.decide(PositionFacts({rule.margin: stat}, in_top2, strict_ok))
+    facts = PositionFacts({rule.margin: stat}, in_top2, strict_ok)
+    decision = rule.decide(facts)
+    refused = None
+    if rule.relaxes and (guard is not None or relax_left is not None):
+        # Would-be relaxations (judged on their own) that the guard or the budget refuses.
+        wants = decision.ok & decision.relaxable & ~strict_ok & valid  # [B, K]
+        guarded = torch.zeros_like(wants) if guard is None else guard.to(wants.device) & valid
+        if relax_left is not None:
+            guarded = guarded | over_budget(wants, relax_left.to(wants.device))
+        facts.guarded = guarded
+        decision = rule.decide(facts)
+        n_ok = _prefix_len(decision.ok & valid)
+        at = n_ok.clamp(max=max(K - 1, 0)).unsqueeze(1)
+        refused = ((wants & guarded).gather(1, at).squeeze(1) & (n_ok < K)) if K > 0 else None
     relaxable = decision.relaxable & valid
     n = _prefix_len(decision.ok & valid)
     accepted = torch.arange(K, device=drafts.device).unsqueeze(0) < n.unsqueeze(1)
     relaxed = relaxed_positions(accepted, relaxable, strict_ok)
     if greedy:
         nxt = argmax.gather(1, n.unsqueeze(1)).squeeze(1)
-        return VerifyResult(n, nxt, relaxed, relaxable, stat)
+        return VerifyResult(n, nxt, relaxed, relaxable, stat, refused)
     # The next token: from row n of p, or of the residual when a strict check rejected there.
     rows = torch.arange(B, device=drafts.device)
     p_n = p[rows, n]  # [B, V]
@@ -402,7 +443,7 @@ def verify(
             q_n = None if draft_probs is None else draft_probs[rows, n_c].float()
             dist = torch.where(use_residual.unsqueeze(1), residual(p_n, q_n, drafts[rows, n_c]), p_n)
     nxt = sample_from(dist, u_sample)
-    return VerifyResult(n, nxt, relaxed, relaxable, stat)
+    return VerifyResult(n, nxt, relaxed, relaxable, stat, refused)
 
 
 def strict_greedy(drafts: torch.Tensor, logits: torch.Tensor,
@@ -438,6 +479,8 @@ def verify_rows(
     u_accept: torch.Tensor | None = None,  # [B, K]: rows that sample; anything for greedy rows
     u_sample: torch.Tensor | None = None,  # [B]
     draft_probs: torch.Tensor | None = None,  # [B, K, V]
+    guard: torch.Tensor | None = None,  # [B, K] bool: never relax here (the loop guard)
+    relax_left: torch.Tensor | None = None,  # [B] long: each row's remaining relaxations
 ) -> VerifyResult:
     """One verification for a whole batch whose rows may decode differently (per-record
     temperature, top-k, top-p). Rows sharing settings are verified together (one group in
@@ -455,7 +498,7 @@ def verify_rows(
                       top_p=top_p, u_accept=None if temperature == 0.0 else sel(u_accept),
                       u_sample=None if temperature == 0.0 else sel(u_sample),
                       draft_probs=None if temperature == 0.0 else sel(draft_probs),
-                      draft_len=sel(draft_len))
+                      draft_len=sel(draft_len), guard=sel(guard), relax_left=sel(relax_left))
 
     if len(groups) == 1:
         return one(None, keys[0])
@@ -463,12 +506,15 @@ def verify_rows(
                        torch.zeros(B, dtype=torch.long, device=drafts.device),
                        torch.zeros(B, K, dtype=torch.bool, device=drafts.device),
                        torch.zeros(B, K, dtype=torch.bool, device=drafts.device),
-                       torch.zeros(B, K, device=drafts.device))
+                       torch.zeros(B, K, device=drafts.device),
+                       torch.zeros(B, dtype=torch.bool, device=drafts.device))
     for key, idx in groups.items():
         part = one(idx, key)
         ix = torch.tensor(idx, dtype=torch.long, device=drafts.device)
         for name in ("num_accepted", "next_token", "relaxed", "relaxable", "statistic"):
             getattr(out, name)[ix] = getattr(part, name)
+        if part.refused is not None:
+            out.refused[ix] = part.refused
     return out
 
 
@@ -506,6 +552,8 @@ def verify_tree(
     top_p: float = 1.0,
     u_accept: torch.Tensor | None = None,  # [N] uniforms in [0, 1), one per node
     u_sample: torch.Tensor | None = None,  # [] or [1] uniform in [0, 1) for the next token
+    guard: torch.Tensor | None = None,  # [N] bool: never relax node i (judged at its parent's row)
+    relax_left: int | None = None,  # relaxations the record may still make (None: no budget)
 ) -> TreeVerifyResult:
     """Verify a draft tree with the chain's rule, node by node (a node is judged at its
     parent's row); greedy when temperature == 0, else sampling.
@@ -521,6 +569,10 @@ def verify_tree(
     none, the correction comes from that row's p itself. A leaf's bonus comes from its row's
     p. With a strict rule this reproduces the target's law exactly (SpecInfer's multi-draft
     rejection with one-hot drafts).
+
+    ``guard`` and ``relax_left`` as in ``verify``: a guarded node is judged strictly (in
+    sampling, a row with a guarded child is walked strictly, as the chain's guarded position
+    is), and no path holds more than ``relax_left`` relaxed nodes.
     """
     if rule is None:
         rule = Rule.from_theta(math.inf if theta is None else theta, margin)
@@ -535,8 +587,16 @@ def verify_tree(
     has_children = torch.zeros(n + 1, dtype=torch.bool, device=logits.device)
     has_children[parents + 1] = True
     relaxable = rule.relaxable(stat) & has_children
+    if guard is not None:
+        guard = guard.to(logits.device)
+        assert guard.shape == (n,), f"guard must be [N] = [{n}], got {tuple(guard.shape)}"
+        # a row with a guarded child is not relaxed (the chain's guarded position, per row)
+        row_guarded = torch.zeros(n + 1, dtype=torch.long, device=logits.device).index_add(
+            0, parents + 1, guard.long()) > 0
+        relaxable = relaxable & ~row_guarded
+    budget = math.inf if relax_left is None else relax_left
     if temperature == 0.0:
-        path, relaxed, nxt = _tree_greedy(tree, kids, logits, t1, t2, stat, rule)
+        path, relaxed, nxt = _tree_greedy(tree, kids, logits, t1, t2, stat, rule, guard, budget)
     else:
         assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
         assert u_accept.shape == (n,), f"u_accept must be [N] = [{n}], got {tuple(u_accept.shape)}"
@@ -544,7 +604,7 @@ def verify_tree(
         u_accept, u_sample = u_accept.to(logits.device), u_sample.to(logits.device)
         p = sampling_probs(logits, temperature, top_k, top_p)  # [N+1, V]
         path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule,
-                                            u_accept, u_sample.reshape(1))
+                                            u_accept, u_sample.reshape(1), budget)
     return TreeVerifyResult(path, nxt, relaxed, stat, relaxable)
 
 
@@ -555,15 +615,17 @@ def _node_facts(tokens: torch.Tensor, alive: torch.Tensor, t1: torch.Tensor, t2:
     return PositionFacts({margin: stat}, ((tokens == t1) | (tokens == t2)) & alive, strict_ok)
 
 
-def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule):
-    """Longest ok path. Nodes are visited in depth-first order (children in index order), so
-    the first path found of a given (length, relaxed count) wins its ties."""
+def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule, guard=None, budget=math.inf):
+    """Longest ok path with at most ``budget`` relaxed nodes. Nodes are visited in depth-first
+    order (children in index order), so the first path found of a given (length, relaxed
+    count) wins its ties."""
     rows = tree.parents.to(logits.device) + 1  # [N] the row that judges each node
     tok = tree.tokens.to(logits.device)
     strict_ok = tok == t1[rows]
     alive = logits.float()[rows].gather(1, tok.unsqueeze(1)).squeeze(1) > -math.inf
     facts = _node_facts(tok, alive, t1[rows], t2[rows], stat[rows], rule.margin, strict_ok)
     facts.in_top2 = facts.in_top2 | strict_ok  # as in the chain: the top-1 always qualifies
+    facts.guarded = guard
     d = rule.decide(facts)
     ok = d.ok.tolist()
     was_relaxed = relaxed_positions(d.ok, d.relaxable, strict_ok).tolist()
@@ -574,8 +636,8 @@ def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule):
     stack = [(c, [], []) for c in reversed(kids[0])]
     while stack:
         i, path, flags = stack.pop()
-        if not ok[i]:
-            continue  # not ok: nothing below it is reachable
+        if not ok[i] or (was_relaxed[i] and sum(flags) >= budget):
+            continue  # not ok (or over the budget): nothing below it is reachable
         path = path + [i]
         flags = flags + [bool(was_relaxed[i])]
         key = (len(path), -sum(flags))
@@ -586,7 +648,8 @@ def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule):
     return best_path, best_relaxed, int(t1[last_row])
 
 
-def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept, u_sample):
+def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept, u_sample,
+                   budget=math.inf):
     """The sampling walk: sequential strict rejection over siblings where the rule does not
     relax the row; the rule's choice among the children where it does."""
     tokens = tree.tokens.to(p.device)
@@ -599,7 +662,7 @@ def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept,
         if not children:
             dist = p_row  # bonus: from the plain target distribution
             break
-        if bool(relaxable[row]):
+        if bool(relaxable[row]) and sum(relaxed) < budget:
             c_idx = torch.tensor(children, dtype=torch.long, device=p.device)
             c_tok = tokens[c_idx]
             M = len(children)
@@ -625,8 +688,10 @@ def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept,
         for c in children:
             tok = tokens[c].view(1)
             strict_ok = strict_sampling_accepts(tok.view(1, 1), p_row.unsqueeze(1), u_accept[c].view(1, 1))[:, 0]
-            d = rule.decide(_node_facts(tok, p_row[0, tok] > 0, t1[row].view(1), t2[row].view(1),
-                                        stat[row].view(1), rule.margin, strict_ok))
+            facts = _node_facts(tok, p_row[0, tok] > 0, t1[row].view(1), t2[row].view(1),
+                                stat[row].view(1), rule.margin, strict_ok)
+            facts.guarded = torch.ones_like(strict_ok)  # a row walked strictly (guard, budget)
+            d = rule.decide(facts)
             if bool(d.ok[0]):
                 accepted = c
                 break

@@ -94,7 +94,8 @@ def test_verify_rows_with_mixed_settings_equals_each_row_alone(rule):
                      u_sample=None if s.greedy else u_smp[b: b + 1], draft_len=draft_len[b: b + 1])
         assert rows[b][0] == int(one.num_accepted[0]) and rows[b][1] == int(one.next_token[0]), b
         assert rows[b][2: 2 + K] == one.relaxed[0].long().tolist()
-        assert rows[b][2 + K:] == one.relaxable[0].long().tolist()
+        assert rows[b][2 + K: 2 + 2 * K] == one.relaxable[0].long().tolist()
+        assert rows[b][2 + 2 * K] == 0  # no guard: nothing refused
         assert int(one.num_accepted[0]) <= int(draft_len[b])
 
 

@@ -26,6 +26,6 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
 
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size)
     try:
-        return Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size)
+        return Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size, guard=verify_cfg.guard)
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from marscli.config import DraftConfig, Request, SamplingParams
+from marscli.config import GUARD_OFF, DraftConfig, GuardConfig, Request, SamplingParams
 from marscli.drafters.base import BatchedDrafter, Proposal
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
 from marscli.engine.sequence import GenerationResult, RowSettings, Sequence, StepObservation
@@ -62,7 +62,7 @@ class Engine:
     """
 
     def __init__(self, target, drafters: BatchedDrafter, rule: Rule, draft_cfg: DraftConfig,
-                 batch_size: int = 1):
+                 batch_size: int = 1, guard: GuardConfig = GUARD_OFF):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         self.target = target
@@ -86,8 +86,9 @@ class Engine:
             except ValueError as e:  # sliding windows, flash attention...: chain drafting still works
                 raise UsageError(f"--tree-*: {e}") from None
             k_max = self.tree.max_path
+        self.guard = guard
         self.settings = RowSettings(target.tokenizer, frozenset(int(t) for t in target.eos_token_ids),
-                                    k_max, target.context_length)
+                                    k_max, target.context_length, guard, rule.relaxes)
         # A drafter that drafts from the target's hidden states (EAGLE-3) names the layers it
         # reads; every target forward pass then captures them (no second pass).
         self.tap = None
@@ -309,8 +310,10 @@ class Engine:
         draft_len = torch.tensor(ks, dtype=torch.long, device=dev)  # [B]
         u_acc, u_smp = self._uniforms(ks, K, dev)
         q = self._draft_probs(proposals, ks, K, logits)
+        guard, relax_left = self._guards(drafts, K, dev)
         res = verify_rows(d_t, logits, draft_len, self.rule, [r.seq.sampling for r in rows],
-                          u_accept=u_acc, u_sample=u_smp, draft_probs=q)
+                          u_accept=u_acc, u_sample=u_smp, draft_probs=q, guard=guard,
+                          relax_left=relax_left)
         verdicts = res.host_rows()  # the step's one device-to-host transfer
         finished = []
         for b, (r, d) in enumerate(zip(rows, drafts)):
@@ -320,8 +323,10 @@ class Engine:
             relaxable = sum(verdicts[b][2 + K: 2 + K + min(n + 1, k)])
             observation = None
             if r.seq.observer is not None:
-                observation = self._chain_observation(b, k, d_t, logits, res, r.seq.sampling, u_acc, q)
-            emitted = r.seq.commit(d[:n] + [nxt], k, n, relaxed, relaxable, observation)
+                observation = self._chain_observation(b, k, d_t, logits, res, r.seq.sampling, u_acc, q,
+                                                      guard)
+            emitted = r.seq.commit(d[:n] + [nxt], k, n, relaxed, relaxable, observation,
+                                   refused=verdicts[b][2 + 2 * K])
             if features is not None:  # the positions the target keeps: pending + accepted drafts
                 self.drafters.observe(b, features[b, : len(emitted)])
             self.drafters.accepted(b, k, n, r.seq.seq)
@@ -333,6 +338,24 @@ class Engine:
         if not finished:
             self.kv.trim()
         return finished
+
+    def _guards(self, drafts: list[list[int]], K: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The loop guard's verdicts [B, K] (True: never relax this draft) and each row's
+        remaining relaxation budget [B]; None where there is nothing to guard. Strict runs
+        with an observer (calibration) get the verdicts too, for the replay."""
+        rows = self.rows
+        g = self.guard
+        guard = None
+        if g.repeat_ngram and (self.rule.relaxes or any(r.seq.observer is not None for r in rows)):
+            m = torch.zeros(len(rows), K, dtype=torch.bool)
+            for b, (r, d) in enumerate(zip(rows, drafts)):
+                if d:
+                    m[b, : len(d)] = torch.tensor(r.seq.repeats(d), dtype=torch.bool)
+            guard = m.to(dev)
+        relax_left = None
+        if self.rule.relaxes and g.budgeted:
+            relax_left = torch.tensor([r.seq.relax_left() for r in rows], dtype=torch.long).to(dev)
+        return guard, relax_left
 
     def _uniforms(self, ks: list[int], K: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every sampling row's draws for this step ([B, K] and [B]; zeros for greedy rows)."""
@@ -365,14 +388,15 @@ class Engine:
         return q
 
     @staticmethod
-    def _chain_observation(b, k, d_t, logits, res, sampling, u_acc, q) -> Callable[[int], StepObservation]:
+    def _chain_observation(b, k, d_t, logits, res, sampling, u_acc, q, guard) -> Callable[[int], StepObservation]:
         sampled = not sampling.greedy
 
         def make(emitted: int) -> StepObservation:
             return StepObservation(
                 d_t[b: b + 1, :k], logits[b: b + 1, : k + 1], res.row(b, k), sampling,
                 u_acc[b: b + 1, :k] if sampled and u_acc is not None else None,
-                q[b: b + 1, :k] if sampled and q is not None else None, emitted)
+                q[b: b + 1, :k] if sampled and q is not None else None, emitted,
+                guard=None if guard is None else guard[b: b + 1, :k])
         return make
 
     def _tree_step(self, tokens: list[int], parents: list[int]) -> list[int]:
@@ -389,8 +413,12 @@ class Engine:
         N = len(tree)
         s = seq.sampling
         u_accept, u_sample = seq.uniforms(N)
+        guard = None
+        if self.guard.repeat_ngram and (self.rule.relaxes or seq.observer is not None):
+            guard = torch.tensor(_tree_repeats(seq, tokens, parents), dtype=torch.bool)  # [N]
         res = verify_tree(tree, logits, rule=self.rule, temperature=s.temperature, top_k=s.top_k,
-                          top_p=s.top_p, u_accept=u_accept, u_sample=u_sample)
+                          top_p=s.top_p, u_accept=u_accept, u_sample=u_sample, guard=guard,
+                          relax_left=seq.relax_left())
         path = [int(i) for i in res.path]
         n = len(path)
         depth = int(tree.depth().max())
@@ -404,7 +432,7 @@ class Engine:
                 return StepObservation(
                     tree.tokens[path].view(1, n) if n else torch.zeros(1, 0, dtype=torch.long),
                     logits[rows].unsqueeze(0), res, s, None, None, emitted, tree=tree,
-                    tree_logits=logits, tree_u_accept=u_accept)
+                    tree_logits=logits, tree_u_accept=u_accept, guard=guard)
         emitted = seq.commit([tokens[i] for i in path] + [res.next_token], depth, n,
                              sum(res.relaxed), relaxable, observation)
         if self.last_features is not None:
@@ -427,3 +455,15 @@ class Engine:
             out = forward()
         self.last_features = self.tap.features
         return out
+
+
+def _tree_repeats(seq: Sequence, tokens: list[int], parents: list[int]) -> list[bool]:
+    """The loop guard's verdict for every node of a draft tree: its root path (the drafts
+    ahead of it) and then the node, as a chain draft would be judged."""
+    out = []
+    for i in range(len(tokens)):
+        path = [i]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        out.append(seq.repeats([tokens[j] for j in reversed(path)])[-1])
+    return out

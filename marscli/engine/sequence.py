@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from marscli.config import SamplingParams
+from marscli.config import GUARD_OFF, GuardConfig, SamplingParams
+from marscli.repetition import NgramIndex
 from marscli.verify import step_uniforms
 
 FINISH_STOP = "stop"
@@ -52,6 +53,12 @@ class SpecStats:
     # Tree steps: drafted/accepted count path positions (depths); tree_nodes counts the nodes
     # the target scored.
     tree_nodes: int = 0
+    # The loop guard (only reported when a guard is active): steps whose first rejection was
+    # a relaxation the guard or the budget refused, and the completion length at which the
+    # relaxation budget ran out (the record is strict from there on).
+    guarded: bool = False
+    guard_refused: int = 0
+    budget_spent_at: int | None = None
 
     def __post_init__(self) -> None:
         k = max(self.k_max, 0)
@@ -90,6 +97,8 @@ class SpecStats:
             "drafted_per_position": self.drafted_per_position,
             "accepted_per_step_hist": self.accepted_hist,
             **({"tree_nodes": self.tree_nodes} if self.tree_nodes else {}),
+            **({"guard_refused": self.guard_refused, "budget_spent_at": self.budget_spent_at}
+               if self.guarded else {}),
         }
 
 
@@ -146,6 +155,9 @@ class StepObservation:
     tree: Any = None  # marscli.tree.DraftTree
     tree_logits: torch.Tensor | None = None  # [N+1, V] rows: root, then node i at i + 1
     tree_u_accept: torch.Tensor | None = None  # [N] acceptance uniforms (sampling only)
+    #: The loop guard's verdict per draft ([1, k] bool; [N] per node for trees): calibration
+    #: replays relaxed rules with it. None: no guard.
+    guard: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,11 @@ class RowSettings:
     eos: frozenset[int]
     k_max: int  # the most drafts (chain) or path positions (tree) a step verifies
     context_length: int | None
+    #: The loop guard and relaxation budget of a relaxed rule (GUARD_OFF: none). A Sequence
+    #: keeps the n-gram index of its output whenever the guard is on (calibration, strict,
+    #: records the guard's verdicts too, for its replay).
+    guard: GuardConfig = GUARD_OFF
+    relaxing: bool = False  # the rule relaxes: the budget applies
 
 
 #: Builds a step's StepObservation from the number of tokens the step really added; called
@@ -187,6 +204,23 @@ class Sequence:
         self.checked_chars = 0
         self.text: str | None = None
         self.done = len(self.out) >= self.max_new
+        g = settings.guard
+        self.ngrams = NgramIndex(g.repeat_ngram, g.repeat_window) if g.repeat_ngram else None
+        self.relax_budget = g.budget(self.max_new) if settings.relaxing else None
+        self.stats.guarded = settings.relaxing and (g.repeat_ngram > 0 or g.budgeted)
+        if self.relax_budget == 0:
+            self.stats.budget_spent_at = 0
+
+    def repeats(self, drafts: list[int]) -> list[bool]:
+        """Per draft: the loop guard refuses to relax it (it completes an n-gram seen in the
+        last W tokens of the output); all False without a guard."""
+        return self.ngrams.repeats(drafts) if self.ngrams is not None else [False] * len(drafts)
+
+    def relax_left(self) -> int | None:
+        """Relaxations this record may still make (None: no budget)."""
+        if self.relax_budget is None:
+            return None
+        return max(self.relax_budget - self.stats.relaxed, 0)
 
     def k_cap(self) -> int:
         """The most drafts the next step can use (the remaining budget less the bonus)."""
@@ -200,10 +234,11 @@ class Sequence:
         return step_uniforms(self.gen, n)
 
     def commit(self, emitted: list[int], k: int, n: int, relaxed: int, relaxable: int,
-               observation: ObservationFactory | None = None) -> list[int]:
+               observation: ObservationFactory | None = None, refused: int = 0) -> list[int]:
         """Apply one verified step: `emitted` = the accepted drafts (chain) or path tokens
         (tree), then the correction or bonus. Stopping rules, statistics, the observer and the
-        sequence update; returns the tokens the step really added."""
+        sequence update; returns the tokens the step really added. `refused`: the step's
+        first rejection was a relaxation the loop guard or the budget refused."""
         remaining = self.max_new - len(self.out)
         # Stopping: EOS ends the sequence after it; max tokens cuts the step short.
         stop_at = None
@@ -216,11 +251,17 @@ class Sequence:
             self.finish = FINISH_STOP
         emitted = emitted[:remaining]
         self.stats.record_step(k, n, relaxed, relaxable, len(emitted))
+        self.stats.guard_refused += refused
         if self.observer is not None and observation is not None:
             self.observer(observation(len(emitted)))
         self.seq.extend(emitted)
         out = self.out
         out.extend(emitted)
+        if self.ngrams is not None:
+            self.ngrams.extend(emitted)
+        if (self.relax_budget is not None and self.stats.budget_spent_at is None
+                and self.stats.relaxed >= self.relax_budget):
+            self.stats.budget_spent_at = len(out)
         if self.stopper is not None:
             # Check token by token so the completion ends at the token that completes it.
             at, decoded = None, ""

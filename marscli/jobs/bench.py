@@ -26,6 +26,7 @@ from marscli.bench import (
     HF_ASSISTED,
     HF_GENERATE,
     MARS_METHODS,
+    MARS_NOGUARD,
     MIB,
     REFERENCE_METHODS,
     REPORT_FORMAT,
@@ -44,7 +45,17 @@ from marscli.bench import (
     round_or_none,
     summarize,
 )
-from marscli.config import PAPER_THETA, DraftConfig, ModelConfig, Request, SamplingParams, VerifyConfig, VerifyRequest
+from marscli.config import (
+    GUARD_OFF,
+    PAPER_THETA,
+    DraftConfig,
+    GuardConfig,
+    ModelConfig,
+    Request,
+    SamplingParams,
+    VerifyConfig,
+    VerifyRequest,
+)
 from marscli.errors import EXIT_OK, InputError, UsageError
 from marscli.jobs.console import UNIT_RUNS, Progress
 from marscli.jobs.console import Log as Narration
@@ -52,6 +63,7 @@ from marscli.jobs.measure import ForwardCounter, forward_times, peak_rss_mib, qu
 from marscli.jobs.setup import (
     check_choices,
     draft_config,
+    guard_request,
     load_models,
     make_engine,
     named_profile,
@@ -60,11 +72,17 @@ from marscli.jobs.setup import (
 )
 from marscli.report import REPORT_WIDTH, json_safe, render_tables, write_outputs
 
-def method_verification(kind: str, theta: float | None, margin: str) -> VerifyConfig:
+def method_verification(kind: str, theta: float | None, margin: str,
+                        guard: GuardConfig = GUARD_OFF) -> VerifyConfig:
     """A bench method's verification, by generate's rule (MARS at its theta, or strict), with
-    the margin statistic already resolved."""
+    the margin statistic already resolved; `mars-noguard` without the loop guard."""
     mode = "mars" if kind in MARS_METHODS else "strict"
-    return resolve_verification(VerifyRequest(mode, theta if mode == "mars" else None, margin), None)
+    if kind == MARS_NOGUARD:
+        guard = GUARD_OFF
+    g = guard.to_dict()
+    return resolve_verification(VerifyRequest(mode, theta if mode == "mars" else None, margin,
+                                              g["repeat_ngram"], g["repeat_window"],
+                                              g["max_relaxed_share"]), None)
 
 
 Runner = Callable[[list[int], SamplingParams], tuple[list[int], Any]]
@@ -98,7 +116,7 @@ class Bench:
                 self.runners[m.name] = self._hf_runner(self._assisted_kwargs())
             else:
                 dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
-                engine = make_engine(target, draft, method_verification(m.kind, m.theta, cfg.margin), dcfg)
+                engine = make_engine(target, draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard), dcfg)
                 self.engines[m.name] = engine
                 self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != "none")
         self._check_generation_config()
@@ -311,7 +329,7 @@ class Bench:
                     stats = None
                 else:
                     dcfg = DraftConfig(kind="none") if m.kind == AR else cfg.draft
-                    engine = make_engine(self.target, self.draft, method_verification(m.kind, m.theta, cfg.margin),
+                    engine = make_engine(self.target, self.draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard),
                                          dcfg, bs)
                     results: dict[int, Any] = {}
                     for i, res in engine.run(range(len(prompts)), lambda i: (prompts[i].ids, sampling)):
@@ -528,6 +546,7 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
             "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seeds": list(cfg.seeds),
             "limit": cfg.limit, "margin": cfg.margin,
             "thetas": sorted({m.theta for m in cfg.methods if m.kind in MARS_METHODS}),
+            "guard": cfg.guard.to_dict(),
             "drafter": {"kind": cfg.draft.kind, "model": cfg.draft.model,
                         "num_draft_tokens": cfg.draft.num_draft_tokens, "adaptive": cfg.draft.adaptive,
                         "ngram_max": cfg.draft.ngram_max, "ngram_min": cfg.draft.ngram_min,
@@ -612,6 +631,8 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
                  num_draft_tokens: int | None = None, adaptive: bool | None = None, ngram_max: int | None = None,
                  ngram_min: int | None = None, tree_depth: int | None = None, tree_top_k: int | None = None,
                  tree_tokens: int | None = None, margin: str | None = None, offline: bool = False,
+                 repeat_guard: int | None = None, repeat_window: int | None = None,
+                 max_relaxed_share: float | None = None, no_guard: bool = False,
                  note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's)."""
@@ -622,7 +643,9 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
                          "without a launcher (accelerate launch, torchrun)")
     check_choices(margin, dtype, ngram_min, ngram_max)
     prof = named_profile(profile)
-    margin = resolve_verification(VerifyRequest("strict", None, margin), prof).margin
+    resolved = resolve_verification(VerifyRequest("strict", None, margin, **guard_request(
+        repeat_guard, repeat_window, max_relaxed_share, no_guard)), prof)
+    margin = resolved.margin
     thetas = parse_float_list(theta, "--theta") if theta is not None else ()
     if prof is not None and prof.theta not in thetas:
         thetas = (*thetas, prof.theta)
@@ -644,6 +667,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
         report=report,
         plot=plot,
         batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
+        guard=resolved.guard,
     )
     if prof is not None:
         note(f"using profile {prof.describe()}: theta {prof.theta:.6g} ({prof.margin})")

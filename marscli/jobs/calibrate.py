@@ -81,7 +81,7 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
     from marscli.calibrate import analyse, build_profile
     from marscli.profiles import default_profile_name
 
-    data = collector.data(records=records - failed, failed=failed)
+    data = collector.data(records=records - failed, failed=failed, guard=cfg.guard)
     if data.positions == 0:
         raise MarscliError(f"{cfg.input}: the drafter proposed no tokens on these prompts, so there "
                            "are no margins to calibrate on (try --fixed-k, more or longer prompts, or another drafter)")
@@ -115,7 +115,8 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
 
     with step("loading the models") as s:
         target, draft_loaded = load_models(cfg.target, cfg.draft_model, log.info, group, cfg.draft.kind)
-        engine = make_engine(target, draft_loaded, VerifyConfig(), cfg.draft, cfg.batch_size)
+        # Strict, with the guard: the engine records the guard's verdicts for the replay.
+        engine = make_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size)
         s.value = (identity_for_profile(target.identity),
                    identity_for_profile(draft_loaded.identity) if draft_loaded else None)
     if group is not None and any(v != s.values[0] for v in s.values):

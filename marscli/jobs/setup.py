@@ -20,6 +20,7 @@ from marscli.config import (
     STRICT_THETA,
     TREE_DEFAULTS,
     DraftConfig,
+    GuardConfig,
     ModelConfig,
     SamplingParams,
     VerifyConfig,
@@ -197,7 +198,31 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
             note(f"--verify mars without --theta or a profile: using the paper's theta = {PAPER_THETA}")
     if mode == "strict" and req.theta is not None:
         note("--theta has no effect with --verify strict")
-    return VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin)
+    return VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin,
+                        resolve_guard(req, profile))
+
+
+def resolve_guard(req: VerifyRequest, profile) -> GuardConfig:
+    """Command line > profile > defaults for the loop guard (on by default: marscli.repetition)."""
+    base = profile.guard if profile is not None and profile.guard is not None else GuardConfig()
+    try:
+        return GuardConfig(
+            base.repeat_ngram if req.repeat_ngram is None else req.repeat_ngram,
+            base.repeat_window if req.repeat_window is None else req.repeat_window,
+            base.max_relaxed_share if req.max_relaxed_share is None else req.max_relaxed_share)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def guard_request(repeat_guard: int | None = None, repeat_window: int | None = None,
+                  max_relaxed_share: float | None = None, no_guard: bool = False) -> dict[str, Any]:
+    """The guard options of generate, calibrate and bench -> VerifyRequest fields."""
+    if no_guard:
+        if repeat_guard not in (None, 0) or max_relaxed_share not in (None, 1.0):
+            raise UsageError("--no-guard excludes --repeat-guard and --max-relaxed-share")
+        repeat_guard, max_relaxed_share = 0, 1.0
+    return {"repeat_ngram": repeat_guard, "repeat_window": repeat_window,
+            "max_relaxed_share": max_relaxed_share}
 
 
 # --------------------------------------------------------------------------- loading
@@ -282,7 +307,13 @@ def drafter_desc(d: DraftConfig) -> str:
 
 
 def verify_desc(v: VerifyConfig) -> str:
-    return v.mode if v.mode == "strict" else f"mars (theta={v.theta:g}, {v.margin})"
+    if v.mode == "strict":
+        return v.mode
+    g = v.guard
+    guard = ", ".join(([f"repeat guard {g.repeat_ngram}-grams in {g.repeat_window} tokens"]
+                       if g.repeat_ngram else []) +
+                      ([f"at most {g.max_relaxed_share:g} relaxed"] if g.budgeted else [])) or "no loop guard"
+    return f"mars (theta={v.theta:g}, {v.margin}; {guard})"
 
 
 # --------------------------------------------------------------------------- generation
@@ -321,6 +352,7 @@ class Generator:
         v = self.verify
         return {"drafter": self.draft.kind, "verify": v.mode,
                 "theta": None if v.mode == "strict" else v.theta, "margin": v.margin,
+                **({"guard": v.guard.to_dict()} if v.rule.relaxes else {}),
                 "profile": self.profile.reference() if self.profile is not None else None}
 
     def results(self, items: Iterable, sampling: SamplingParams, options) -> Iterator[tuple[Any, dict, float]]:
@@ -351,7 +383,9 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
                      tree_tokens: int | None = None, batch_size: int = 1, dtype: str = "auto",
                      device: str = "auto", device_map: str | None = None, load_in_8bit: bool = False,
                      load_in_4bit: bool = False, max_memory: str | None = None,
-                     bnb_compute_dtype: str = "auto", offline: bool = False) -> ModelSetup:
+                     bnb_compute_dtype: str = "auto", offline: bool = False,
+                     repeat_guard: int | None = None, repeat_window: int | None = None,
+                     max_relaxed_share: float | None = None, no_guard: bool = False) -> ModelSetup:
     """Options of `marscli generate` (and of marscli.load) -> ModelSetup, checked before
     anything is loaded. Command line > profile > defaults: a --profile supplies the target
     and the drafter's settings that are not given."""
@@ -364,5 +398,6 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
     check_batch(dcfg, batch_size)
     tcfg, dmcfg = model_configs(target_source(target, prof), dcfg, dtype, device, device_map, load_in_8bit,
                                 load_in_4bit, max_memory, bnb_compute_dtype, offline)
-    return ModelSetup(tcfg, dcfg, dmcfg, VerifyRequest(verify, theta, margin),
+    guard = guard_request(repeat_guard, repeat_window, max_relaxed_share, no_guard)
+    return ModelSetup(tcfg, dcfg, dmcfg, VerifyRequest(verify, theta, margin, **guard),
                       str(prof.path) if prof is not None else None, not no_profile, batch_size)

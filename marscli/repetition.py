@@ -1,0 +1,131 @@
+"""Repetition: the statistic that makes loops visible, and the index the loop guard asks.
+
+Relaxed verification plus prompt lookup amplifies repetition: the n-gram drafter proposes
+continuations copied from earlier text, and where the target hesitates between its top two
+tokens and the runner-up is the copy, a relaxed rule accepts the copy; each accepted copy
+makes the next one likelier (issue 17; docs/calibration.md, "Loops"). Repetitive text is also
+*likely* text, so a proxy such as the target's NLL of the output falls as the output loops.
+
+Two things live here, both plain Python over token ids (no torch, no model):
+
+- ``NgramIndex``: the n-grams of one record's recent *output* (its generated tokens, not the
+  prompt), kept incrementally as tokens are committed. ``repeats(drafts)`` says, for each
+  draft token x, whether ``(last n-1 tokens before x) + x`` already occurs among the last W
+  tokens before x (the output so far and the drafts ahead of x in the same step). The loop
+  guard never *relaxes* such a token: a strict acceptance is still allowed (that is the
+  target's own choice), a relaxed one is not.
+- the per-record statistics reported in every result's ``spec`` and by ``bench``: the share of
+  generated tokens that complete an n-gram already seen in the last W tokens
+  (``repeat_share``) and whether the output ends in a loop (``ends_in_loop``).
+
+The prompt is left out on purpose: copying from the prompt (a signature, a quoted passage) is
+what prompt lookup is for; copying the output's own recent text is how a loop starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# n-gram size and window (tokens) of the guard, and of the repetition statistic whatever the
+# guard's settings (so strict and relaxed runs are measured alike).
+from marscli.config import DEFAULT_GUARD_NGRAM, DEFAULT_GUARD_WINDOW
+#: A loop at the end of an output: a block of at most LOOP_MAX_PERIOD tokens repeated at least
+#: LOOP_MIN_REPEATS times, covering at least LOOP_MIN_SPAN tokens, up to the last token.
+LOOP_MAX_PERIOD = 64
+LOOP_MIN_REPEATS = 3
+LOOP_MIN_SPAN = 24
+
+
+class NgramIndex:
+    """The n-grams of a token stream (one record's output), for "has this n-gram been seen in
+    the last W tokens?" in O(1) per question.
+
+    ``last[g]`` is the start of the most recent occurrence of n-gram g; an occurrence counts
+    when it lies wholly within the window, i.e. starts at or after len - W.
+    """
+
+    def __init__(self, n: int = DEFAULT_GUARD_NGRAM, window: int = DEFAULT_GUARD_WINDOW):
+        if n < 2:
+            raise ValueError(f"the guard's n-gram size must be at least 2, got {n}")
+        if window < n:
+            raise ValueError(f"the guard's window ({window}) must be at least its n-gram size ({n})")
+        self.n = n
+        self.window = window
+        self.tokens: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Commit tokens to the stream (a step's emitted tokens)."""
+        n, toks = self.n, self.tokens
+        for t in tokens:
+            toks.append(int(t))
+            start = len(toks) - n
+            if start >= 0:
+                self.last[tuple(toks[start:])] = start
+
+    def repeats(self, drafts: Sequence[int]) -> list[bool]:
+        """For each draft i: does the n-gram ending at drafts[i] (after the stream and
+        drafts[:i]) occur among the last W tokens before drafts[i]? The index is unchanged."""
+        n, W = self.n, self.window
+        y = self.tokens[-(W + n):] + [int(t) for t in drafts]  # enough history for every draft
+        base = len(self.tokens) - (len(y) - len(drafts))  # stream position of y[0]
+        local: dict[tuple[int, ...], int] = {}  # n-grams that end inside the drafts
+        out = []
+        for i in range(len(drafts)):
+            end = len(y) - len(drafts) + i  # index of drafts[i] in y
+            start = end - n + 1
+            if start < 0 or base + start < 0:
+                out.append(False)
+            else:
+                g = tuple(y[start: end + 1])
+                before = local.get(g, self.last.get(g))
+                # an earlier occurrence, wholly within the W tokens before drafts[i]
+                lo = base + end - W
+                out.append(before is not None and before >= lo and before < base + start)
+                local[g] = base + start
+        return out
+
+
+def repeat_flags(tokens: Sequence[int], n: int = DEFAULT_GUARD_NGRAM,
+                 window: int = DEFAULT_GUARD_WINDOW) -> list[bool]:
+    """Per token: does it complete an n-gram seen among the W tokens before it? (The same
+    question the guard asks of a draft, asked of every generated token.)"""
+    index = NgramIndex(n, window)
+    flags = []
+    for t in tokens:
+        flags += index.repeats([t])
+        index.extend([t])
+    return flags
+
+
+def repeat_share(tokens: Sequence[int], n: int = DEFAULT_GUARD_NGRAM,
+                 window: int = DEFAULT_GUARD_WINDOW) -> float:
+    """Share of the tokens that complete an n-gram seen in the last W tokens (0 when empty)."""
+    flags = repeat_flags(tokens, n, window)
+    return sum(flags) / len(flags) if flags else 0.0
+
+
+def loop_period(tokens: Sequence[int], max_period: int = LOOP_MAX_PERIOD,
+                min_repeats: int = LOOP_MIN_REPEATS, min_span: int = LOOP_MIN_SPAN) -> int | None:
+    """The smallest period p <= max_period such that the output's tail of max(min_repeats * p,
+    min_span) tokens repeats with period p (tokens[i] == tokens[i - p] all along it); None
+    when the output does not end in such a loop."""
+    toks = list(tokens)
+    for p in range(1, max_period + 1):
+        span = max(min_repeats * p, min_span)
+        if span > len(toks):
+            break
+        tail = toks[-span:]
+        if all(tail[i] == tail[i - p] for i in range(p, span)):
+            return p
+    return None
+
+
+def ends_in_loop(tokens: Sequence[int], **kw) -> bool:
+    """Whether the output ends in a loop (see ``loop_period``)."""
+    return loop_period(tokens, **kw) is not None
+
+
+def repetition_stats(tokens: Sequence[int]) -> dict[str, float | bool]:
+    """The per-record repetition figures of a result's ``spec``."""
+    return {"repeat_share": round(repeat_share(tokens), 4), "ends_in_loop": ends_in_loop(tokens)}
