@@ -66,6 +66,13 @@ def run_fingerprint(
         "output": {"timing": cfg.timing, "token_ids": cfg.token_ids},
         "profile": None,
     }
+    guard = getattr(v, "guard", None)  # a VerifyConfig's; a VerifyRequest has the options asked
+    if guard is not None and v.mode != "strict":
+        fp["verify"]["guard"] = guard.to_dict()  # it decides which drafts are relaxed
+    elif guard is None:
+        asked = {k: getattr(v, k, None) for k in ("repeat_ngram", "repeat_window", "max_relaxed_share")}
+        if any(x is not None for x in asked.values()):
+            fp["verify"]["guard"] = asked
     fp.update(extra)
     return json.loads(json.dumps(fp))  # plain JSON values, as read back from a sidecar
 

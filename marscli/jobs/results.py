@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from marscli.config import RecordError, SamplingParams
+from marscli.repetition import repetition_stats
 
 #: Error types of records whose generation failed (the others come from marscli.io / engine).
 ERR_GENERATION_FAILED = "generation_failed"
@@ -66,7 +67,7 @@ def result_line(item, res, dropped: int, options: ResultOptions, spec_meta: dict
         "output": res.text,
         "finish_reason": res.finish_reason,
         "usage": usage,
-        "spec": {**spec_meta, **res.stats.to_dict()},
+        "spec": {**spec_meta, **res.stats.to_dict(), **repetition_stats(res.token_ids)},
         "timing": {
             "seconds": round(res.seconds, 4),
             "tokens_per_s": round(res.completion_tokens / res.seconds, 2) if res.seconds > 0 else None,
