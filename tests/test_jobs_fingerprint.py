@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import json
 
-from marscli.config import DraftConfig, GenerateConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.config import (
+    GUARD_OFF,
+    DraftConfig,
+    GenerateConfig,
+    GuardConfig,
+    ModelConfig,
+    SamplingParams,
+    VerifyConfig,
+)
 from marscli.io.resume import fingerprint_diff
 from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint
 
@@ -35,7 +43,13 @@ def test_run_fingerprint_components_and_what_it_leaves_out():
     assert none["drafter"] == {"kind": "none"}
     # The verification really used (e.g. set by a profile) replaces the command line's.
     mars = run_fingerprint(_cfg(), TARGET, None, extra, verify=VerifyConfig("mars", 0.93))
-    assert mars["verify"] == {"mode": "mars", "theta": 0.93, "margin": "logit-ratio"}
+    assert mars["verify"] == {"mode": "mars", "theta": 0.93, "margin": "logit-ratio",
+                              "guard": GUARD_OFF.to_dict()}
+    # The loop guard decides which drafts are relaxed: a relaxed run's fingerprint holds it.
+    guarded = run_fingerprint(_cfg(), TARGET, None, extra,
+                              verify=VerifyConfig("mars", 0.93, guard=GuardConfig(4, 256, 0.25)))
+    assert guarded["verify"]["guard"] == {"repeat_ngram": 4, "repeat_window": 256, "max_relaxed_share": 0.25}
+    assert fingerprint_diff(mars, guarded)
 
 
 def test_loaded_components_cover_everything_loading_the_models_can_change():

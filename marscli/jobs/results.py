@@ -122,7 +122,7 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
 class Totals:
     """A run's summary line: records, tokens, rate, acceptance length, relaxed share."""
 
-    SUMMED = ("records", "tokens", "seconds", "steps", "accepted", "relaxed")
+    SUMMED = ("records", "tokens", "seconds", "steps", "accepted", "relaxed", "loops")
 
     def __init__(self) -> None:
         self.records = 0
@@ -131,6 +131,7 @@ class Totals:
         self.steps = 0
         self.accepted = 0
         self.relaxed = 0
+        self.loops = 0  # outputs that end in a loop (marscli.repetition)
         self.wall: float | None = None  # batched runs: records overlap, so rate = tokens / wall time
 
     def add(self, r: dict, seconds: float) -> None:
@@ -141,6 +142,7 @@ class Totals:
         self.steps += s["steps"]
         self.accepted += s["accepted"]
         self.relaxed += s["relaxed"]
+        self.loops += bool(s.get("ends_in_loop"))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.SUMMED}
@@ -150,7 +152,7 @@ class Totals:
         """The totals of a data-parallel run: its processes' totals, over its wall time."""
         t = cls()
         for k in cls.SUMMED:
-            setattr(t, k, sum(p[k] for p in parts))
+            setattr(t, k, sum(p.get(k, 0) for p in parts))
         t.wall = wall
         return t
 
@@ -162,4 +164,5 @@ class Totals:
         return (
             f"done: {self.records}/{total} records ok, {failed} failed, {self.tokens} tokens, "
             f"{tps:.1f} tok/s, mean acceptance length {tau:.2f}, relaxed share {relaxed:.3f}"
+            + (f", {self.loops} ending in a loop" if self.loops else "")
         )
