@@ -296,12 +296,15 @@ class VerifyResult:
                             self.relaxed[b: b + 1, :k], self.relaxable[b: b + 1, :k],
                             self.statistic[b: b + 1, :k])
 
-    def host_rows(self) -> list[list[int]]:
-        """Per row [n, next token, relaxed flags (K), relaxable flags (K)] as Python ints, in
-        ONE device-to-host transfer for the whole batch."""
-        packed = torch.cat([self.num_accepted.unsqueeze(1), self.next_token.unsqueeze(1),
-                            self.relaxed.long(), self.relaxable.long()], dim=1)  # [B, 2 + 2K]
-        return packed.cpu().tolist()
+    def host_rows(self, extra: torch.Tensor | None = None) -> list[list[int]]:
+        """Per row [n, next token, relaxed flags (K), relaxable flags (K), then the row of
+        `extra` ([B, X] long, e.g. packed logprobs)] as Python ints, in ONE device-to-host
+        transfer for the whole batch."""
+        parts = [self.num_accepted.unsqueeze(1), self.next_token.unsqueeze(1),
+                 self.relaxed.long(), self.relaxable.long()]
+        if extra is not None:
+            parts.append(extra.long())
+        return torch.cat(parts, dim=1).cpu().tolist()  # [B, 2 + 2K (+ X)]
 
 
 def _draft_mask(drafts: torch.Tensor, draft_len: torch.Tensor | None) -> torch.Tensor:

@@ -66,6 +66,15 @@ def run_fingerprint(
         "output": {"timing": cfg.timing, "token_ids": cfg.token_ids},
         "profile": None,
     }
+    # Newer settings join only when set, so the sidecars of runs without them still match.
+    if s.n != 1:
+        fp["sampling"]["n"] = s.n
+    if s.logprobs:
+        fp["sampling"].update(logprobs=True, top_logprobs=s.top_logprobs)
+    if getattr(cfg, "output_format", "default") != "default":
+        fp["output"]["format"] = cfg.output_format
+    if getattr(cfg, "strict_keys", False):
+        fp["output"]["strict_keys"] = True
     fp.update(extra)
     return json.loads(json.dumps(fp))  # plain JSON values, as read back from a sidecar
 
