@@ -241,7 +241,7 @@ class GenerateRun:
         self.progress = Progress(log, len(todo))
         t_start = time.perf_counter()
         options = result_options(cfg, gen, fingerprint)
-        note = ignored_keys_note(mine)
+        note = ignored_keys_note(todo)  # every record of the run, whatever the rank
         if note is not None:
             log.note(note)
         results = gen.results(mine, cfg.sampling, options)
