@@ -184,6 +184,8 @@ def _tree(d: SimpleNamespace) -> tuple[int | None, int | None, int | None]:
         "  cat prompts.jsonl | marscli generate - --draft ngram | jq -r .output\n\n"
         "  marscli generate prompts.jsonl -o results.jsonl --resume   # finish an interrupted run\n\n"
         "  marscli generate prompts.jsonl --batch-size 8 -o results.jsonl   # 8 records at once\n\n"
+        "  marscli generate batch.jsonl --n 4 --temperature 0.8 --top-logprobs 2 --output-format openai "
+        "-o out.jsonl   # 4 samples per request with logprobs, OpenAI batch output lines\n\n"
         "  accelerate launch --multi_gpu --num_processes 8 -m marscli generate prompts.jsonl "
         "-o results.jsonl   # 8 GPUs, one merged file (docs/scaling.md)\n\n"
         "  marscli generate prompts.jsonl --target ./Llama-3.3-70B-Instruct --device-map auto "
