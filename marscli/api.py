@@ -17,6 +17,7 @@ margins on records and returns the profile (marscli.profiles.Profile).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -27,7 +28,14 @@ from typing import Any
 from marscli.config import DEFAULT_MAX_TOKENS, CalibrateConfig, SamplingParams, VerifyConfig
 from marscli.errors import InputError, UsageError
 from marscli.jobs.results import ResultOptions
-from marscli.jobs.setup import Generator, ModelSetup, build_generator, check_choices, generation_setup
+from marscli.jobs.setup import (
+    Generator,
+    ModelSetup,
+    build_generator,
+    check_choices,
+    choice_options,
+    generation_setup,
+)
 
 #: What calibrate records as the input's name in a profile made from Python objects.
 PYTHON_INPUT_NAME = "<python>"
@@ -118,18 +126,31 @@ class LLM:
     def stream(self, records: Record | Iterable[Record], *, max_tokens: int = DEFAULT_MAX_TOKENS,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                stop: Iterable[str] = (), truncate_prompt: str = "none", timing: bool = True,
-               token_ids: bool = False) -> Iterator[dict[str, Any]]:
+               token_ids: bool = False, n: int = 1, logprobs: bool = False,
+               top_logprobs: int | None = None, output_format: str = "default",
+               strict_keys: bool = False) -> Iterator[dict[str, Any]]:
         """Result dicts in input order, each as soon as it and those before it are done."""
-        check_choices(truncate_prompt=truncate_prompt)
+        from marscli.jobs.generate import model_name
+        from marscli.jobs.openai_format import render
+
+        check_choices(truncate_prompt=truncate_prompt, output_format=output_format)
         if isinstance(stop, str):
             stop = (stop,)
-        sampling = SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop))
+        sampling = choice_options(SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop)),
+                                  n, logprobs, top_logprobs)
         items = records_to_items(records)
+        gen = self.generator
+        # The OpenAI format's ids: from what decides the results, as the CLI's run fingerprint.
+        run_key = hashlib.sha256(json.dumps(
+            {"target": getattr(gen.target, "identity", None), "spec": gen.spec_meta,
+             "sampling": dataclasses.asdict(sampling), "truncate_prompt": truncate_prompt},
+            sort_keys=True, default=str).encode()).hexdigest()
+        options = ResultOptions(truncate_prompt, timing, token_ids, output_format, strict_keys,
+                                model_name(gen.target), run_key)
         pending: dict[int, dict] = {}
         next_index = 0
-        for item, result, _ in self.generator.results(
-                items, sampling, ResultOptions(truncate_prompt, timing, token_ids)):
-            pending[item.index] = result
+        for item, result, _ in gen.results(items, sampling, options):
+            pending[item.index] = render(item, result, options)
             while next_index in pending:
                 yield pending.pop(next_index)
                 next_index += 1
@@ -137,7 +158,9 @@ class LLM:
     def generate(self, records: Record | Iterable[Record], **sampling: Any) -> list[dict[str, Any]]:
         """Result dicts in input order, exactly the lines `marscli generate` writes for the
         same records and options (max_tokens, temperature, top_p, top_k, seed, stop,
-        truncate_prompt, timing, token_ids)."""
+        truncate_prompt, timing, token_ids, n, logprobs, top_logprobs, output_format,
+        strict_keys). In the "openai" format the ids differ from the CLI's (they come from
+        the models and settings, not from the CLI's run fingerprint)."""
         return list(self.stream(records, **sampling))
 
     def calibrate(self, records: Record | Iterable[Record], *, max_nll_increase: float | None = None,

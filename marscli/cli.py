@@ -192,6 +192,8 @@ def _tree(d: SimpleNamespace) -> tuple[int | None, int | None, int | None]:
         "  cat prompts.jsonl | marscli generate - --draft ngram | jq -r .output\n\n"
         "  marscli generate prompts.jsonl -o results.jsonl --resume   # finish an interrupted run\n\n"
         "  marscli generate prompts.jsonl --batch-size 8 -o results.jsonl   # 8 records at once\n\n"
+        "  marscli generate batch.jsonl --n 4 --temperature 0.8 --top-logprobs 2 --output-format openai "
+        "-o out.jsonl   # 4 samples per request with logprobs, OpenAI batch output lines\n\n"
         "  accelerate launch --multi_gpu --num_processes 8 -m marscli generate prompts.jsonl "
         "-o results.jsonl   # 8 GPUs, one merged file (docs/scaling.md)\n\n"
         "  marscli generate prompts.jsonl --target ./Llama-3.3-70B-Instruct --device-map auto "
@@ -214,29 +216,36 @@ def generate(
     resume: Annotated[bool, typer.Option("--resume", help="Finish an interrupted run: keep the results already in -o FILE, append the missing ones. Refused if the settings differ.", rich_help_panel=PANEL_OUTPUT)] = False,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first record that fails (exit 3) instead of going on.", rich_help_panel=PANEL_OUTPUT)] = False,
     truncate_prompt: Annotated[str, typer.Option("--truncate-prompt", help="A prompt too long for the context window: 'none' (error result) or 'left' (drop its oldest tokens to leave room for --max-tokens).", rich_help_panel=PANEL_SAMPLING)] = "none",
+    n: Annotated[int, typer.Option("--n", min=1, max=128, help="Completions per record (a record's own 'n' wins); choice i decodes with seed + i. One result line per record, with 'choices'.", rich_help_panel=PANEL_SAMPLING)] = 1,
+    logprobs: Annotated[bool, typer.Option("--logprobs", help="Report the target's log-probability of every completion token (log_softmax of the raw target logits); a record's own 'logprobs' wins.", rich_help_panel=PANEL_OUTPUT)] = False,
+    top_logprobs: Annotated[Optional[int], typer.Option("--top-logprobs", min=0, max=20, help="With the logprobs, the N most likely alternatives per token (implies --logprobs).", rich_help_panel=PANEL_OUTPUT)] = None,
+    output_format: Annotated[str, typer.Option("--output-format", help="'default' (marscli's result lines) or 'openai' (the OpenAI Batch API output format; marscli's statistics under the key 'marscli').", rich_help_panel=PANEL_OUTPUT)] = "default",
+    strict_keys: Annotated[bool, typer.Option("--strict-keys", help="A record with request keys marscli does not act on (tools, response_format, presence_penalty...) becomes an error result instead of a result with 'warnings'.", rich_help_panel=PANEL_OUTPUT)] = False,
 ) -> None:
     """Generate completions for a JSONL file of prompts with speculative decoding.
 
     Each input line is {"prompt": ...}, {"messages": [...]} (chat template applied), an OpenAI
     batch line (custom_id, body), or a prompt-set record (question_id, turns: first turn).
-    Per-line max_tokens, temperature, top_p, top_k, seed and stop override the options.
-    One JSON result per input line is written in input order.
+    Per-line max_tokens, temperature, top_p, top_k, seed, stop, n, logprobs and top_logprobs
+    override the options. One JSON result per input line is written in input order.
     """
     from marscli.config import GenerateConfig
     from marscli.jobs.console import Log
     from marscli.jobs.generate import run_generate
-    from marscli.jobs.setup import check_choices, generation_setup
+    from marscli.jobs.setup import check_choices, choice_options, generation_setup
 
     def job() -> int:
-        check_choices(truncate_prompt=truncate_prompt)
+        check_choices(truncate_prompt=truncate_prompt, output_format=output_format)
         setup = generation_setup(verify=verify, theta=theta, profile=profile, no_profile=no_profile,
                                  batch_size=run.batch_size, **vars(model), **vars(placement), **vars(drafting),
                                  **vars(guard))
         cfg = GenerateConfig(
             input=input, output=output, target=setup.target, draft=setup.draft, draft_model=setup.draft_model,
-            verify=setup.verify, sampling=_sampling(sampling), limit=run.limit, timing=timing,
-            token_ids=token_ids, profile=setup.profile, auto_profile=setup.auto_profile, resume=resume,
-            fail_fast=fail_fast, truncate_prompt=truncate_prompt, batch_size=run.batch_size,
+            verify=setup.verify, sampling=choice_options(_sampling(sampling), n, logprobs, top_logprobs),
+            limit=run.limit, timing=timing, token_ids=token_ids, profile=setup.profile,
+            auto_profile=setup.auto_profile, resume=resume, fail_fast=fail_fast,
+            truncate_prompt=truncate_prompt, batch_size=run.batch_size, output_format=output_format,
+            strict_keys=strict_keys,
         )
         return run_generate(cfg, Log(run.quiet))
 

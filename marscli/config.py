@@ -35,6 +35,12 @@ class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS
     seed: int = 0
     stop: tuple[str, ...] = ()
+    #: Completions per request: choice i decodes with seed + i (marscli.jobs.results).
+    n: int = 1
+    #: Report the target's log-probability of each completion token, with the top_logprobs
+    #: most likely alternatives (raw target logits, whatever the sampling settings).
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -186,6 +192,9 @@ class Request:
     messages: list[dict[str, str]] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
     id_key: str = "id"  # "custom_id" for OpenAI batch lines: echoed back under the same key
+    #: Keys of the record that marscli does not act on, as key paths ("body.tools"): reported
+    #: as warnings in the result, or an error result with --strict-keys.
+    ignored: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -223,6 +232,8 @@ class GenerateConfig:
     fail_fast: bool = False  # stop at the first record that fails
     truncate_prompt: Literal["none", "left"] = "none"  # a prompt too long for the window
     batch_size: int = 1  # records decoded together (1: the single-record engine)
+    output_format: Literal["default", "openai"] = "default"  # result lines: marscli's or OpenAI batch
+    strict_keys: bool = False  # a record with keys marscli does not act on is an error result
 
 
 @dataclass(frozen=True)

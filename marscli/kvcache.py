@@ -229,10 +229,14 @@ class HoleCache:
 
     # ------------------------------------------------------------------ rows
 
-    def add_prefilled(self, ids: list[int], run=None) -> None:
+    def add_prefilled(self, ids: list[int], run=None, *, keep: bool = False):
         """Append a row for a record whose cached tokens are `ids` (a prompt but its pending
         last token): prefilled alone, so no padding ever enters a prompt pass. run(forward)
-        wraps the model call (the engine captures target features there)."""
+        wraps the model call (the engine captures target features there).
+
+        keep: return a snapshot of the prefilled row for `add_snapshot` (the other choices of
+        the same request join from it); None when not kept or the cache cannot be copied
+        (layers with state of their own, such as sliding windows)."""
         run = run or (lambda f: f())
         if not self.masked:
             assert self.rows == 0, "a contiguous cache holds one row"
@@ -241,7 +245,11 @@ class HoleCache:
                 run(lambda: self.model(input_ids=x, past_key_values=self.cache, use_cache=True,
                                        logits_to_keep=1))
             self.mask = torch.ones(1, len(ids), dtype=torch.long, device=self.device)
-            return
+            if not keep or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in self.cache.layers):
+                return None
+            # A copy: the row's own cache grows, is rolled back and compacted in place.
+            return len(ids), [(layer.keys.clone(), layer.values.clone()) if layer.is_initialized
+                              and layer.keys is not None else None for layer in self.cache.layers]
         kv = None
         if ids:
             c = new_cache(self.model)
@@ -249,6 +257,26 @@ class HoleCache:
             run(lambda: self.model(input_ids=x, past_key_values=c, use_cache=True, logits_to_keep=1))
             kv = [(layer.keys, layer.values) for layer in c.layers]
         self.add_row(kv, len(ids))
+        # add_row copies kv into the batch (concatenation) or, into an empty batch, takes the
+        # tensors themselves, which the cache never writes in place (it appends into new
+        # buffers, trims with views, compacts with gathers): the snapshot can be kv itself.
+        return (len(ids), kv) if keep else None
+
+    def add_snapshot(self, snapshot) -> None:
+        """Append a row from `add_prefilled`'s snapshot: the same cache as prefilling the same
+        tokens again, without running the model."""
+        L, kv = snapshot
+        if self.masked:
+            self.add_row(kv, L)
+            return
+        assert self.rows == 0, "a contiguous cache holds one row"
+        self.cache = new_cache(self.model)
+        for layer, pair in zip(self.cache.layers, kv):
+            if pair is not None:
+                k, v = pair
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k.clone(), v.clone()
+        self.mask = torch.ones(1, L, dtype=torch.long, device=self.device)
 
     def add_row(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None, L: int) -> None:
         """Append a row whose L cached slots are kv (per layer [1, H, L, D]; None if L == 0),

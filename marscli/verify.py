@@ -316,14 +316,17 @@ class VerifyResult:
                             self.statistic[b: b + 1, :k],
                             None if self.refused is None else self.refused[b: b + 1])
 
-    def host_rows(self) -> list[list[int]]:
-        """Per row [n, next token, relaxed flags (K), relaxable flags (K), refused] as Python
-        ints, in ONE device-to-host transfer for the whole batch."""
+    def host_rows(self, extra: torch.Tensor | None = None) -> list[list[int]]:
+        """Per row [n, next token, relaxed flags (K), relaxable flags (K), refused, then the
+        row of `extra` ([B, X] long, e.g. packed logprobs)] as Python ints, in ONE
+        device-to-host transfer for the whole batch."""
         refused = (torch.zeros_like(self.num_accepted) if self.refused is None
                    else self.refused.long()).unsqueeze(1)
-        packed = torch.cat([self.num_accepted.unsqueeze(1), self.next_token.unsqueeze(1),
-                            self.relaxed.long(), self.relaxable.long(), refused], dim=1)  # [B, 3 + 2K]
-        return packed.cpu().tolist()
+        parts = [self.num_accepted.unsqueeze(1), self.next_token.unsqueeze(1),
+                 self.relaxed.long(), self.relaxable.long(), refused]
+        if extra is not None:
+            parts.append(extra.long())
+        return torch.cat(parts, dim=1).cpu().tolist()  # [B, 3 + 2K (+ X)]
 
 
 def _draft_mask(drafts: torch.Tensor, draft_len: torch.Tensor | None) -> torch.Tensor:

@@ -682,3 +682,24 @@ def test_cli_bench_compares_chain_and_tree(target_dir, fitted_dir, tmp_path):
     bad = CliRunner().invoke(app, ["bench", str(src), "--target", str(target_dir), "--draft", f"eagle3:{fitted_dir}",
                                    "--methods", "hf-assisted,strict"])
     assert bad.exit_code == 2 and "no assisted generation" in bad.stderr
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_logprobs_and_shared_prefills_with_eagle3(target, heads, tree):
+    """Issue 18 with a drafter that reads the target's features: logprobs of greedy MARS output
+    are the target's own (trees included), and n choices that join from one prefill (its
+    features copied too) equal single runs with seeds seed + i."""
+    from test_openai_batch import check_logprobs
+
+    wide = dict(tree_depth=6, tree_top_k=4, tree_tokens=30) if tree else None
+    eng = engine_for(target, heads["fitted"], tree=wide, verify=VerifyConfig("mars", 0.05, "prob-ratio"))
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    res = eng.generate_ids(ids, SamplingParams(max_tokens=MAX_NEW, logprobs=True, top_logprobs=2))
+    assert res.stats.accepted > 0
+    check_logprobs(target.model, ids, res, 2)
+
+    sp = [SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=3 + i) for i in range(3)]
+    shared = dict(eng.run(range(3), lambda i: (ids, sp[i]), prefill_key=lambda i: ("p", i == 2)))
+    assert eng.prefills_shared == 2
+    for i in range(3):
+        assert shared[i].token_ids == eng.generate_ids(ids, sp[i]).token_ids

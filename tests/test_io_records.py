@@ -274,7 +274,9 @@ def test_openai_chat_batch_line():
     assert isinstance(item, Request)
     assert (item.id, item.id_key) == ("request-1", "custom_id")
     assert item.messages == [{"role": "user", "content": "Hi"}]
-    assert item.overrides == {"max_tokens": 33, "temperature": 0.0}
+    # n: 1 is acted on (it overrides --n), so it stays among the overrides
+    assert item.overrides == {"max_tokens": 33, "temperature": 0.0, "n": 1}
+    assert item.ignored == []  # model only identifies
 
 
 def test_openai_completions_batch_line_without_url():

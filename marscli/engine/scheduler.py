@@ -16,6 +16,11 @@ with one tree forward and ``verify_tree``.
   the next record takes its place (continuous refill).
 - On CUDA out-of-memory the batch is halved and the affected records restart from scratch
   (their outputs are a function of their seeds, so a restart changes nothing).
+- Rows that share a prompt (the n choices of one request) share its prefill: ``run``'s
+  ``prefill_key`` names them, the first row's prefilled cache (and features) is kept, and each
+  later row joins from a copy of it instead of running the prompt again (``_Prefill``).
+- A row that asks for logprobs gets them from the step's own logits (marscli.engine.logprobs),
+  brought to the host in the step's one transfer.
 
 Results are yielded as rows finish, not in input order (marscli.io restores input order).
 """
@@ -25,18 +30,22 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import torch
 
 from marscli.config import GUARD_OFF, DraftConfig, GuardConfig, Request, SamplingParams
 from marscli.drafters.base import BatchedDrafter, Proposal
+from marscli.engine import logprobs as lp
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
 from marscli.engine.sequence import GenerationResult, RowSettings, Sequence, StepObservation
 from marscli.kvcache import HoleCache, compact_cache, sliding_layers
 from marscli.verify import Rule, verify_rows, verify_tree
 
 Observer = Callable[[StepObservation], None]
+#: prefill_key(item) -> (key, last) or None: rows of the same key have the same prompt and
+#: share one prefill; `last` says no later row of that key will come (its copy is dropped).
+PrefillKey = Callable[[Any], "tuple[Hashable, bool] | None"]
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:
@@ -52,6 +61,16 @@ class _Row:
     sampling: SamplingParams
     seq: Sequence
     npos: int  # valid tokens in the cache (the whole committed sequence but the pending token)
+    logprobs: list[lp.TokenLogprob] | None = None  # per emitted token, when the record asks
+
+
+@dataclass
+class _Prefill:
+    """A prompt's prefill kept for the other rows of its key: the cache's snapshot
+    (HoleCache.add_prefilled) and the prefill's target features ([1, S, F] or None)."""
+
+    snapshot: Any
+    features: torch.Tensor | None
 
 
 class Engine:
@@ -112,6 +131,9 @@ class Engine:
         self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
         self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
         self.prefill_seconds = 0.0  # time spent prefilling new records (one at a time)
+        self.prefills_shared = 0  # rows that joined from another row's prefill (n > 1)
+        self._prefill_key: PrefillKey | None = None
+        self._prefills: dict[Hashable, _Prefill] = {}
         self._reset()
 
     # ------------------------------------------------------------------ prompts
@@ -143,6 +165,7 @@ class Engine:
     def run(self, items: Iterable[Any],
             prepare: Callable[[Any], tuple[list[int], SamplingParams]],
             observer_for: Callable[[Any], Observer | None] | None = None,
+            prefill_key: PrefillKey | None = None,
             ) -> Iterator[tuple[Any, GenerationResult | Exception]]:
         """Generate every item; yield (item, result) as rows finish.
 
@@ -151,7 +174,17 @@ class Engine:
         out-of-memory is yielded for every row in the batch. observer_for(item) -> an observer
         of that record's steps ([1, k] slices); it is called again when an out-of-memory
         error restarts the record, so a fresh observer can drop the aborted steps.
+        prefill_key(item) -> (key, last) or None: items of one key share the prompt's prefill
+        (PrefillKey); they must come one after another.
         """
+        self._prefill_key = prefill_key
+        self._prefills.clear()
+        try:
+            yield from self._loop(items, prepare, observer_for)
+        finally:
+            self._prefills.clear()
+
+    def _loop(self, items, prepare, observer_for) -> Iterator[tuple[Any, GenerationResult | Exception]]:
         source = iter(items)
         retry: deque[tuple[Any, list[int], SamplingParams]] = deque()
         self._reset()
@@ -188,7 +221,7 @@ class Engine:
                         yield item, e
                         continue
                     if seq is not None:  # no room for a single new token
-                        yield item, seq.result()
+                        yield item, self._result(seq, [] if sampling.logprobs else None)
                 if not self.rows:
                     return
                 try:
@@ -209,7 +242,7 @@ class Engine:
                     done_rows = [self.rows[b] for b in finished]
                     self._keep([b for b in range(len(self.rows)) if b not in finished])
                     for r in done_rows:
-                        yield r.item, r.seq.result()
+                        yield r.item, self._result(r.seq, r.logprobs)
 
     # ------------------------------------------------------------------ rows
 
@@ -235,8 +268,16 @@ class Engine:
             self.kv.keep_rows(list(range(n)))
         self.drafters.keep(list(range(n)))
 
+    @staticmethod
+    def _result(seq: Sequence, logprobs: list | None) -> GenerationResult:
+        res = seq.result()
+        if logprobs is not None:  # stop strings may have cut tokens the steps emitted
+            res.logprobs = logprobs[: len(res.token_ids)]
+        return res
+
     def _halve(self) -> bool:
         """Halve the batch after an out-of-memory error; False if it is already 1."""
+        self._prefills.clear()  # memory is short: a restarted row prefills again
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if self.batch_size <= 1:
@@ -261,12 +302,25 @@ class Engine:
             seq = Sequence(self.settings, ids, sampling, observer=observer)
             if seq.done:
                 return seq
-            self.kv.add_prefilled(list(ids[:-1]), run=self._captured)
-            features = self.last_features if len(ids) > 1 else None
+            shared = self._prefill_key(item) if self._prefill_key is not None else None
+            kept = self._prefills.get(shared[0]) if shared is not None else None
+            if kept is not None:  # another choice of the same request: copy its prefill
+                self.kv.add_snapshot(kept.snapshot)
+                features = kept.features
+                self.prefills_shared += 1
+            else:
+                keep = shared is not None and not shared[1]
+                snapshot = self.kv.add_prefilled(list(ids[:-1]), run=self._captured, keep=keep)
+                features = self.last_features if len(ids) > 1 else None
+                if keep and snapshot is not None:
+                    self._prefills[shared[0]] = _Prefill(snapshot, features)
+            if shared is not None and shared[1]:
+                self._prefills.pop(shared[0], None)
             self.drafters.add_row(list(ids), sampling, seq.draft_gen)
             if features is not None:  # the prefill's target features, for a drafter that reads them
                 self.drafters.observe(len(self.rows), features[0])
-            self.rows.append(_Row(item, ids, sampling, seq, len(ids) - 1))
+            self.rows.append(_Row(item, ids, sampling, seq, len(ids) - 1,
+                                  [] if sampling.logprobs else None))
             return None
         finally:
             self.prefill_seconds += time.perf_counter() - t0
@@ -314,7 +368,11 @@ class Engine:
         res = verify_rows(d_t, logits, draft_len, self.rule, [r.seq.sampling for r in rows],
                           u_accept=u_acc, u_sample=u_smp, draft_probs=q, guard=guard,
                           relax_left=relax_left)
-        verdicts = res.host_rows()  # the step's one device-to-host transfer
+        T, packed = 0, None
+        if any(r.logprobs is not None for r in rows):  # gathered here, sent with the verdicts
+            T = max(r.sampling.top_logprobs for r in rows if r.logprobs is not None)
+            packed = lp.pack(*lp.gather(logits, lp.emitted_tokens(d_t, res.num_accepted, res.next_token), T))
+        verdicts = res.host_rows(packed)  # the step's one device-to-host transfer
         finished = []
         for b, (r, d) in enumerate(zip(rows, drafts)):
             k = ks[b]
@@ -327,6 +385,8 @@ class Engine:
                                                       guard)
             emitted = r.seq.commit(d[:n] + [nxt], k, n, relaxed, relaxable, observation,
                                    refused=verdicts[b][2 + 2 * K])
+            if r.logprobs is not None:
+                r.logprobs += lp.unpack(verdicts[b][3 + 2 * K:], emitted, T, r.sampling.top_logprobs)
             if features is not None:  # the positions the target keeps: pending + accepted drafts
                 self.drafters.observe(b, features[b, : len(emitted)])
             self.drafters.accepted(b, k, n, r.seq.seq)
@@ -435,6 +495,11 @@ class Engine:
                     tree_logits=logits, tree_u_accept=u_accept, guard=guard)
         emitted = seq.commit([tokens[i] for i in path] + [res.next_token], depth, n,
                              sum(res.relaxed), relaxable, observation)
+        if r.logprobs is not None and emitted:
+            T = s.top_logprobs
+            got = lp.gather(logits[rows[: len(emitted)]].unsqueeze(0),
+                            torch.tensor([emitted], dtype=torch.long, device=logits.device), T)
+            r.logprobs += lp.unpack(lp.pack(*got)[0].cpu().tolist(), emitted, T, T)
         if self.last_features is not None:
             self.drafters.observe(0, self.last_features[0, rows][: len(emitted)])
         self.drafters.accepted(0, depth, n, seq.seq)

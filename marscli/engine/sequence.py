@@ -113,6 +113,9 @@ class GenerationResult:
     #: The record's max_tokens cut to what the context window leaves after the prompt, when
     #: that is less than it asked for (None: not capped).
     max_tokens_capped_to: int | None = None
+    #: Per completion token, the target's logprob and top alternatives
+    #: (marscli.engine.logprobs.TokenLogprob), when the record asks for them; else None.
+    logprobs: list | None = None
 
     @property
     def completion_tokens(self) -> int:

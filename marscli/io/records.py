@@ -13,16 +13,28 @@ Accepted record formats (one JSON object per line):
   (``{"type": "text", "text": ...}``) are supported; their texts are joined by a newline.
 - OpenAI batch lines: ``{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions"
   | "/v1/completions", "body": {...}}``; the body carries ``messages`` (chat) or ``prompt``
-  (completions) and the overrides; ``max_completion_tokens`` is accepted as ``max_tokens``;
-  ``model`` and other body keys are ignored. The result echoes ``custom_id``.
+  (completions) and the overrides; ``max_completion_tokens`` is accepted as ``max_tokens``.
+  The result echoes ``custom_id``.
 - Benchmark prompt sets (MT-Bench style): ``{"question_id": ..., "category": ..., "turns":
   [...]}``. Only the FIRST turn is used, as a single user message; the id is the question_id.
 
 Overrides: ``max_tokens`` (int >= 1), ``temperature`` (finite number >= 0), ``top_p`` (number in
 (0, 1]), ``top_k`` (int >= 0), ``seed`` (int in [0, 2**63)), ``stop`` (a string or a list of at
-most 16 non-empty strings; normalised to a list). JSON booleans are never numbers here. An
-override given as ``null`` counts as absent (OpenAI clients often serialise unset fields so).
-Unknown top-level keys are ignored: users keep their own metadata in the lines.
+most 16 non-empty strings; normalised to a list), ``n`` (int in [1, 128]: completions per
+request), ``logprobs`` / ``top_logprobs`` (OpenAI chat semantics: a boolean and an int in
+[0, 20]; in a ``/v1/completions`` body ``logprobs`` is the int, as OpenAI's completions take
+it). JSON booleans are never numbers here. An override given as ``null`` counts as absent
+(OpenAI clients often serialise unset fields so).
+
+Keys marscli does not act on are never dropped without a word: each lands in
+``Request.ignored`` (a key path such as ``body.tools``), which the result reports as a warning
+(or, with --strict-keys, turns into an error result). In an OpenAI batch body every key but
+those marscli acts on and the identifying ones (``IDENTIFYING_KEYS``: model, user, metadata)
+is reported. In plain records unknown top-level keys stay the user's metadata, quietly, except
+the OpenAI request parameters of ``OPENAI_PARAMETERS``. A key at its neutral value
+(``presence_penalty: 0``, ``stream: false``, ``logit_bias: {}``, ...: ``NEUTRAL_VALUES``)
+changes nothing and is accepted quietly. Message keys other than role and content (``name``,
+``tool_calls``...) are reported too.
 
 Ids: ``id`` (or ``custom_id`` / ``question_id``) may be a string or an integer and is kept as a
 string. A record without one gets ``str(index)``, its 0-based position among the records, which
@@ -54,6 +66,34 @@ _SEED_LIMIT = 2**63
 _ROLES = ("system", "user", "assistant")
 _BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 _OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+#: The most completions one request may ask for (OpenAI's own limit for chat).
+MAX_N = 128
+#: The most alternatives per token `top_logprobs` (or a completions body's `logprobs`) may ask
+#: for (OpenAI's chat limit).
+MAX_TOP_LOGPROBS = 20
+#: Keys of an OpenAI request body that marscli acts on (besides prompt / messages).
+ACTED_ON_KEYS = frozenset(_OVERRIDE_KEYS) | {"max_completion_tokens", "n", "logprobs",
+                                             "top_logprobs", "prompt", "messages"}
+#: Keys that only identify a request or its caller: accepted quietly, never change a result.
+IDENTIFYING_KEYS = frozenset({"model", "user", "metadata"})
+#: OpenAI (and vLLM) request parameters that change what a user gets and that marscli does
+#: not implement. In a batch body any unknown key is reported; in a plain record only these
+#: are (other top-level keys are the user's own metadata).
+OPENAI_PARAMETERS = frozenset({
+    "response_format", "tools", "tool_choice", "functions", "function_call",
+    "parallel_tool_calls", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "min_p", "min_tokens", "best_of", "echo", "suffix", "stream",
+    "stream_options", "reasoning_effort", "modalities", "audio", "prediction", "service_tier",
+    "store", "web_search_options", "guided_json", "guided_regex", "guided_choice",
+    "structured_outputs", "ignore_eos", "length_penalty", "use_beam_search",
+})
+#: Values at which a parameter changes nothing: given so, the key is accepted quietly.
+NEUTRAL_VALUES: dict[str, tuple] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "logit_bias": ({},), "min_p": (0,), "min_tokens": (0,), "best_of": (1,), "echo": (False,),
+    "stream": (False,), "tools": ([],), "functions": ([],), "ignore_eos": (False,),
+    "use_beam_search": (False,), "store": (False,), "suffix": ("",),
+}
 #: The one OpenAI chat content part type marscli reads (image_url, input_audio, file... need a
 #: multimodal target).
 _TEXT_PART = "text"
@@ -264,24 +304,88 @@ def _validate(obj: Any, index: int, line: int) -> Request | RecordError:
     is_bench = not is_batch and not has_prompt and not has_messages and "turns" in obj
     id_key = "custom_id" if is_batch else "id"
     rid = str(index)
+    ignored: list[str] = []
     try:
         if is_batch:
             rid = _batch_id(obj)
-            prompt, messages, overrides = _batch_body(obj)
+            prompt, messages, overrides = _batch_body(obj, ignored)
         elif is_bench:
             rid = _bench_id(obj, index)
             messages = [{"role": "user", "content": _first_turn(obj)}]
             prompt, overrides = None, _overrides(obj, "")
+            overrides.update(_choice_options(obj, "", completions=False))
+            ignored += _reported_keys(obj, "", body=False)
         else:
             rid = _plain_id(obj, index)
-            prompt, messages = _prompt_or_messages(obj, "")
+            prompt, messages = _prompt_or_messages(obj, "", ignored)
             overrides = _overrides(obj, "")
+            overrides.update(_choice_options(obj, "", completions=False))
+            ignored += _reported_keys(obj, "", body=False)
     except _Invalid as e:
         return RecordError(index, line, rid, ERR_RECORD, e.args[0], id_key=id_key)
     return Request(
         index=index, line=line, id=rid, prompt=prompt, messages=messages,
-        overrides=overrides, id_key=id_key,
+        overrides=overrides, id_key=id_key, ignored=ignored,
     )
+
+
+def _reported_keys(obj: dict, prefix: str, *, body: bool,
+                   acted: frozenset[str] = ACTED_ON_KEYS) -> list[str]:
+    """The keys of `obj` that would change a result but that marscli does not act on, as
+    key paths (`body.tools`). body: `obj` is an OpenAI request body (every unknown key counts),
+    else a plain record (only OPENAI_PARAMETERS count: the rest is the user's metadata)."""
+    out = []
+    for key, value in obj.items():
+        if key in acted or key in IDENTIFYING_KEYS or value is None:
+            continue
+        if not body and key not in OPENAI_PARAMETERS:
+            continue
+        if any(_same_value(value, v) for v in NEUTRAL_VALUES.get(key, ())):
+            continue
+        out.append(prefix + key)
+    return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """JSON equality that keeps booleans apart from numbers (false is not 0)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    return a == b
+
+
+def _choice_options(obj: dict, prefix: str, *, completions: bool) -> dict[str, Any]:
+    """`n`, `logprobs` and `top_logprobs` -> overrides n, logprobs (bool), top_logprobs.
+
+    Chat semantics (plain records, chat bodies): ``logprobs`` is a boolean and
+    ``top_logprobs`` an int in [0, 20] that needs ``logprobs`` not false. A /v1/completions
+    body takes ``logprobs`` as the int (the alternatives per token), as OpenAI's completions
+    do; a plain record accepts that form too.
+    """
+    out: dict[str, Any] = {}
+    n = obj.get("n")
+    if n is not None:
+        if not (_is_int(n) and 1 <= n <= MAX_N):
+            raise _Invalid(f"'{prefix}n' must be an integer in [1, {MAX_N}], got {show_value(n)}")
+        out["n"] = n
+    lp = obj.get("logprobs")
+    top = None if completions else obj.get("top_logprobs")
+    if lp is not None:
+        if isinstance(lp, bool) and not completions:
+            out["logprobs"] = lp
+        elif _is_int(lp) and 0 <= lp <= MAX_TOP_LOGPROBS:
+            out["logprobs"], out["top_logprobs"] = True, lp
+        else:
+            want = (f"an integer in [0, {MAX_TOP_LOGPROBS}]" if completions
+                    else f"a boolean (or an integer in [0, {MAX_TOP_LOGPROBS}])")
+            raise _Invalid(f"'{prefix}logprobs' must be {want}, got {show_value(lp)}")
+    if top is not None:
+        if not (_is_int(top) and 0 <= top <= MAX_TOP_LOGPROBS):
+            raise _Invalid(f"'{prefix}top_logprobs' must be an integer in "
+                           f"[0, {MAX_TOP_LOGPROBS}], got {show_value(top)}")
+        if lp is False:
+            raise _Invalid(f"'{prefix}top_logprobs' needs '{prefix}logprobs': true")
+        out["logprobs"], out["top_logprobs"] = True, top
+    return out
 
 
 def _plain_id(obj: dict, index: int) -> str:
@@ -314,7 +418,8 @@ def _id_value(value: Any, key: str) -> str:
     return str(value)
 
 
-def _batch_body(obj: dict) -> tuple[str | None, list[dict[str, str]] | None, dict[str, Any]]:
+def _batch_body(obj: dict, ignored: list[str]) -> tuple[str | None, list[dict[str, str]] | None,
+                                                         dict[str, Any]]:
     method = obj.get("method", "POST")
     if method != "POST":
         raise _Invalid(f"'method' must be \"POST\", got {show_value(method)}")
@@ -329,7 +434,7 @@ def _batch_body(obj: dict) -> tuple[str | None, list[dict[str, str]] | None, dic
     body = obj["body"]
     if not isinstance(body, dict):
         raise _Invalid(f"'body' must be a JSON object, got {json_type(body)}")
-    prompt, messages = _prompt_or_messages(body, "body.")
+    prompt, messages = _prompt_or_messages(body, "body.", ignored)
     if url is not None:
         want = _BATCH_URLS[url]
         got = "prompt" if prompt is not None else "messages"
@@ -341,6 +446,11 @@ def _batch_body(obj: dict) -> tuple[str | None, list[dict[str, str]] | None, dic
         if "max_tokens" in overrides:
             raise _Invalid("give only one of 'body.max_tokens' and 'body.max_completion_tokens'")
         overrides["max_tokens"] = _int_at_least(mct, "body.max_completion_tokens", 1)
+    completions = url == "/v1/completions" or (url is None and prompt is not None)
+    overrides.update(_choice_options(body, "body.", completions=completions))
+    # top_logprobs is a chat key: a completions body asks with its int logprobs.
+    acted = ACTED_ON_KEYS - {"top_logprobs"} if completions else ACTED_ON_KEYS
+    ignored += _reported_keys(body, "body.", body=True, acted=acted)
     return prompt, messages, overrides
 
 
@@ -358,7 +468,7 @@ def _first_turn(obj: dict) -> str:
 
 
 def _prompt_or_messages(
-    obj: dict, prefix: str
+    obj: dict, prefix: str, ignored: list[str] | None = None
 ) -> tuple[str | None, list[dict[str, str]] | None]:
     has_prompt = "prompt" in obj
     has_messages = "messages" in obj
@@ -367,7 +477,7 @@ def _prompt_or_messages(
     if has_prompt:
         return _prompt(obj["prompt"], f"{prefix}prompt"), None
     if has_messages:
-        return None, _messages(obj["messages"], f"{prefix}messages")
+        return None, _messages(obj["messages"], f"{prefix}messages", ignored)
     raise _Invalid(f"record has neither '{prefix}prompt' nor '{prefix}messages'")
 
 
@@ -380,7 +490,7 @@ def _prompt(value: Any, key: str) -> str:
     return value
 
 
-def _messages(value: Any, key: str) -> list[dict[str, str]]:
+def _messages(value: Any, key: str, ignored: list[str] | None = None) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise _Invalid(
             f"'{key}' must be a non-empty array of message objects, got {show_value(value)}"
@@ -399,7 +509,10 @@ def _messages(value: Any, key: str) -> list[dict[str, str]]:
         if "content" not in msg:
             raise _Invalid(f"{where}.content is missing")
         content = _content(msg["content"], f"{where}.content")
-        # Only role and content go on: extra keys (name, tool_calls...) are not supported.
+        # Only role and content go on: extra keys (name, tool_calls...) are reported.
+        if ignored is not None:
+            ignored += [f"{where}.{k}" for k, v in msg.items()
+                        if k not in ("role", "content") and v is not None]
         out.append({"role": role, "content": content})
     return out
 

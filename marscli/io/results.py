@@ -270,7 +270,8 @@ def _result_id(raw: bytes) -> tuple[str | None, str]:
         return None, "not valid JSON"
     if not isinstance(obj, dict):
         return None, f"a JSON {json_type(obj)}, not an object"
-    for key in ("id", "custom_id"):
+    # custom_id first: an OpenAI-format line's `id` is its batch request id, not the record's.
+    for key in ("custom_id", "id"):
         if isinstance(obj.get(key), str):
             return obj[key], ""
     return None, "no string 'id' or 'custom_id'"

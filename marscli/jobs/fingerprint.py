@@ -73,6 +73,15 @@ def run_fingerprint(
         asked = {k: getattr(v, k, None) for k in ("repeat_ngram", "repeat_window", "max_relaxed_share")}
         if any(x is not None for x in asked.values()):
             fp["verify"]["guard"] = asked
+    # Newer settings join only when set, so the sidecars of runs without them still match.
+    if s.n != 1:
+        fp["sampling"]["n"] = s.n
+    if s.logprobs:
+        fp["sampling"].update(logprobs=True, top_logprobs=s.top_logprobs)
+    if getattr(cfg, "output_format", "default") != "default":
+        fp["output"]["format"] = cfg.output_format
+    if getattr(cfg, "strict_keys", False):
+        fp["output"]["strict_keys"] = True
     fp.update(extra)
     return json.loads(json.dumps(fp))  # plain JSON values, as read back from a sidecar
 

@@ -27,7 +27,14 @@ from marscli.errors import (
     UsageError,
 )
 from marscli.jobs.console import Log, Progress, silence_stdout
-from marscli.jobs.results import ERR_GENERATION_FAILED, ERR_OUT_OF_MEMORY, ResultOptions, Totals
+from marscli.jobs.openai_format import render
+from marscli.jobs.results import (
+    ERR_GENERATION_FAILED,
+    ERR_OUT_OF_MEMORY,
+    ResultOptions,
+    Totals,
+    ignored_keys_note,
+)
 from marscli.jobs.setup import ModelSetup, build_generator, drafter_desc, verify_desc
 
 
@@ -135,6 +142,23 @@ def run_generate(cfg: GenerateConfig, log: Log) -> int:
             group.close()
 
 
+def result_options(cfg: GenerateConfig, gen, fingerprint: dict) -> ResultOptions:
+    """What the run's result lines hold; the OpenAI format's ids come from the fingerprint
+    (the same on --resume and on every rank)."""
+    import hashlib
+    import json
+
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+    return ResultOptions(cfg.truncate_prompt, cfg.timing, cfg.token_ids, cfg.output_format,
+                         cfg.strict_keys, model_name(gen.target), key)
+
+
+def model_name(target) -> str:
+    """The target's name as result lines give it (`model` of the OpenAI format)."""
+    identity = getattr(target, "identity", None) or {}
+    return str(identity.get("name") or identity.get("source") or "marscli")
+
+
 def fail_fast_note(stop: dict) -> str:
     return (f"stopped at the first failed record (--fail-fast): id {stop['id']!r}, "
             f"line {stop['line']}: {stop['type']}: {stop['message']}")
@@ -216,7 +240,11 @@ class GenerateRun:
         totals = Totals()
         self.progress = Progress(log, len(todo))
         t_start = time.perf_counter()
-        results = gen.results(mine, cfg.sampling, ResultOptions(cfg.truncate_prompt, cfg.timing, cfg.token_ids))
+        options = result_options(cfg, gen, fingerprint)
+        note = ignored_keys_note(todo)  # every record of the run, whatever the rank
+        if note is not None:
+            log.note(note)
+        results = gen.results(mine, cfg.sampling, options)
         pump = contextlib.nullcontext()
         if group is not None and group.is_main and not log.quiet:
             from marscli.distributed import ProgressPump
@@ -232,7 +260,7 @@ class GenerateRun:
                 else:
                     totals.add(result, seconds)
                 with self.signals.deferred():
-                    writer.write(item.index, result)
+                    writer.write(item.index, render(item, result, options))
                 tokens = result["usage"]["completion_tokens"] if result.get("usage") else 0
                 if group is not None:
                     group.add_progress(1, tokens)

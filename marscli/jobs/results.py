@@ -2,11 +2,22 @@
 
 A record's result carries its id (under the key it came with), the output, finish reason,
 usage, the speculative decoding figures (`spec`), timing and `error` (None, or an object with
-type, message and line). Fields may be added over time, never changed.
+type, message and line). Fields may be added over time, never changed. Only when asked:
+`token_ids`, `logprobs` ({"content": [{token, logprob, bytes, top_logprobs}]}, OpenAI chat's
+shape), `choices` (n > 1) and `warnings` (request keys marscli did not act on).
+
+n completions per request: choice i decodes with seed + i (choice 0 is exactly the n = 1
+result), as its own row of the engine's batch; the choices share the prompt's prefill (the
+engine copies it, see Engine.run's prefill_key). The line keeps the n = 1 fields, meaning:
+`output` and `finish_reason` of choice 0, `usage.completion_tokens` summed over the choices
+(as OpenAI counts), `spec` with the counters summed and `timing.seconds` summed; `choices`
+holds every choice in order: index, output, finish_reason, completion_tokens, its own spec
+(and token_ids, logprobs when asked). A request whose choice fails is an error result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +28,8 @@ from marscli.repetition import repetition_stats
 #: Error types of records whose generation failed (the others come from marscli.io / engine).
 ERR_GENERATION_FAILED = "generation_failed"
 ERR_OUT_OF_MEMORY = "out_of_memory"
+#: A record with keys marscli does not act on, under --strict-keys.
+ERR_UNSUPPORTED_KEY = "unsupported_key"
 #: Longest error message kept from an exception's text.
 MAX_ERROR_CHARS = 300
 
@@ -28,6 +41,10 @@ class ResultOptions:
     truncate_prompt: str = "none"  # "left": drop a long prompt's oldest tokens
     timing: bool = True  # wall-clock figures (off: byte-identical reruns)
     token_ids: bool = False  # the generated token ids
+    output_format: str = "default"  # "openai": OpenAI batch output lines (jobs/openai_format)
+    strict_keys: bool = False  # a record with keys marscli does not act on is an error result
+    model: str = ""  # the target's name, for the OpenAI format's `model`
+    run_key: str = ""  # what the OpenAI format derives its ids from (the run's fingerprint)
 
 
 def error_result(item, type_: str, message: str) -> dict:
@@ -79,6 +96,84 @@ def result_line(item, res, dropped: int, options: ResultOptions, spec_meta: dict
     return out
 
 
+def request_result(item, results: list, dropped: int, options: ResultOptions, spec_meta: dict,
+                   decode) -> dict:
+    """The result line of a request from its choices' GenerationResults (choice order);
+    decode(token id) -> its text, for logprobs."""
+    from marscli.jobs.openai_format import logprobs_content
+
+    first = results[0]
+    out = result_line(item, first, dropped, options, spec_meta)
+    if len(results) == 1:
+        if first.logprobs is not None:
+            out["logprobs"] = logprobs_content(first.logprobs, decode)
+    else:
+        out["usage"]["completion_tokens"] = sum(r.completion_tokens for r in results)
+        reps = [repetition_stats(r.token_ids) for r in results]
+        out["spec"] = {**spec_meta, **summed_stats([r.stats for r in results]),
+                       "repeat_share": round(sum(x["repeat_share"] for x in reps) / len(reps), 4),
+                       "ends_in_loop": any(x["ends_in_loop"] for x in reps)}
+        if options.timing:
+            seconds = sum(r.seconds for r in results)
+            out["timing"] = {"seconds": round(seconds, 4),
+                             "tokens_per_s": round(out["usage"]["completion_tokens"] / seconds, 2)
+                             if seconds > 0 else None}
+        if options.token_ids:
+            del out["token_ids"]  # per choice
+        choices = []
+        for i, r in enumerate(results):
+            c = {"index": i, "output": r.text, "finish_reason": r.finish_reason,
+                 "completion_tokens": r.completion_tokens,
+                 "spec": {**r.stats.to_dict(), **repetition_stats(r.token_ids)}}
+            if options.token_ids:
+                c["token_ids"] = r.token_ids
+            if r.logprobs is not None:
+                c["logprobs"] = logprobs_content(r.logprobs, decode)
+            choices.append(c)
+        out["choices"] = choices
+    if item.ignored:
+        out["warnings"] = ignored_warnings(item.ignored)
+    return out
+
+
+def ignored_warnings(keys: list[str]) -> list[str]:
+    return [f"{k}: marscli does not act on this key; it was ignored" for k in keys]
+
+
+#: Integer `spec` fields that are not counters (a position in the completion): not summed.
+NOT_SUMMED = ("budget_spent_at",)
+
+
+def summed_stats(stats: list) -> dict[str, Any]:
+    """SpecStats of the choices of a request -> one `spec` dict: integer counters and
+    per-position lists summed, the acceptance length over all their steps."""
+    dicts = [s.to_dict() for s in stats]
+    keys = list(dict.fromkeys(k for d in dicts for k in d))
+    out: dict[str, Any] = {}
+    for k in keys:
+        vals = [d.get(k, 0) for d in dicts]
+        if k in NOT_SUMMED:
+            out[k] = None  # see the choices' own
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+            out[k] = sum(vals)
+        elif all(isinstance(v, list) for v in vals) and len({len(v) for v in vals}) == 1:
+            out[k] = [sum(col) for col in zip(*vals)]
+        else:  # not a counter (a ratio...): see the choices' own
+            out[k] = None
+    steps = sum(s.steps for s in stats)
+    out["acceptance_length"] = round(sum(s.emitted for s in stats) / steps, 4) if steps else 0.0
+    return out
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Choice `index` of `n` of a request: one row of the engine's batch."""
+
+    item: Any
+    index: int
+    n: int
+
+
 def generate_results(engine, items: Iterable, sampling: SamplingParams, options: ResultOptions,
                      spec_meta: dict, batch_size: int = 1) -> Iterator[tuple[Any, dict, float]]:
     """Every record -> (item, result line, seconds spent generating), as records finish.
@@ -86,37 +181,114 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
     Never raises for one record's sake: a record that cannot be parsed, fitted or generated
     becomes an error result and the run goes on. One at a time (batch size 1) records come
     in input order, so --fail-fast stops where the input says; batched, the invalid records
-    come first and the others as they finish.
+    come first and the others as they finish. A request's n choices run as n rows of the
+    batch (choice i with seed + i) sharing one prefill; its line comes when all are done.
     """
     dropped: dict[int, int] = {}
+    prepared: dict[int, Any] = {}  # per request: (ids, sampling, dropped) or the exception
+    decode = token_decoder(engine.target.tokenizer)
 
-    def prepare(item):
-        sp = sampling.with_overrides(item.overrides)
-        ids, dropped[item.index] = engine.fit_prompt(engine.tokenize(item), truncate=options.truncate_prompt,
-                                                     max_tokens=sp.max_tokens)
-        return ids, sp
+    def prepare(choice: Choice):
+        item = choice.item
+        got = prepared.get(item.index)
+        if got is None:
+            try:
+                sp = sampling.with_overrides(item.overrides)
+                ids, cut = engine.fit_prompt(engine.tokenize(item), truncate=options.truncate_prompt,
+                                             max_tokens=sp.max_tokens)
+                got = (ids, sp, cut)
+            except Exception as e:  # noqa: BLE001 - every choice of the record fails alike
+                got = e
+            prepared[item.index] = got
+        if choice.index == choice.n - 1:
+            del prepared[item.index]
+        if isinstance(got, BaseException):
+            raise got
+        ids, sp, dropped[item.index] = got
+        return ids, (sp if choice.index == 0 else dataclasses.replace(sp, seed=sp.seed + choice.index))
 
-    def finished(item, res) -> tuple[Any, dict, float]:
-        if isinstance(res, BaseException):
-            return item, failure_result(item, res), 0.0
-        return item, result_line(item, res, dropped.pop(item.index, 0), options, spec_meta), res.seconds
+    def prefill_key(choice: Choice):
+        return (choice.item.index, choice.index == choice.n - 1) if choice.n > 1 else None
+
+    def expand(requests: list) -> Iterator[Choice]:
+        for item in requests:
+            n = item.overrides.get("n", sampling.n)
+            for i in range(n):
+                yield Choice(item, i, n)
+
+    def finished(item, results: list) -> tuple[Any, dict, float]:
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            dropped.pop(item.index, None)
+            return item, failure_result(item, failed), 0.0
+        line = request_result(item, results, dropped.pop(item.index, 0), options, spec_meta, decode)
+        return item, line, sum(r.seconds for r in results)
+
+    def run(requests: list) -> Iterator[tuple[Any, dict, float]]:
+        slots: dict[int, list] = {}
+        for choice, res in engine.run(expand(requests), prepare, prefill_key=prefill_key):
+            got = slots.setdefault(choice.item.index, [None] * choice.n)
+            got[choice.index] = res
+            if all(r is not None for r in got):
+                del slots[choice.item.index]
+                yield finished(choice.item, got)
+
+    def invalid(item) -> dict | None:
+        if isinstance(item, RecordError):
+            return error_result(item, item.type, item.message)
+        if options.strict_keys and item.ignored:
+            return error_result(item, ERR_UNSUPPORTED_KEY,
+                                f"keys marscli does not act on (--strict-keys): {', '.join(item.ignored)}")
+        return None
 
     if batch_size > 1:
         valid = []
         for item in items:
-            if isinstance(item, RecordError):
-                yield item, error_result(item, item.type, item.message), 0.0
+            bad = invalid(item)
+            if bad is not None:
+                yield item, bad, 0.0
             else:
                 valid.append(item)
-        for item, res in engine.run(valid, prepare):
-            yield finished(item, res)
+        yield from run(valid)
         return
     for item in items:
-        if isinstance(item, RecordError):
-            yield item, error_result(item, item.type, item.message), 0.0
+        bad = invalid(item)
+        if bad is not None:
+            yield item, bad, 0.0
             continue
-        for done, res in engine.run([item], prepare):
-            yield finished(done, res)
+        yield from run([item])
+
+
+def token_decoder(tokenizer):
+    """token id -> its text (special tokens included), remembered: logprobs decode the same
+    alternatives again and again."""
+    cache: dict[int, str] = {}
+
+    def decode(token: int) -> str:
+        text = cache.get(token)
+        if text is None:
+            text = cache[token] = tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+    return decode
+
+
+def ignored_keys_note(items: Iterable) -> str | None:
+    """One stderr line summing up the request keys marscli did not act on, or None."""
+    counts: dict[str, int] = {}
+    records = 0
+    for item in items:
+        keys = getattr(item, "ignored", None)
+        if keys:
+            records += 1
+            for k in keys:
+                counts[k] = counts.get(k, 0) + 1
+    if not records:
+        return None
+    shown = ", ".join(f"{k} ({c})" for k, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:8])
+    more = f" and {len(counts) - 8} more" if len(counts) > 8 else ""
+    return (f"{records} record(s) carry request keys marscli does not act on: {shown}{more}; "
+            "each such result carries 'warnings' (--strict-keys makes them error results)")
 
 
 class Totals:

@@ -67,8 +67,12 @@ def parse_draft(draft: str) -> tuple[str, str | None]:
 
 def check_choices(margin: str | None = None, dtype: str = "auto", ngram_min: int | None = None,
                   ngram_max: int | None = None, verify: str | None = None,
-                  truncate_prompt: str = "none") -> None:
+                  truncate_prompt: str = "none", output_format: str = "default") -> None:
     """Values Typer cannot check by itself (free strings of a fixed set, pairs)."""
+    from marscli.jobs.openai_format import OUTPUT_FORMATS
+
+    if output_format not in OUTPUT_FORMATS:
+        raise UsageError(f"--output-format must be 'default' or 'openai', got {output_format!r}")
     if verify is not None and verify not in VERIFY_MODES:
         raise UsageError(f"--verify must be 'strict' or 'mars', got {verify!r}")
     if margin is not None and margin not in MARGINS:
@@ -296,6 +300,17 @@ def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, 
     from marscli.engine import build_engine
 
     return build_engine(target, draft_loaded, verify, draft, batch_size=batch_size)
+
+
+def choice_options(sampling: SamplingParams, n: int = 1, logprobs: bool = False,
+                   top_logprobs: int | None = None) -> SamplingParams:
+    """The sampling defaults with n and logprobs (top_logprobs implies logprobs)."""
+    if n < 1:
+        raise UsageError(f"n must be at least 1, got {n}")
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise UsageError(f"top_logprobs must be in [0, 20], got {top_logprobs}")
+    on = logprobs or top_logprobs is not None
+    return dataclasses.replace(sampling, n=n, logprobs=on, top_logprobs=top_logprobs or 0)
 
 
 def drafter_desc(d: DraftConfig) -> str:
