@@ -138,7 +138,13 @@ class MarginCollector:
         import torch
 
         from marscli.tree import ROOT
-        from marscli.verify import LOGIT_RATIO, PROB_RATIO, margin_statistic, sampling_probs, top2
+        from marscli.verify import (
+            LOGIT_RATIO,
+            PROB_RATIO,
+            margin_statistic,
+            sampling_probs,
+            top2,
+        )
 
         tree, L, res, s = obs.tree, obs.tree_logits.float(), obs.result, obs.sampling
         self.max_tokens = s.max_tokens
@@ -337,7 +343,12 @@ class MarginData:
     def replay(self, theta: float, margin: str) -> Replay:
         """Every step of the collection run, verified by MARS at ``theta`` (with the data's
         loop guard and relaxation budget) instead."""
-        from marscli.verify import MARS, PositionFacts, Rule, over_budget, relaxed_positions
+        from marscli.verify import (
+            MARS,
+            PositionFacts,
+            Rule,
+            relaxed_positions,
+        )
 
         g = self._matrices(margin)
         S, P = self.steps, self.positions
@@ -478,10 +489,10 @@ def choose_theta(data: MarginData, margin: str, policy: str, value: float) -> fl
         return float(value)
     if policy == POLICY_MAX_NLL:
         theta = pick_max_nll_increase(data, margin, value)
-        keeps = lambda t: data.replay(t, margin).nll_increase <= value  # noqa: E731
+        keeps = lambda t: data.replay(t, margin).nll_increase <= value
     elif policy == POLICY_RELAX_RATE:
         theta = pick_relax_rate(data, margin, value)
-        keeps = lambda t: data.replay(t, margin).relaxable_share <= value  # noqa: E731
+        keeps = lambda t: data.replay(t, margin).relaxable_share <= value
     else:
         raise ValueError(f"unknown policy {policy!r}")
     scale = 10 ** THETA_DECIMALS
@@ -559,159 +570,3 @@ def analyse(data: MarginData, margin: str, policy: str, value: float,
     }
     curve = trade_off_curve(data, margin, curve_thetas(data, margin, (theta,)))
     return Calibration(margin, policy, float(value), theta, summary, histogram(data, margin), curve)
-
-
-# --------------------------------------------------------------------------- showing it
-
-
-def curve_table(profile_data: dict[str, Any], title: str | None = None):
-    """A rich Table of a profile's trade-off curve; the chosen theta's row is marked."""
-    from rich.table import Table
-
-    theta = profile_data["verification"]["theta"]
-    t = Table(title=title, title_justify="left")
-    for col in ("theta", "relaxable", "relaxed/token", "tau (est.)", "NLL +nats/token"):
-        t.add_column(col, justify="right")
-    for row in profile_data["curve"]:
-        chosen = math.isfinite(row["theta"]) and row["theta"] == theta
-        th = "strict" if not math.isfinite(row["theta"]) else f"{row['theta']:.6g}"
-        t.add_row(
-            ("> " if chosen else "") + th,
-            f"{row['relaxable_share']:.3f}",
-            f"{row['relaxed_share']:.3f}",
-            f"{row['tau']:.3f}",
-            f"{row['nll_increase']:.4f}",
-            style="bold" if chosen else None,
-        )
-    return t
-
-
-def histogram_text(hist: dict[str, Any], theta: float | None = None, rows: int = 20,
-                   width: int = 40) -> str:
-    """A terminal histogram of the statistic, split by draft rank (1 = top-1 '#', 2 = top-2
-    '=', other '.'), over the occupied part of [0, 1]; the bin holding theta is marked."""
-    edges = np.asarray(hist["edges"])
-    counts = np.stack([np.asarray(hist["counts"][k]) for k in RANK_KEYS])  # [3, bins]
-    total = counts.sum(axis=0)
-    lines = [f"{hist['statistic']} by draft rank  (# top-1  = top-2  . other)"]
-    below = [hist["below"][k] for k in RANK_KEYS]
-    if sum(below):
-        lines.append(f"  below {edges[0]:g}: top-1 {below[0]}, top-2 {below[1]}, other {below[2]}")
-    nz = np.nonzero(total)[0]
-    if len(nz) == 0:
-        lines.append("  (no positions)")
-        return "\n".join(lines)
-    lo, hi = int(nz[0]), int(nz[-1]) + 1
-    groups = np.array_split(np.arange(lo, hi), min(rows, hi - lo))
-    sums = [counts[:, g].sum(axis=1) for g in groups]
-    peak = max(int(s.sum()) for s in sums) or 1
-    for g, s in zip(groups, sums):
-        a, b = edges[g[0]], edges[g[-1] + 1]
-        bar = ""
-        for ch, c in zip("#=.", s):
-            bar += ch * int(round(width * int(c) / peak))
-        mark = " <- theta" if theta is not None and a < theta <= b else ""
-        lines.append(f" {a:.3f}-{b:.3f} |{bar:<{width}}|{int(s.sum()):>7}{mark}")
-    return "\n".join(lines)
-
-
-def plot_profile(profile_data: dict[str, Any], path: str) -> None:
-    """Histogram by draft rank and the trade-off curve, side by side, as a PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        from marscli.errors import UsageError
-
-        raise UsageError("--plot needs matplotlib: pip install 'marscli[plot]'") from None
-    hist = profile_data["histogram"]
-    theta = profile_data["verification"]["theta"]
-    edges = np.asarray(hist["edges"])
-    centers = (edges[:-1] + edges[1:]) / 2
-    width = np.diff(edges)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    bottom = np.zeros(len(centers))
-    for key, label in zip(RANK_KEYS, ("draft = top-1", "draft = top-2", "other")):
-        c = np.asarray(hist["counts"][key], dtype=float)
-        ax1.bar(centers, c, width=width, bottom=bottom, label=label, align="center")
-        bottom += c
-    nz = np.nonzero(bottom)[0]
-    if len(nz):
-        ax1.set_xlim(edges[nz[0]], edges[nz[-1] + 1])
-    ax1.axvline(theta, color="k", linestyle="--", label=f"theta = {theta:.4g}")
-    ax1.set_xlabel(hist["statistic"])
-    ax1.set_ylabel("verified draft positions")
-    ax1.legend()
-    rows = [r for r in profile_data["curve"] if math.isfinite(r["theta"])]
-    xs = [r["nll_increase"] for r in rows]
-    ys = [r["tau"] for r in rows]
-    ax2.plot(xs, ys, marker="o")
-    for r in rows:
-        ax2.annotate(f"{r['theta']:.3g}", (r["nll_increase"], r["tau"]), fontsize=7)
-    strict = profile_data["summary"]["tau_strict"]
-    ax2.axhline(strict, color="gray", linestyle=":", label=f"strict tau = {strict:.3g}")
-    s = profile_data["summary"]
-    ax2.scatter([s["nll_increase"]], [s["tau_mars"]], color="red", zorder=3, label="chosen")
-    ax2.set_xlabel("estimated NLL increase (nats / token)")
-    ax2.set_ylabel("estimated mean acceptance length")
-    ax2.legend()
-    fig.suptitle(f"{profile_data['name']}: {profile_data['policy']['name']} "
-                 f"{profile_data['policy']['value']:g} -> theta {theta:.4g}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# --------------------------------------------------------------------------- the profile
-
-
-def build_profile(*, name: str, cal: Calibration, data: MarginData, target_identity: dict,
-                  draft_cfg, draft_identity: dict | None, sampling, input_name: str,
-                  input_sha256: str | None, seconds: float) -> dict[str, Any]:
-    """The profile document (schema_version 1) for a calibration."""
-    import datetime as dt
-
-    from marscli import __version__
-    from marscli.profiles import SCHEMA_VERSION, identity_for_profile
-
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "name": name,
-        "created_at": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "marscli_version": __version__,
-        "target": identity_for_profile(target_identity),
-        "drafter": {
-            "kind": draft_cfg.kind,
-            "model": identity_for_profile(draft_identity) if draft_identity else None,
-            "num_draft_tokens": draft_cfg.num_draft_tokens,
-            "adaptive": draft_cfg.adaptive,
-            "ngram_max": draft_cfg.ngram_max if draft_cfg.kind == "ngram" else None,
-            "ngram_min": draft_cfg.ngram_min if draft_cfg.kind == "ngram" else None,
-            **({"tree": {"depth": draft_cfg.tree_depth, "top_k": draft_cfg.tree_top_k,
-                         "tokens": draft_cfg.tree_tokens}} if getattr(draft_cfg, "tree", False) else {}),
-        },
-        "verification": {"margin": cal.margin, "theta": cal.theta, "guard": data.guard.to_dict()},
-        "policy": {"name": cal.policy, "value": cal.policy_value},
-        "sampling": {
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "max_tokens": sampling.max_tokens,
-            "seed": sampling.seed,
-        },
-        "calibration_data": {
-            "file": input_name,
-            "sha256": input_sha256,
-            "records": data.records,
-            "failed_records": data.failed_records,
-            "tokens": data.tokens,
-            "steps": data.steps,
-            "positions": data.positions,
-            "seconds": round(seconds, 2),
-        },
-        "summary": cal.summary,
-        "histogram": cal.histogram,
-        "curve": cal.curve,
-    }

@@ -372,7 +372,7 @@ def profile_show(
         p = resolve_profile(name)
         show_profile(p, Console(highlight=False))
         if plot:
-            from marscli.calibrate import plot_profile
+            from marscli.calibrate_report import plot_profile
 
             plot_profile(p.data, plot)
     except MarscliError as e:

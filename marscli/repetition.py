@@ -29,6 +29,7 @@ from collections.abc import Sequence
 # n-gram size and window (tokens) of the guard, and of the repetition statistic whatever the
 # guard's settings (so strict and relaxed runs are measured alike).
 from marscli.config import DEFAULT_GUARD_NGRAM, DEFAULT_GUARD_WINDOW
+
 #: A loop at the end of an output: a block of at most LOOP_MAX_PERIOD tokens repeated at least
 #: LOOP_MIN_REPEATS times, covering at least LOOP_MIN_SPAN tokens, up to the last token.
 LOOP_MAX_PERIOD = 64

@@ -1,6 +1,6 @@
 """Tree drafts (EAGLE-2-style dynamic trees): the tree, and one target forward over all of it.
 
-The rules walked over a tree live in the rulebook (``marscli.verify.verify_tree``); keeping only
+The rules walked over a tree live in the rulebook (``marscli.verify_tree.verify_tree``); keeping only
 the accepted path in the cache afterwards is ``marscli.kvcache.compact_cache``.
 
 Words are those of marscli.verify (target, drafter, step, accepted, relaxed, correction, bonus,

@@ -30,7 +30,7 @@ How a rule is built (the seam the next rules plug into):
 2. ``Rule.decide(facts)`` judges every position on its own: ``ok`` and ``relaxable``. It uses
    elementwise operators only, so calibration's numpy replay (marscli.calibrate) calls the
    very same function on recorded facts.
-3. The walk (``verify`` for chains, ``verify_tree`` for trees) keeps the accepted prefix/path
+3. The walk (``verify`` for chains, ``marscli.verify_tree.verify_tree`` for trees) keeps the accepted prefix/path
    and draws the next token: at a rejection judged by the strict check, from the residual
    norm(max(0, p - q)); at a relaxed position, from p itself; a bonus from p.
 
@@ -48,12 +48,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from marscli.tree import DraftTree
 
 LOGIT_RATIO = "logit-ratio"
 PROB_RATIO = "prob-ratio"
@@ -519,191 +516,3 @@ def verify_rows(
         if part.refused is not None:
             out.refused[ix] = part.refused
     return out
-
-
-# ----------------------------------------------------------------------------- trees
-
-
-@dataclass
-class TreeVerifyResult:
-    """Outcome of verifying one draft tree (marscli.tree.DraftTree)."""
-
-    path: list[int]  # accepted node indices, root-to-leaf
-    next_token: int  # correction (a rejection ended the path) or bonus (ended at a leaf)
-    relaxed: list[bool]  # per accepted node: accepted only thanks to the relaxed rule
-    statistic: torch.Tensor  # [N+1] float32: margin statistic of each row (row 0 = root's)
-    relaxable: torch.Tensor  # [N+1] bool: the rule relaxes the row and the row has children
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.path)
-
-    def emitted(self, tree: DraftTree) -> list[int]:
-        """Tokens this step emits: the accepted path's tokens, then the next token."""
-        return [int(tree.tokens[i]) for i in self.path] + [self.next_token]
-
-
-def verify_tree(
-    tree: DraftTree,
-    logits: torch.Tensor,  # [N+1, V] raw target logits: row 0 root's children, row i+1 node i's
-    *,
-    rule: Rule | None = None,
-    theta: float | None = None,
-    margin: str = LOGIT_RATIO,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    u_accept: torch.Tensor | None = None,  # [N] uniforms in [0, 1), one per node
-    u_sample: torch.Tensor | None = None,  # [] or [1] uniform in [0, 1) for the next token
-    guard: torch.Tensor | None = None,  # [N] bool: never relax node i (judged at its parent's row)
-    relax_left: int | None = None,  # relaxations the record may still make (None: no budget)
-) -> TreeVerifyResult:
-    """Verify a draft tree with the chain's rule, node by node (a node is judged at its
-    parent's row); greedy when temperature == 0, else sampling.
-
-    Greedy: the accepted path is the longest root path of ok nodes (ties: fewer relaxed
-    nodes, then the first in depth-first order with children in index order); the next token
-    is the top-1 of the row after it.
-
-    Sampling: walk from the root. At a row the rule does not relax, with distribution p, try
-    the children in index order; a child the strict check rejects sets p to the residual (x
-    zeroed, renormalised: a deterministic drafter's one-hot q) for the next sibling. At a
-    relaxed row the first ok child that is the top-1 (else the top-2) is accepted; if there is
-    none, the correction comes from that row's p itself. A leaf's bonus comes from its row's
-    p. With a strict rule this reproduces the target's law exactly (SpecInfer's multi-draft
-    rejection with one-hot drafts).
-
-    ``guard`` and ``relax_left`` as in ``verify``: a guarded node is judged strictly (in
-    sampling, a row with a guarded child is walked strictly, as the chain's guarded position
-    is), and no path holds more than ``relax_left`` relaxed nodes.
-    """
-    if rule is None:
-        rule = Rule.from_theta(math.inf if theta is None else theta, margin)
-    n = len(tree)
-    assert logits.dim() == 2 and logits.shape[0] == n + 1, (
-        f"logits must be [N+1, V] = [{n + 1}, V], got {tuple(logits.shape)}"
-    )
-    z1, z2, t1, t2 = top2(logits)  # each [N+1]
-    stat = margin_statistic(z1, z2, rule.margin)  # [N+1]
-    kids = tree.child_lists()
-    parents = tree.parents.to(logits.device)
-    has_children = torch.zeros(n + 1, dtype=torch.bool, device=logits.device)
-    has_children[parents + 1] = True
-    relaxable = rule.relaxable(stat) & has_children
-    if guard is not None:
-        guard = guard.to(logits.device)
-        assert guard.shape == (n,), f"guard must be [N] = [{n}], got {tuple(guard.shape)}"
-        # a row with a guarded child is not relaxed (the chain's guarded position, per row)
-        row_guarded = torch.zeros(n + 1, dtype=torch.long, device=logits.device).index_add(
-            0, parents + 1, guard.long()) > 0
-        relaxable = relaxable & ~row_guarded
-    budget = math.inf if relax_left is None else relax_left
-    if temperature == 0.0:
-        path, relaxed, nxt = _tree_greedy(tree, kids, logits, t1, t2, stat, rule, guard, budget)
-    else:
-        assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
-        assert u_accept.shape == (n,), f"u_accept must be [N] = [{n}], got {tuple(u_accept.shape)}"
-        assert u_sample.numel() == 1, f"u_sample must be [] or [1], got {tuple(u_sample.shape)}"
-        u_accept, u_sample = u_accept.to(logits.device), u_sample.to(logits.device)
-        p = sampling_probs(logits, temperature, top_k, top_p)  # [N+1, V]
-        path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule,
-                                            u_accept, u_sample.reshape(1), budget)
-    return TreeVerifyResult(path, nxt, relaxed, stat, relaxable)
-
-
-def _node_facts(tokens: torch.Tensor, alive: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
-                stat: torch.Tensor, margin: str, strict_ok: torch.Tensor) -> PositionFacts:
-    """Facts of nodes `tokens` [M], each judged at its parent's row: alive [M] (p(token) > 0
-    there), that row's top tokens t1/t2 [M] and statistic [M]; strict_ok [M] from the caller."""
-    return PositionFacts({margin: stat}, ((tokens == t1) | (tokens == t2)) & alive, strict_ok)
-
-
-def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule, guard=None, budget=math.inf):
-    """Longest ok path with at most ``budget`` relaxed nodes. Nodes are visited in depth-first
-    order (children in index order), so the first path found of a given (length, relaxed
-    count) wins its ties."""
-    rows = tree.parents.to(logits.device) + 1  # [N] the row that judges each node
-    tok = tree.tokens.to(logits.device)
-    strict_ok = tok == t1[rows]
-    alive = logits.float()[rows].gather(1, tok.unsqueeze(1)).squeeze(1) > -math.inf
-    facts = _node_facts(tok, alive, t1[rows], t2[rows], stat[rows], rule.margin, strict_ok)
-    facts.in_top2 = facts.in_top2 | strict_ok  # as in the chain: the top-1 always qualifies
-    facts.guarded = guard
-    d = rule.decide(facts)
-    ok = d.ok.tolist()
-    was_relaxed = relaxed_positions(d.ok, d.relaxable, strict_ok).tolist()
-    best: tuple[int, int] = (0, 0)  # (length, -relaxed count) of the best path so far
-    best_path: list[int] = []
-    best_relaxed: list[bool] = []
-    # stack entries: (node, path to its parent, relaxed flags so far); children pushed reversed
-    stack = [(c, [], []) for c in reversed(kids[0])]
-    while stack:
-        i, path, flags = stack.pop()
-        if not ok[i] or (was_relaxed[i] and sum(flags) >= budget):
-            continue  # not ok (or over the budget): nothing below it is reachable
-        path = path + [i]
-        flags = flags + [bool(was_relaxed[i])]
-        key = (len(path), -sum(flags))
-        if key > best:
-            best, best_path, best_relaxed = key, path, flags
-        stack.extend((c, path, flags) for c in reversed(kids[i + 1]))
-    last_row = best_path[-1] + 1 if best_path else 0
-    return best_path, best_relaxed, int(t1[last_row])
-
-
-def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept, u_sample,
-                   budget=math.inf):
-    """The sampling walk: sequential strict rejection over siblings where the rule does not
-    relax the row; the rule's choice among the children where it does."""
-    tokens = tree.tokens.to(p.device)
-    path: list[int] = []
-    relaxed: list[bool] = []
-    row = 0
-    while True:
-        children = kids[row]
-        p_row = p[row].unsqueeze(0)  # [1, V]
-        if not children:
-            dist = p_row  # bonus: from the plain target distribution
-            break
-        if bool(relaxable[row]) and sum(relaxed) < budget:
-            c_idx = torch.tensor(children, dtype=torch.long, device=p.device)
-            c_tok = tokens[c_idx]
-            M = len(children)
-            strict_ok = strict_sampling_accepts(c_tok.view(M, 1), p_row.expand(M, -1).unsqueeze(1),
-                                                u_accept[c_idx].view(M, 1))[:, 0]
-            alive = p_row[0, c_tok] > 0
-            d = rule.decide(_node_facts(c_tok, alive, t1[row].expand(M),
-                                        t2[row].expand(M), stat[row].expand(M), rule.margin, strict_ok))
-            ok, tok_list = d.ok.tolist(), c_tok.tolist()
-            chosen = None
-            for want in (int(t1[row]), int(t2[row])):  # the target's favourite first
-                chosen = next((j for j in range(M) if ok[j] and tok_list[j] == want), None)
-                if chosen is not None:
-                    break
-            if chosen is None:
-                dist = p_row  # a relaxed row: the correction comes from p itself, not a residual
-                break
-            path.append(children[chosen])
-            relaxed.append(bool(relaxed_positions(d.ok, d.relaxable, strict_ok)[chosen]))
-            row = children[chosen] + 1
-            continue
-        accepted = None
-        for c in children:
-            tok = tokens[c].view(1)
-            strict_ok = strict_sampling_accepts(tok.view(1, 1), p_row.unsqueeze(1), u_accept[c].view(1, 1))[:, 0]
-            facts = _node_facts(tok, p_row[0, tok] > 0, t1[row].view(1), t2[row].view(1),
-                                stat[row].view(1), rule.margin, strict_ok)
-            facts.guarded = torch.ones_like(strict_ok)  # a row walked strictly (guard, budget)
-            d = rule.decide(facts)
-            if bool(d.ok[0]):
-                accepted = c
-                break
-            p_row = residual(p_row, None, tok)  # one-hot q at the rejected token
-        if accepted is None:
-            dist = p_row  # correction from the residual left after every sibling
-            break
-        path.append(accepted)
-        relaxed.append(False)
-        row = accepted + 1
-    nxt = int(sample_from(dist, u_sample)[0])
-    return path, relaxed, nxt

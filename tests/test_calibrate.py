@@ -16,11 +16,11 @@ from marscli.calibrate import (
     choose_theta,
     curve_thetas,
     histogram,
-    histogram_text,
     pick_max_nll_increase,
     pick_relax_rate,
     trade_off_curve,
 )
+from marscli.calibrate_report import histogram_text
 from marscli.config import SamplingParams
 from marscli.engine.sequence import StepObservation
 from marscli.verify import mars_greedy, speculative_sampling, strict_greedy

@@ -11,14 +11,28 @@ import pytest
 import torch
 
 from marscli.calibrate import MarginCollector, MarginData
-from marscli.config import GUARD_OFF, DraftConfig, GuardConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.config import (
+    GUARD_OFF,
+    DraftConfig,
+    GuardConfig,
+    ModelConfig,
+    SamplingParams,
+    VerifyConfig,
+)
 from marscli.drafters.base import DrafterBase, Proposal, RowDrafters
 from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
 from marscli.models import load_model
-from marscli.repetition import NgramIndex, ends_in_loop, loop_period, repeat_flags, repeat_share
-from marscli.verify import MARS, Rule, margin_statistic, top2, verify, verify_tree
+from marscli.repetition import (
+    NgramIndex,
+    ends_in_loop,
+    loop_period,
+    repeat_flags,
+    repeat_share,
+)
+from marscli.verify import MARS, Rule, margin_statistic, top2, verify
+from marscli.verify_tree import verify_tree
 
 # --------------------------------------------------------------------------- the statistic
 

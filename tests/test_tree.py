@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import marscli.verify as mv
+import marscli.verify_tree as mvt
 from marscli.kvcache import compact_cache
 from marscli.tree import (
     ROOT,
@@ -33,8 +33,8 @@ from marscli.verify import (
     sample_from,
     sampling_probs,
     verify,
-    verify_tree,
 )
+from marscli.verify_tree import verify_tree
 
 V = 10
 NINF = -math.inf
@@ -783,7 +783,7 @@ def test_strict_tree_sampling_reproduces_target_and_broken_variant_does_not(monk
     assert tvs[-1] < tvs[0] / 2, tvs  # ~ 1/sqrt(N): expected ratio 4
     # Not renormalising the residual tries later siblings against too small a probability
     # (token 3: 0.25 instead of 0.25 / 0.65): the law is off by about 0.16 in TV.
-    monkeypatch.setattr(mv, "residual", residual_not_renormalised)
+    monkeypatch.setattr(mvt, "residual", residual_not_renormalised)
     bad_tokens = first_tokens(n, seed=7)
     for m in (n // 4, n):
         bad = tv(bad_tokens[:m], P_TARGET)

@@ -40,7 +40,8 @@ from marscli.engine import logprobs as lp
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
 from marscli.engine.sequence import GenerationResult, RowSettings, Sequence, StepObservation
 from marscli.kvcache import HoleCache, compact_cache, sliding_layers
-from marscli.verify import Rule, verify_rows, verify_tree
+from marscli.verify import Rule, verify_rows
+from marscli.verify_tree import verify_tree
 
 Observer = Callable[[StepObservation], None]
 #: prefill_key(item) -> (key, last) or None: rows of the same key have the same prompt and

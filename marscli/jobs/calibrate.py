@@ -78,7 +78,8 @@ def choose_policy(max_nll_increase: float | None = None, relax_rate: float | Non
 def margins_profile(collector, failed: int, records: int, seconds: float, cfg: CalibrateConfig, target,
                     draft_loaded, *, input_name: str, input_sha256: str | None) -> dict:
     """The profile document for the margins collected (theta chosen by cfg's policy)."""
-    from marscli.calibrate import analyse, build_profile
+    from marscli.calibrate import analyse
+    from marscli.calibrate_report import build_profile
     from marscli.profiles import default_profile_name
 
     data = collector.data(records=records - failed, failed=failed, guard=cfg.guard)
@@ -98,7 +99,8 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
 
 
 def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
-    from marscli.calibrate import MarginCollector, plot_profile
+    from marscli.calibrate import MarginCollector
+    from marscli.calibrate_report import plot_profile
     from marscli.distributed import shard, solo_step
     from marscli.io.records import read_input
     from marscli.profiles import identity_for_profile, save_profile, user_profile_dir
@@ -203,7 +205,7 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
 
 def show_profile(p, con) -> None:
     """A profile's choice, summary, histogram and trade-off curve, on `con` (a rich Console)."""
-    from marscli.calibrate import curve_table, histogram_text
+    from marscli.calibrate_report import curve_table, histogram_text
 
     d = p.data
     s = d["summary"]
