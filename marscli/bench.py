@@ -122,6 +122,7 @@ class BenchConfig:
     report: str | None = None  # path, "-" for stdout, None: no report file
     plot: str | None = None
     batch_sizes: tuple[int, ...] = ()  # non-empty: also measure batched throughput at these sizes
+    task: str | None = None  # humaneval, gsm8k, sum: task scores and the paired comparison (marscli.scoring)
 
     @property
     def greedy(self) -> bool:
@@ -193,6 +194,9 @@ def check_config(cfg: BenchConfig) -> None:
         raise UsageError(f"--batch-size takes integers >= 1, got {','.join(map(str, cfg.batch_sizes))}")
     if cfg.batch_sizes and not any(m.kind in BATCHED_METHODS for m in cfg.methods):
         raise UsageError("--batch-size measures " + ", ".join(BATCHED_METHODS) + "; none is in --methods")
+    from marscli.scoring.compare import check_ready
+
+    check_ready(cfg.task, [m.kind for m in cfg.methods])
     if cfg.plot == "-":
         raise UsageError("--plot needs a file name (a PNG is not written to stdout)")
     if cfg.plot:
