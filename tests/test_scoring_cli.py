@@ -204,7 +204,7 @@ def test_task_report_pairs_methods_with_strict():
     assert c["length_ratio"] == pytest.approx(26 / 8)
     assert m["truncated_share"] == 0.25 and m["loop_share"] == 0.25
     assert c["inside_noise"] and "inside the noise" in c["verdict"]
-    assert len(rep["records"]) == 8 and rep["records"][-1]["answer"] == "9"
+    assert len(rep["records"]) == 8 and rep["records"][-1]["answer"] == "9" and rep["records"][0]["output"] == "1"
 
 
 GSM_LIKE = [

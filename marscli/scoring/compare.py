@@ -58,7 +58,8 @@ def task_report(task: str, runs: Sequence[Any], methods: Sequence[tuple[str, str
     (name, kind) in table order.
     """
     base = baseline_method(methods)
-    items = [TaskItem(r.prompt.id, [decode(r.tokens)], r.prompt.reference) for r in runs]
+    texts = [decode(r.tokens) for r in runs]
+    items = [TaskItem(r.prompt.id, [text], r.prompt.reference) for r, text in zip(runs, texts)]
     scores = score_items(task, items, workers=workers)
     by_method: dict[str, dict[tuple[str, int], tuple[Any, Any]]] = {}
     for r, s in zip(runs, scores):
@@ -82,8 +83,9 @@ def task_report(task: str, runs: Sequence[Any], methods: Sequence[tuple[str, str
             comp["verdict"] = stats.verdict(comp)
             entry["vs_baseline"] = comp
         out_methods[name] = entry
-    records = [{"method": r.method, "id": r.prompt.id, "seed": r.seed, "score": s.score, **s.to_json()}
-               for r, s in zip(runs, scores)]
+    # The text of every output, so that a flip can be read, not only counted.
+    records = [{"method": r.method, "id": r.prompt.id, "seed": r.seed, "score": s.score, **s.to_json(), "output": text}
+               for r, s, text in zip(runs, scores, texts)]
     return {"task": task, "score_name": SCORE_NAMES[task], "baseline": base, "methods": out_methods,
             "records": records,
             "notes": [f"{SCORE_NAMES[task]} per method with its 95% CI; vs {base}: paired bootstrap 95% CI of "
