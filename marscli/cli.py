@@ -88,7 +88,7 @@ def _root(
 
 
 def _model_group(
-    target: Annotated[Optional[str], typer.Option(help="Target model: local dir, .gguf file or hub id (downloaded into the Hugging Face cache unless --offline). Default: embedded SmolLM2-135M-Instruct (or the --profile's target).", rich_help_panel=PANEL_MODEL)] = None,
+    target: Annotated[Optional[str], typer.Option(help="Target model: a packaged model's short name (`marscli models`), local dir, .gguf file or hub id (downloaded into the Hugging Face cache unless --offline). Default: embedded SmolLM2-135M-Instruct (or the --profile's target).", rich_help_panel=PANEL_MODEL)] = None,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL)] = "auto",
     offline: Annotated[bool, typer.Option("--offline", help="Never download: a hub id must already be in the local cache (as with HF_HUB_OFFLINE=1).", rich_help_panel=PANEL_MODEL)] = False,
@@ -105,7 +105,7 @@ def _placement_group(
 
 
 def _draft_group(
-    draft: Annotated[Optional[str], typer.Option(help="Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model path / hub id, or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).", rich_help_panel=PANEL_DRAFT)] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model (packaged short name, path or hub id), or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).", rich_help_panel=PANEL_DRAFT)] = None,
     num_draft_tokens: Annotated[Optional[int], typer.Option("--num-draft-tokens", "-k", min=1, max=64, help=f"Most draft tokens per step (K); default {DEFAULT_NUM_DRAFT_TOKENS}.", rich_help_panel=PANEL_DRAFT)] = None,
     adaptive: Annotated[Optional[bool], typer.Option("--adaptive/--fixed-k", help="Adapt the draft length to how often drafts pass (deterministic cost model; default) or always draft K.", rich_help_panel=PANEL_DRAFT, show_default=False)] = None,
     ngram_max: Annotated[Optional[int], typer.Option(min=1, max=16, help="Longest suffix n-gram to match (default 3).", rich_help_panel=PANEL_DRAFT)] = None,
