@@ -128,6 +128,7 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = ()  # non-empty: also measure batched throughput at these sizes
     #: The loop guard of the `mars` and `mars-tree` methods (`mars-noguard` has none).
     guard: GuardConfig = GuardConfig()
+    task: str | None = None  # humaneval, gsm8k, sum: task scores and the paired comparison (marscli.scoring)
 
     @property
     def greedy(self) -> bool:
@@ -199,6 +200,9 @@ def check_config(cfg: BenchConfig) -> None:
         raise UsageError(f"--batch-size takes integers >= 1, got {','.join(map(str, cfg.batch_sizes))}")
     if cfg.batch_sizes and not any(m.kind in BATCHED_METHODS for m in cfg.methods):
         raise UsageError("--batch-size measures " + ", ".join(BATCHED_METHODS) + "; none is in --methods")
+    from marscli.scoring.compare import check_ready
+
+    check_ready(cfg.task, [m.kind for m in cfg.methods])
     if cfg.plot == "-":
         raise UsageError("--plot needs a file name (a PNG is not written to stdout)")
     if cfg.plot:

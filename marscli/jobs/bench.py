@@ -499,6 +499,7 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
         with Progress(narration, label="bench", unit=UNIT_RUNS) as progress:
             throughput = bench.throughput(prompts, progress.update)
     per_method = summarize(cfg, runs, limit_info)
+    task = _task_section(bench, runs) if cfg.task else None
     cuda_peak = getattr(bench, "cuda_peak_mib", {})
     for name, a in per_method.items():
         a.update(memory.get(name, {}))
@@ -570,10 +571,22 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
                         "methods": exact_checked if cfg.greedy else [], "failures": len(failures)},
         "correctness_failures": failures,
         "throughput": throughput,
+        "task": task,
         "runs": [r.to_json() for r in runs],
         "notes": notes,
     }
     return json_safe(report)
+
+
+def _task_section(bench: Bench, runs: Sequence[Run]) -> dict[str, Any]:
+    """bench --task: every run's task score and each method against strict (marscli.scoring)."""
+    from marscli.scoring.compare import task_report
+
+    bench.log(f"scoring {len(runs)} outputs for {bench.cfg.task}")
+    tok = bench.target.tokenizer
+    return task_report(bench.cfg.task, runs, [(m.name, m.kind) for m in bench.cfg.methods],
+                       lambda ids: tok.decode(ids, skip_special_tokens=True), bench.target.eos_token_ids,
+                       bench.cfg.max_tokens)
 
 
 def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
@@ -633,7 +646,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
                  tree_tokens: int | None = None, margin: str | None = None, offline: bool = False,
                  repeat_guard: int | None = None, repeat_window: int | None = None,
                  max_relaxed_share: float | None = None, no_guard: bool = False,
-                 note: Callable[[str], None] = lambda _: None) -> BenchConfig:
+                 task: str | None = None, note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's)."""
     from marscli.distributed import launch_from_env
@@ -668,6 +681,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
         plot=plot,
         batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
         guard=resolved.guard,
+        task=task,
     )
     if prof is not None:
         note(f"using profile {prof.describe()}: theta {prof.theta:.6g} ({prof.margin})")

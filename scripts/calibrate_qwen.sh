@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Calibrate a MARS profile for the packaged Qwen2.5-Coder pair on prompts the benchmark does
+# NOT evaluate: HumanEval records SKIP+1 .. SKIP+M and GSM8K records SKIP+1 .. SKIP+M (bench
+# --limit N scores the first N, so use SKIP >= N). Background job; prints its pid.
+#
+#   scripts/calibrate_qwen.sh SKIP M [DRAFT]     DRAFT: qwen2.5-coder-0.5b-instruct (default) or ngram
+#
+# Writes profiles/qwen2.5-coder-1.5b-instruct.DRAFTER.float32.yaml (the shipped-profile folder;
+# commit it to ship it) and calibrate-qwen-DRAFTER.log. Policy: --max-nll-increase 0.02 (the
+# default). Wall time: 2*M records x ~200 tokens x ~0.4 s = about 1.5 hours for M=32.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+skip=${1:?usage: $0 SKIP M [DRAFT]}
+m=${2:?usage: $0 SKIP M [DRAFT]}
+draft=${3:-qwen2.5-coder-0.5b-instruct}
+dir="${PROMPTS_DIR:-../shared/data/prompts}"
+kind=$([ "$draft" = ngram ] && echo ngram || echo qwen2.5-coder-0.5b-instruct)
+name="qwen2.5-coder-1.5b-instruct.$kind.float32"
+calib=$(mktemp --suffix=.jsonl)
+{ tail -n +"$((skip + 1))" "$dir/humaneval.jsonl" | head -n "$m"; tail -n +"$((skip + 1))" "$dir/gsm8k.jsonl" | head -n "$m"; } > "$calib"
+log="calibrate-qwen-$kind.log"
+nohup bash -c 'start=$(date +%s); "$0" -m marscli "$@"; rc=$?; echo "wall seconds: $(( $(date +%s) - start )), exit code: $rc"' \
+  "${PYTHON:-python}" calibrate "$calib" --target qwen2.5-coder-1.5b-instruct --draft "$draft" \
+  --dtype float32 --device cpu --max-tokens "${MAX_TOKENS:-256}" --name "$name" -o "profiles/$name.yaml" \
+  > "$log" 2>&1 < /dev/null &
+echo "$!"
+echo "calibrating on $(wc -l < "$calib") records from $calib; log: $log; profile: profiles/$name.yaml" >&2
