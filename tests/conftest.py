@@ -126,6 +126,9 @@ def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathF
     monkeypatch.setenv("MARSCLI_CACHE", str(base / "cache"))
     monkeypatch.setenv("MARSCLI_PROFILE_DIR", str(base / "profiles"))
     monkeypatch.setenv("HF_HOME", str(base / "hf"))
+    # Draft lengths from a fixed cost curve, never a timing: outputs and statistics in tests
+    # do not depend on the machine's load (tests/test_costs.py measures on purpose).
+    monkeypatch.setenv("MARSCLI_COSTS", "static")
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
 
