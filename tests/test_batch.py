@@ -354,9 +354,10 @@ def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkey
 
     from marscli.errors import EXIT_RECORDS_FAILED, EXIT_TERMINATED
 
+    # A fixed K: with adaptive draft lengths a record's statistics follow its batch.
     src = _cli_records(tmp_path)
     ref = tmp_path / "ref.jsonl"
-    _gen(src, "--target", tiny_model_dir, "-o", ref, *CLI_RUN)
+    _gen(src, "--target", tiny_model_dir, "-o", ref, *CLI_RUN, "--fixed-k")
     real = Engine._step
     calls = {"n": 0}
 
@@ -368,17 +369,17 @@ def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkey
 
     monkeypatch.setattr(Engine, "_step", step)
     out = tmp_path / "out.jsonl"
-    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--batch-size", 3, *CLI_RUN)
+    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--batch-size", 3, *CLI_RUN, "--fixed-k")
     assert r.exit_code == EXIT_TERMINATED, r.stderr
     partial = out.read_bytes()
     assert ref.read_bytes().startswith(partial) and len(partial) < len(ref.read_bytes())
     monkeypatch.setattr(Engine, "_step", real)
     # Resume with another batch size: the results do not depend on it.
-    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--resume", "--batch-size", 2, *CLI_RUN)
+    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--resume", "--batch-size", 2, *CLI_RUN, "--fixed-k")
     assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
     assert out.read_bytes() == ref.read_bytes()
 
-    r = _gen(src, "--target", tiny_model_dir, "--batch-size", 4, "--fail-fast", *CLI_RUN)
+    r = _gen(src, "--target", tiny_model_dir, "--batch-size", 4, "--fail-fast", *CLI_RUN, "--fixed-k")
     assert r.exit_code == EXIT_RECORDS_FAILED
     assert "stopped at the first failed record (--fail-fast)" in r.stderr
 
