@@ -669,6 +669,12 @@ def test_cli_calibrate_with_eagle3(target_dir, fitted_dir, tmp_path, tree):
     g = CliRunner().invoke(app, ["generate", str(src), "--target", str(target_dir), "--draft",
                                  f"eagle3:{fitted_dir}", "--max-tokens", "4", "--profile", str(out)])
     assert g.exit_code == 0, g.stderr
+    # MARS at the profile's theta, unless the profile predicts relaxing gains too little
+    if prof["speed"]["verify_strictly"]:
+        assert "verifying strictly" in g.stderr and "mars (theta=" not in g.stderr
+        g = CliRunner().invoke(app, ["generate", str(src), "--target", str(target_dir), "--draft",
+                                     f"eagle3:{fitted_dir}", "--max-tokens", "4", "--profile", str(out),
+                                     "--verify", "mars"])
     assert "mars (theta=" in g.stderr
 
 
