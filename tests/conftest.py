@@ -18,6 +18,9 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Draft lengths from a fixed cost curve, never a timing (marscli.costs), here too: fixtures of
+# module or session scope run before _isolate and must not measure (nor write the user's cache).
+os.environ["MARSCLI_COSTS"] = "static"
 
 TINY_HIDDEN = 64
 TINY_HEADS = 4
