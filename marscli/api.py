@@ -191,7 +191,7 @@ class LLM:
                               policy=policy, policy_value=value, sampling=sampling,
                               batch_size=self.setup.batch_size, guard=gen.verify.guard)
         engine = make_engine(gen.target, gen.draft_loaded, VerifyConfig(guard=gen.verify.guard), gen.draft,
-                             self.setup.batch_size)
+                             self.setup.batch_size, solo_lengths=True)
         per_record: dict[int, MarginCollector] = {}
         failed = 0
 
@@ -211,7 +211,8 @@ class LLM:
             collector.extend(per_record[index])
         digest = hashlib.sha256(data).hexdigest()  # as calibrate's of a file with these lines
         doc = margins_profile(collector, failed, len(items), time.perf_counter() - t0, cfg, gen.target,
-                              gen.draft_loaded, input_name=PYTHON_INPUT_NAME, input_sha256=digest)
+                              gen.draft_loaded, input_name=PYTHON_INPUT_NAME, input_sha256=digest,
+                              costs=engine.costs)
         if output is not None:
             return save_profile(doc, output)
         return parse_profile(dump_profile(doc), PYTHON_INPUT_NAME)

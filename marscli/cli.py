@@ -107,7 +107,7 @@ def _placement_group(
 def _draft_group(
     draft: Annotated[Optional[str], typer.Option(help="Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model (packaged short name, path or hub id), or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).", rich_help_panel=PANEL_DRAFT)] = None,
     num_draft_tokens: Annotated[Optional[int], typer.Option("--num-draft-tokens", "-k", min=1, max=64, help=f"Most draft tokens per step (K); default {DEFAULT_NUM_DRAFT_TOKENS}.", rich_help_panel=PANEL_DRAFT)] = None,
-    adaptive: Annotated[Optional[bool], typer.Option("--adaptive/--fixed-k", help="Adapt the draft length to how often drafts pass (deterministic cost model; default) or always draft K.", rich_help_panel=PANEL_DRAFT, show_default=False)] = None,
+    adaptive: Annotated[Optional[bool], typer.Option("--adaptive/--fixed-k", help="Choose each row's draft length per step from how often drafts pass and the measured forward costs (default) or always draft K.", rich_help_panel=PANEL_DRAFT, show_default=False)] = None,
     ngram_max: Annotated[Optional[int], typer.Option(min=1, max=16, help="Longest suffix n-gram to match (default 3).", rich_help_panel=PANEL_DRAFT)] = None,
     ngram_min: Annotated[Optional[int], typer.Option(min=1, max=16, help="Shortest suffix n-gram to match (default 1).", rich_help_panel=PANEL_DRAFT)] = None,
     tree_depth: Annotated[Optional[int], typer.Option("--tree-depth", min=0, max=32, help="EAGLE-3 tree drafting: expansions after the first top-k (EAGLE's depth; paths hold up to depth+1 drafts). Any --tree-* option turns tree drafting on (default depth 7).", rich_help_panel=PANEL_DRAFT)] = None,
@@ -277,6 +277,7 @@ def calibrate(
     max_nll_increase: Annotated[Optional[float], typer.Option(min=0.0, help="Policy (default, 0.02): the most relaxing theta whose estimated cost stays within EPS nats of target log-probability per token.", rich_help_panel=PANEL_POLICY)] = None,
     relax_rate: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Policy: theta at which this share of verified draft positions is relaxable.", rich_help_panel=PANEL_POLICY)] = None,
     theta: Annotated[Optional[float], typer.Option(help="Policy: a fixed theta (e.g. the paper's 0.9), recorded as such.", rich_help_panel=PANEL_POLICY)] = None,
+    objective: Annotated[str, typer.Option(help="quality: the policy's theta; speed: the fastest theta within the policy's budget (predicted from replayed acceptance and measured step costs). Either way the profile records the predicted speed-up, and generate verifies strictly when relaxing gains under 3%.", rich_help_panel=PANEL_POLICY)] = "quality",
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
     *, model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
     guard: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
@@ -304,6 +305,8 @@ def calibrate(
         d = drafting
         check_choices(d.margin, model.dtype, d.ngram_min, d.ngram_max)
         policy, value = choose_policy(max_nll_increase, relax_rate, theta)
+        if objective not in ("quality", "speed"):
+            raise UsageError(f"--objective must be 'quality' or 'speed', got {objective!r}")
         draft_cfg = draft_config(d.draft, d.num_draft_tokens, d.adaptive, d.ngram_max, d.ngram_min, tree=_tree(d))
         check_batch(draft_cfg, run.batch_size)
         if draft_cfg.kind == "none":
@@ -315,6 +318,7 @@ def calibrate(
             draft_model=draft_model_cfg, margin=d.margin or "logit-ratio", policy=policy, policy_value=value,
             sampling=_sampling(sampling), limit=run.limit, plot=plot, batch_size=run.batch_size,
             guard=resolve_guard(VerifyRequest(**guard_request(**vars(guard))), None),
+            objective=objective,
         )
         return run_calibrate(cfg, Log(run.quiet))
 

@@ -141,8 +141,9 @@ class DraftConfig:
 
     kind: "none" (plain autoregressive decoding), "ngram" (prompt lookup), "model" (a draft
     model) or "eagle3" (an EAGLE-3 head drafting from the target's hidden states).
-    num_draft_tokens: the most drafts per step (K). With adaptive=True the engine drafts fewer
-    when drafts are unlikely to pass, using a deterministic cost model (see marscli.drafters).
+    num_draft_tokens: the most drafts per step (K). With adaptive=True the engine chooses every
+    row's draft length per step (0 included) from its acceptance estimate and the target's
+    measured step costs (marscli.drafters.base.choose_draft_lengths, marscli.costs).
     tree_depth / tree_top_k / tree_tokens (eagle3 only): draft an EAGLE-2 dynamic tree instead
     of a chain (see marscli.drafters.eagle3.TreeShape); all three or none.
     """
@@ -256,3 +257,4 @@ class CalibrateConfig:
     #: The loop guard the replay applies (and the profile records): calibrate and generate
     #: must agree on which relaxations can happen.
     guard: GuardConfig = GuardConfig()
+    objective: str = "quality"  # quality: the policy's theta; speed: the fastest within its budget

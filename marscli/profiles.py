@@ -205,6 +205,19 @@ _curve_row = _mapping({
     "nll_increase": _number(lo=0.0),
 })
 
+#: Optional (profiles before it load unchanged): the predicted speed (marscli.calibrate_speed).
+_speed = _mapping({
+    "objective": _choice("quality", "speed"),
+    "batch_size": _integer(lo=1),
+    "costs": _string,
+    "speedup_strict": _number(lo=0.0),
+    "speedup_mars": _number(lo=0.0),
+    "relaxed_gain": _number(),
+    "min_gain": _number(lo=0.0),
+    "verify_strictly": _boolean,
+    "curve": _list(_mapping({"theta": _number(finite=False), "speedup": _number(lo=0.0)})),
+})
+
 _SCHEMA = _mapping({
     "schema_version": _integer(),  # checked first, separately, for a clear message
     "name": _string,
@@ -270,7 +283,8 @@ _SCHEMA = _mapping({
         "counts": _rank_counts,
     }),
     "curve": _list(_curve_row),
-})
+    "speed": _speed,
+}, optional=("speed",))
 
 
 def _check_histogram(h: dict, path: str) -> None:
@@ -379,6 +393,11 @@ class Profile:
     def describe(self) -> str:
         where = f" ({self.path})" if self.path is not None else ""
         return f"{self.name}{where}"
+
+    @property
+    def speed(self) -> dict[str, Any] | None:
+        """The predicted speed section (None in profiles made before it)."""
+        return self.data.get("speed")
 
     def reference(self) -> dict[str, str]:
         """What each result line records about the profile it ran with."""

@@ -18,6 +18,9 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Draft lengths from a fixed cost curve, never a timing (marscli.costs), here too: fixtures of
+# module or session scope run before _isolate and must not measure (nor write the user's cache).
+os.environ["MARSCLI_COSTS"] = "static"
 
 TINY_HIDDEN = 64
 TINY_HEADS = 4
@@ -126,6 +129,9 @@ def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathF
     monkeypatch.setenv("MARSCLI_CACHE", str(base / "cache"))
     monkeypatch.setenv("MARSCLI_PROFILE_DIR", str(base / "profiles"))
     monkeypatch.setenv("HF_HOME", str(base / "hf"))
+    # Draft lengths from a fixed cost curve, never a timing: outputs and statistics in tests
+    # do not depend on the machine's load (tests/test_costs.py measures on purpose).
+    monkeypatch.setenv("MARSCLI_COSTS", "static")
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
 

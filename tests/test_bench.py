@@ -220,8 +220,9 @@ def test_usage_errors_exit_2(runner, prompts_file, tiny_model_dir, args, fragmen
 
 
 def test_batched_throughput_rows_and_batch_invariance(runner, tiny_model_dir, tmp_path):
-    """--batch-size: every batched method at every size over all prompts; marscli's greedy
-    outputs do not depend on the batch size, and ar/strict equal hf-generate's batch-1 ones."""
+    """--batch-size: every batched method at every size over all prompts; marscli's strict
+    greedy outputs do not depend on the batch size, and ar/strict equal hf-generate's batch-1
+    ones."""
     prompts = tmp_path / "many.jsonl"
     texts = ["hello world, hello marscli; the cat sat on the mat. hello world, hello",
              "one two three four five six seven eight nine ten one two", "a margin",
@@ -239,8 +240,9 @@ def test_batched_throughput_rows_and_batch_invariance(runner, tiny_model_dir, tm
     assert rep["settings"]["batch_sizes"] == [1, 3]
     for x in tp:
         assert x["prompts"] == 5 and x["completion_tokens"] > 0 and x["tokens_per_s"] > 0
-        if x["kind"] != "hf-generate":
+        if x["kind"] in ("ar", "strict"):  # MARS's relaxations follow the batch's draft lengths
             assert x["outputs_equal_first_batch_size"] == 5, x
+        if x["kind"] != "hf-generate":
             assert x["prefill_seconds"] >= 0 and x["peak_kv_cache_mib"] > 0
         assert (x["acceptance_length"] is not None) == (x["kind"] in ("strict", "mars"))
     sha = {(x["method"], x["batch_size"]): x["outputs_sha256"] for x in tp}

@@ -9,6 +9,8 @@ equal transformers' greedy generate() token for token, in float32, for chains an
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 from pathlib import Path
@@ -400,7 +402,10 @@ def test_chain_adaptive_and_batched_equal_single(target, heads, references, head
     from marscli.drafters.base import RowDrafters
     from marscli.drafters.eagle3 import BatchedEagle3Drafter
 
-    cfg = DraftConfig(kind="eagle3", model="x", num_draft_tokens=5, adaptive=True)
+    # Equal rows (statistics and sampled draws included) need the same draft lengths alone
+    # and in the batch: a fixed K. Adaptive lengths are chosen per batch; greedy strict
+    # output is the reference either way (checked at the end).
+    cfg = DraftConfig(kind="eagle3", model="x", num_draft_tokens=5, adaptive=False)
     single = build_engine(target, heads["fitted"], VerifyConfig(), cfg)
     if head_batched:
         bd = build_drafters(cfg, target, heads["fitted"], batch_size=3)
@@ -416,6 +421,12 @@ def test_chain_adaptive_and_batched_equal_single(target, heads, references, head
         assert all(a[p].stats.to_dict() == b[p].stats.to_dict() for p in PROMPTS)
         if s.greedy:
             assert {p: r.token_ids for p, r in a.items()} == references
+    adaptive = dataclasses.replace(cfg, adaptive=True)
+    if head_batched:
+        bd = build_drafters(adaptive, target, heads["fitted"], batch_size=3)
+    batch = Engine(target, bd, VerifyConfig().rule, adaptive, 3)
+    got = dict(batch.run(PROMPTS, lambda p: (target.tokenizer(p).input_ids, SamplingParams(max_tokens=MAX_NEW))))
+    assert {p: r.token_ids for p, r in got.items()} == references
 
 
 def test_chain_mars_greedy_emits_only_top1_or_relaxable_top2(target, heads):
@@ -658,6 +669,12 @@ def test_cli_calibrate_with_eagle3(target_dir, fitted_dir, tmp_path, tree):
     g = CliRunner().invoke(app, ["generate", str(src), "--target", str(target_dir), "--draft",
                                  f"eagle3:{fitted_dir}", "--max-tokens", "4", "--profile", str(out)])
     assert g.exit_code == 0, g.stderr
+    # MARS at the profile's theta, unless the profile predicts relaxing gains too little
+    if prof["speed"]["verify_strictly"]:
+        assert "verifying strictly" in g.stderr and "mars (theta=" not in g.stderr
+        g = CliRunner().invoke(app, ["generate", str(src), "--target", str(target_dir), "--draft",
+                                     f"eagle3:{fitted_dir}", "--max-tokens", "4", "--profile", str(out),
+                                     "--verify", "mars"])
     assert "mars (theta=" in g.stderr
 
 

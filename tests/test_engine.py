@@ -241,3 +241,28 @@ def test_padded_draft_vocabulary(oracle, target, tiny_factory, tiny_tokenizer, t
     # Sampling with draft probabilities of a different width than the target's logits.
     res = engine.generate_ids(ids, SamplingParams(temperature=0.8, max_tokens=20, seed=1))
     assert len(res.token_ids) >= 1
+
+
+@pytest.mark.parametrize("curve", ["flat", "steep"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_cost_aware_lengths_keep_strict_greedy_exact(oracle, target, curve, batch_size):
+    """The per-batch draft-length choice changes how much is drafted, never what strict
+    greedy decoding emits: on a flat cost curve rows draft, on a steep one the batch decodes
+    plainly (L = 0) throughout."""
+    from marscli.costs import StepCosts
+
+    costs = {"flat": StepCosts((1, 4), (1, 9), ((1.0, 1.0), (1.0, 1.0)), (0.0, 0.0)),
+             "steep": StepCosts((1, 4), (1, 9), ((1.0, 9.0), (1.0, 9.0)), (0.0, 0.0))}[curve]
+    cfg = DraftConfig(kind="ngram", num_draft_tokens=6, adaptive=True)
+    engine = build_engine(target, None, VerifyConfig(), cfg, batch_size=batch_size)
+    engine.costs = costs
+    ids = {p: encode(target, p) for p in PROMPTS}
+    got = dict(engine.run(PROMPTS, lambda p: (ids[p], SamplingParams(max_tokens=40))))
+    for p in PROMPTS:
+        assert got[p].token_ids == hf_greedy(oracle, ids[p], 40), p
+    drafted = sum(r.stats.drafted for r in got.values())
+    steps = sum(r.stats.steps for r in got.values())
+    if curve == "flat":
+        assert drafted > 0 and sum(r.stats.accepted for r in got.values()) > 0
+    else:  # t(n) = n: no draft can pay for itself, every step is plain
+        assert drafted == 0 and steps == sum(len(r.token_ids) for r in got.values())

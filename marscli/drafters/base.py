@@ -1,14 +1,16 @@
-"""The drafter interface and the adaptive draft-length policy.
+"""The drafter interface and the draft-length policy.
 
-A drafter proposes up to k tokens for one sequence and learns how many of them the target
-accepted. Verifying k drafts is not free (see CostModel), so each drafter chooses k by expected tokens per unit of cost, from an
-estimate of how often its drafts pass. The cost model is a fixed function of the input
-length, never a timing, so the same input always gives the same drafts and the same output.
+A drafter offers up to k tokens for one sequence (``offer``: how many it has and how often
+its drafts pass) and learns how many of them the target accepted. The engine then chooses
+every row's draft length for the step at once (``choose_draft_lengths``): the step costs
+the longest row's length (rows are padded to it), measured (marscli.costs.StepCosts), and
+what it buys is each row's expected emitted tokens. Drafters propose exactly what they are
+asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,74 +18,102 @@ import torch
 
 from marscli.config import SamplingParams
 
-
-@dataclass(frozen=True)
-class CostModel:
-    """Relative cost of one target forward pass over n new tokens (n = 1 costs 1).
-
-    c(n) = table[n - 1] while the table lasts, then grows by per_token a token. The CPU
-    table was measured with the embedded model (SmolLM2-135M, float32, 600-token context,
-    2-core AVX2 CPU) with marscli.fastpath installed: 57, 52, 58, 72, 66, 68, 76, 72 ms for
-    1..8 tokens. Decode is memory-bound, so verifying a few drafts costs about one token.
-    """
-
-    table: tuple[float, ...] = (1.0, 0.95, 1.02, 1.26, 1.16, 1.19, 1.3, 1.3)
-    per_token: float = 0.04
-    draft_step: float = 0.0  # cost of one drafter step relative to a target forward
-
-    def target(self, n: int) -> float:
-        n = max(n, 1)
-        if n <= len(self.table):
-            return self.table[n - 1]
-        return self.table[-1] + self.per_token * (n - len(self.table))
-
-    @staticmethod
-    def for_device(device_type: str, draft_step: float = 0.0) -> CostModel:
-        if device_type == "cuda":  # memory-bound decode: extra tokens are nearly free
-            return CostModel(table=(1.0,), per_token=0.02, draft_step=draft_step)
-        return CostModel(draft_step=draft_step)
+#: A row that has not drafted for this many steps drafts one token in the next step (a
+#: probe), so its acceptance estimate keeps learning (drafters that cannot check their
+#: proposals for free: a draft model, an EAGLE-3 head).
+PROBE_AFTER_STEPS = 16
+#: Drafting must promise at least this much more goodput than the next shorter length:
+#: ties and estimation noise go to the cheaper step (a plain one at worst).
+MIN_GAIN = 0.01
+#: Acceptance estimates are clipped here (a geometric series needs alpha < 1).
+MAX_ALPHA = 0.999
 
 
 class AcceptanceTracker:
-    """Running estimate of the per-token acceptance probability alpha, and the k it implies.
+    """Running estimate of one row's per-token acceptance probability alpha.
 
     Accepted drafts in a step follow a geometric law: each observation is n successes and,
     when n < k, one failure. Counts decay so the estimate follows the text as it changes.
+    ``idle`` counts the steps since the last observation (see PROBE_AFTER_STEPS).
     """
 
-    def __init__(self, k_max: int, cost: CostModel, *, prior: float = 0.6, weight: float = 2.0,
-                 decay: float = 0.9, adaptive: bool = True):
-        self.k_max = k_max
-        self.cost = cost
-        self.adaptive = adaptive
+    def __init__(self, *, prior: float = 0.6, weight: float = 2.0, decay: float = 0.9):
         self.decay = decay
         self.successes = prior * weight
         self.failures = (1.0 - prior) * weight
+        self.idle = 0
 
     @property
     def alpha(self) -> float:
         return self.successes / (self.successes + self.failures)
 
-    def choose_k(self, available: int | None = None) -> int:
-        """The k in [0, k_max] (and <= available) maximising expected tokens per cost."""
-        k_cap = self.k_max if available is None else min(self.k_max, available)
-        if not self.adaptive or k_cap <= 0:
-            return max(k_cap, 0)
-        a = min(self.alpha, 0.999)
-        best_k, best = 0, 1.0 / self.cost.target(1)
-        expected = 1.0
-        for k in range(1, k_cap + 1):
-            expected += a**k
-            rate = expected / (self.cost.target(k + 1) + k * self.cost.draft_step)
-            if rate > best * 1.0001:
-                best_k, best = k, rate
-        return best_k
+    @property
+    def stale(self) -> bool:
+        return self.idle >= PROBE_AFTER_STEPS
+
+    def offer(self, k_max: int) -> DraftOffer:
+        """The offer of a drafter that can always draft k_max tokens (a model, a head)."""
+        if k_max <= 0:
+            return DraftOffer.none()
+        return DraftOffer(k_max, self.alpha, self.stale)
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
+            self.idle += 1
             return
+        self.idle = 0
         self.successes = self.decay * self.successes + accepted
         self.failures = self.decay * self.failures + (1.0 if accepted < proposed else 0.0)
+
+
+@dataclass(frozen=True)
+class DraftOffer:
+    """What one row's drafter can draft this step, before the engine picks its length."""
+
+    available: int  # the most drafts it can propose now (0: none, e.g. no n-gram match)
+    alpha: float = 0.0  # its estimate of the per-draft acceptance probability
+    probe: bool = False  # the estimate is stale: draft at least one to learn
+
+    @staticmethod
+    def none() -> DraftOffer:
+        return DraftOffer(0)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens a chain of k drafts emits (accepted drafts + the correction or bonus)
+    when each passes with probability alpha: 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)."""
+    a = min(max(alpha, 0.0), MAX_ALPHA)
+    return (1.0 - a ** (k + 1)) / (1.0 - a) if k > 0 else 1.0
+
+
+def choose_draft_lengths(offers: Sequence[DraftOffer], step_seconds: Callable[[int], float],
+                         adaptive: bool = True) -> list[int]:
+    """Every row's draft length k_b for one step, maximising the batch's expected goodput.
+
+    step_seconds(L): the step's seconds when its longest row drafts L tokens (the target
+    forward over L + 1 tokens a row, every row padded to it, plus drafting L positions).
+    For each common cap L the rows draft min(L, available_b): slots up to L are paid for
+    by the padding anyway. The goodput of L is sum_b expected_tokens(alpha_b, k_b) /
+    step_seconds(L); the best L wins, and a longer L must beat a shorter one by MIN_GAIN.
+    L = 0 (every row decodes plainly) is always a candidate. Rows with a stale estimate
+    (``probe``) that have something to draft make L at least 1.
+
+    adaptive=False: every row drafts all it has (a fixed K).
+    """
+    if not adaptive:
+        return [max(o.available, 0) for o in offers]
+    longest = max((o.available for o in offers), default=0)
+    if longest <= 0:
+        return [0 for _ in offers]
+    best_L, best = 0, len(offers) / step_seconds(0)
+    for L in range(1, longest + 1):
+        tokens = sum(expected_tokens(o.alpha, min(L, o.available)) for o in offers)
+        rate = tokens / step_seconds(L)
+        if rate > best * (1.0 + MIN_GAIN):
+            best_L, best = L, rate
+    if best_L == 0 and any(o.probe and o.available > 0 for o in offers):
+        best_L = 1
+    return [min(best_L, max(o.available, 0)) for o in offers]
 
 
 @dataclass
@@ -106,8 +136,12 @@ class Drafter(Protocol):
               generator: torch.Generator | None) -> None:
         """Begin a new sequence: its decoding settings and the drafter's own random stream."""
 
-    def propose(self, seq: list[int], k_max: int) -> Proposal:
-        """Propose up to k_max tokens continuing `seq` (prompt + committed output)."""
+    def offer(self, seq: list[int], k_max: int) -> DraftOffer:
+        """How many drafts (at most k_max) it could propose after `seq`, and how good."""
+
+    def propose(self, seq: list[int], k: int) -> Proposal:
+        """Propose k tokens continuing `seq` (prompt + committed output), fewer only when it
+        has fewer (right after offer() for the same seq)."""
 
     def observe(self, features: torch.Tensor) -> None:
         """Target features [S, F] of the next S committed positions, in order."""
@@ -126,6 +160,11 @@ class DrafterBase:
 
     name = "base"
     feature_layers: tuple[int, ...] = ()
+
+    def offer(self, seq: list[int], k_max: int) -> DraftOffer:
+        """A drafter that keeps no acceptance estimate offers all it may, as if always right
+        (so the policy drafts it in full: a fixed K)."""
+        return DraftOffer(max(k_max, 0), MAX_ALPHA) if k_max > 0 else DraftOffer.none()
 
     def observe(self, features: torch.Tensor) -> None:
         pass
@@ -151,8 +190,12 @@ class BatchedDrafter(Protocol):
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows, in this order."""
 
-    def propose(self, seqs: list[list[int]], k_caps: list[int]) -> list[Proposal]:
-        """Every row's proposal: at most k_caps[b] tokens after seqs[b] (none when <= 0)."""
+    def offers(self, seqs: list[list[int]], k_caps: list[int]) -> list[DraftOffer]:
+        """Every row's offer: at most k_caps[b] drafts after seqs[b] (none when <= 0)."""
+
+    def propose(self, seqs: list[list[int]], ks: list[int]) -> list[Proposal]:
+        """Every row's proposal: ks[b] tokens after seqs[b] (none when <= 0), right after
+        offers() for the same seqs."""
 
     def propose_tree(self, row: int, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
         """Row `row`'s draft tree (only when ``tree`` is set)."""
@@ -187,9 +230,12 @@ class RowDrafters:
     def keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[b] for b in rows]
 
-    def propose(self, seqs: list[list[int]], k_caps: list[int]) -> list[Proposal]:
-        return [d.propose(seq, cap) if cap > 0 else Proposal([])
-                for d, seq, cap in zip(self.rows, seqs, k_caps)]
+    def offers(self, seqs: list[list[int]], k_caps: list[int]) -> list[DraftOffer]:
+        return [d.offer(seq, cap) for d, seq, cap in zip(self.rows, seqs, k_caps)]
+
+    def propose(self, seqs: list[list[int]], ks: list[int]) -> list[Proposal]:
+        return [d.propose(seq, k) if k > 0 else Proposal([])
+                for d, seq, k in zip(self.rows, seqs, ks)]
 
     def propose_tree(self, row: int, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
         assert self.tree is not None, "this engine drafts chains"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from marscli.config import TREE_DEFAULTS, SamplingParams
-from marscli.drafters.base import AcceptanceTracker, CostModel, DrafterBase, Proposal
+from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
 from marscli.eagle3 import Eagle3Head
 from marscli.kvcache import left_pad
 from marscli.verify import sample_from, sampling_probs
@@ -64,13 +64,10 @@ class Eagle3Drafter(DrafterBase):
 
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int, cost: CostModel | None = None,
-                 adaptive: bool = True, tree: TreeShape | None = None):
+    def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int, tree: TreeShape | None = None):
         self.head = head
         self.k_max = k_max
         self.vocab_size = vocab_size  # the target's logits width
-        self.cost = cost or CostModel()
-        self.adaptive = adaptive
         self.tree = tree
         self.device = head.device
         self.start([])
@@ -84,7 +81,7 @@ class Eagle3Drafter(DrafterBase):
               generator: torch.Generator | None = None) -> None:
         self.sampling = sampling or SamplingParams()
         self.generator = generator
-        self.tracker = AcceptanceTracker(self.k_max, self.cost, adaptive=self.adaptive)
+        self.tracker = AcceptanceTracker()
         self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # committed entries' keys, values
         self.n = 0  # committed head entries (= committed positions with features, but the last)
         self.pending: list[torch.Tensor] = []  # target features not yet in the head's cache
@@ -122,9 +119,11 @@ class Eagle3Drafter(DrafterBase):
 
     # ------------------------------------------------------------------ chain
 
+    def offer(self, seq: list[int], k_max: int) -> DraftOffer:
+        return self.tracker.offer(k_max)
+
     @torch.inference_mode()
-    def propose(self, seq: list[int], k_max: int) -> Proposal:
-        k = self.tracker.choose_k(k_max)
+    def propose(self, seq: list[int], k: int) -> Proposal:
         if k <= 0 or not self._catch_up(seq):
             return Proposal([])
         head, dev = self.head, self.device
@@ -248,13 +247,10 @@ class BatchedEagle3Drafter:
 
     tree = None
 
-    def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int, cost: CostModel | None = None,
-                 adaptive: bool = True):
+    def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int):
         self.head = head
         self.k_max = k_max
         self.vocab_size = vocab_size
-        self.cost = cost or CostModel()
-        self.adaptive = adaptive
         self.reset()
 
     @property
@@ -267,8 +263,7 @@ class BatchedEagle3Drafter:
     def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
                 generator: torch.Generator | None) -> None:
         # The head's prompt entries come from the target's prefill features (observe).
-        row = Eagle3Drafter(self.head, self.k_max, vocab_size=self.vocab_size, cost=self.cost,
-                            adaptive=self.adaptive)
+        row = Eagle3Drafter(self.head, self.k_max, vocab_size=self.vocab_size)
         row.start(prompt_ids, sampling, generator)
         self.rows.append(row)
 
@@ -284,13 +279,16 @@ class BatchedEagle3Drafter:
     def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
         self.rows[row].accepted(proposed, accepted, seq)
 
+    def offers(self, seqs: list[list[int]], k_caps: list[int]) -> list[DraftOffer]:
+        return [r.tracker.offer(cap) for r, cap in zip(self.rows, k_caps)]
+
     @torch.inference_mode()
-    def propose(self, seqs: list[list[int]], k_caps: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[list[int]], ks: list[int]) -> list[Proposal]:
         rows, head = self.rows, self.head
-        assert len(seqs) == len(k_caps) == len(rows)
+        assert len(seqs) == len(ks) == len(rows)
         dev = head.device
         proposals = [Proposal([]) for _ in rows]
-        ks = [r.tracker.choose_k(cap) if cap > 0 else 0 for r, cap in zip(rows, k_caps)]
+        ks = [max(k, 0) for k in ks]
         active = [b for b, k in enumerate(ks) if k > 0]
         if not active:
             return proposals

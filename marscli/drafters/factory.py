@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 from marscli.config import DraftConfig
-from marscli.drafters.base import BatchedDrafter, CostModel, Drafter, RowDrafters
+from marscli.drafters.base import BatchedDrafter, Drafter, RowDrafters
 from marscli.kvcache import sliding_layers
-
-
-def _cost_for(target, drafter_model, device_type: str) -> CostModel:
-    """Decode is memory-bound: a draft step costs roughly the draft's share of the weights."""
-    t_params = sum(p.numel() for p in target.model.parameters())
-    d_params = sum(p.numel() for p in drafter_model.parameters())
-    ratio = d_params / max(t_params, 1)
-    return CostModel.for_device(device_type, draft_step=ratio if math.isfinite(ratio) else 1.0)
 
 
 def _tree_shape(draft_cfg: DraftConfig):
@@ -31,7 +21,6 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None) -> Drafter:
     from marscli.drafters.model import ModelDrafter
     from marscli.drafters.ngram import NgramDrafter, NoDrafter
 
-    device_type = target.device.type
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if draft_cfg.kind == "eagle3":
         from marscli.drafters.eagle3 import Eagle3Drafter
@@ -39,24 +28,19 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None) -> Drafter:
         if draft_model is None:
             raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.eagle3.load_head)")
         head = getattr(draft_model, "head", draft_model)
-        return Eagle3Drafter(head, draft_cfg.num_draft_tokens, vocab_size=vocab,
-                             cost=_cost_for(target, head, device_type), adaptive=draft_cfg.adaptive,
-                             tree=_tree_shape(draft_cfg))
+        return Eagle3Drafter(head, draft_cfg.num_draft_tokens, vocab_size=vocab, tree=_tree_shape(draft_cfg))
     if draft_cfg.kind == "none":
         return NoDrafter()
     if draft_cfg.kind == "ngram":
         return NgramDrafter(draft_cfg.num_draft_tokens, ngram_max=draft_cfg.ngram_max,
-                            ngram_min=draft_cfg.ngram_min, cost=CostModel.for_device(device_type),
-                            adaptive=draft_cfg.adaptive)
+                            ngram_min=draft_cfg.ngram_min)
     if draft_model is None:
         raise ValueError("a model drafter needs a loaded draft model")
     if draft_model.device.type == "cpu":
         from marscli.fastpath import install_cpu_fastpath
 
         install_cpu_fastpath(draft_model.model)
-    return ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens,
-                        cost=_cost_for(target, draft_model.model, device_type),
-                        adaptive=draft_cfg.adaptive, vocab_size=vocab)
+    return ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, vocab_size=vocab)
 
 
 def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_size: int = 1) -> BatchedDrafter:
@@ -68,13 +52,11 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     if batch_size > 1 and draft_cfg.kind == "eagle3" and not draft_cfg.tree:
         from marscli.drafters.eagle3 import BatchedEagle3Drafter
 
-        return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size, cost=one.cost,
-                                    adaptive=one.adaptive)
+        return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size)
     if batch_size > 1 and draft_cfg.kind == "model" and not sliding_layers(draft_model.model):
         # (windowed layers cannot be rolled back per row: those get a ModelDrafter per row)
         from marscli.drafters.model import BatchedModelDrafter
 
-        return BatchedModelDrafter(one.model, one.k_max, cost=one.cost, adaptive=one.adaptive,
-                                   vocab_size=one.vocab_size)
+        return BatchedModelDrafter(one.model, one.k_max, vocab_size=one.vocab_size)
     return RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model),
                        feature_layers=one.feature_layers, tree=_tree_shape(draft_cfg))

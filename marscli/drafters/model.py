@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from marscli.config import SamplingParams
-from marscli.drafters.base import AcceptanceTracker, CostModel, DrafterBase, Proposal
+from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
 from marscli.kvcache import HoleCache, new_cache, rollback
 from marscli.verify import sample_from, sampling_probs
 
@@ -44,16 +44,13 @@ def draft_token(logits: torch.Tensor, sampling: SamplingParams,
 
 
 class DraftModelSettings:
-    """What every draft-model drafter holds: the model, its device, K, the draft-length policy
-    and the target's vocabulary width (draft probabilities are padded or cut to it)."""
+    """What every draft-model drafter holds: the model, its device, K and the target's
+    vocabulary width (draft probabilities are padded or cut to it)."""
 
-    def __init__(self, model, k_max: int, *, cost: CostModel | None = None, adaptive: bool = True,
-                 vocab_size: int | None = None):
+    def __init__(self, model, k_max: int, *, vocab_size: int | None = None):
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.k_max = k_max
-        self.cost = cost or CostModel()
-        self.adaptive = adaptive
         self.vocab_size = vocab_size
 
 
@@ -74,7 +71,7 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
         self.generator: torch.Generator | None = None
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys/values are in self.cache
-        self.tracker = AcceptanceTracker(k_max, self.cost, adaptive=self.adaptive)
+        self.tracker = AcceptanceTracker()
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
               generator: torch.Generator | None = None) -> None:
@@ -82,7 +79,7 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
         self.generator = generator
         self.cache = new_cache(self.model)
         self.cached = []
-        self.tracker = AcceptanceTracker(self.k_max, self.cost, adaptive=self.adaptive)
+        self.tracker = AcceptanceTracker()
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -90,8 +87,10 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
         self.cached.extend(ids)
         return out.logits[0, -1]  # [V_draft]
 
-    def propose(self, seq: list[int], k_max: int) -> Proposal:
-        k = self.tracker.choose_k(k_max)
+    def offer(self, seq: list[int], k_max: int) -> DraftOffer:
+        return self.tracker.offer(k_max)
+
+    def propose(self, seq: list[int], k: int) -> Proposal:
         if k <= 0:
             return Proposal([])
         # Bring the cache up to the committed sequence (at least the last token is new).
@@ -121,7 +120,7 @@ class _Row:
                  generator: torch.Generator | None):
         self.sampling = sampling
         self.generator = generator
-        self.tracker = AcceptanceTracker(owner.k_max, owner.cost, adaptive=owner.adaptive)
+        self.tracker = AcceptanceTracker()
         self.cached: list[int] = []  # tokens whose keys/values are valid in the row's cache
 
 
@@ -130,7 +129,7 @@ class BatchedModelDrafter(DraftModelSettings):
     position for all rows, over a masked HoleCache of its own.
 
     Each row drafts what a ModelDrafter would for it alone: the same choice of k (its own
-    AcceptanceTracker), the same greedy argmax or the same draws from its own generator;
+    AcceptanceTracker) for the same k, the same greedy argmax or the same draws from its own generator;
     only the float summation order of the draft model's batched pass may differ.
     """
 
@@ -187,15 +186,16 @@ class BatchedModelDrafter(DraftModelSettings):
             h.cached.extend(f)
         return logits
 
+    def offers(self, seqs: list[list[int]], k_caps: list[int]) -> list[DraftOffer]:
+        return [h.tracker.offer(cap) for h, cap in zip(self.rows, k_caps)]
+
     @torch.inference_mode()
-    def propose(self, seqs: list[list[int]], k_caps: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[list[int]], ks: list[int]) -> list[Proposal]:
         rows = self.rows
-        assert len(seqs) == len(k_caps) == len(rows)
-        ks = []
+        assert len(seqs) == len(ks) == len(rows)
+        ks = [max(k, 0) for k in ks]
         catch: list[list[int]] = []
-        for b, (h, seq, cap) in enumerate(zip(rows, seqs, k_caps)):
-            k = h.tracker.choose_k(cap) if cap > 0 else 0
-            ks.append(k)
+        for b, (h, seq, k) in enumerate(zip(rows, seqs, ks)):
             if k <= 0:
                 catch.append([])
                 continue

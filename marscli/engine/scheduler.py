@@ -7,9 +7,12 @@ lengths), the verdicts come to the host in ONE transfer, and each row commits it
 (``Sequence.commit``). A tree step (EAGLE-3 ``--tree-*``, batch size 1) takes the same path
 with one tree forward and ``verify_tree``.
 
-- Every step each active row feeds [pending, d_1 .. d_k_b], right-padded to the step's largest
-  k. After verification row b keeps 1 + n_b of its new slots; at batch size > 1 the rejected
-  drafts and the padding stay in the cache masked out (marscli.kvcache.HoleCache), with
+- Every step the rows' drafters offer what they could draft (``BatchedDrafter.offers``) and
+  the engine picks every row's k_b at once (``choose_draft_lengths``: expected tokens per
+  measured second of the step, marscli.costs; k_b = 0 and a plain step for the whole batch
+  included). Each active row then feeds [pending, d_1 .. d_k_b], right-padded to the step's
+  largest k. After verification row b keeps 1 + n_b of its new slots; at batch size > 1 the
+  rejected drafts and the padding stay in the cache masked out (marscli.kvcache.HoleCache), with
   explicit per-row position ids, so a row's logits are those of its own sequence (only float
   summation order can differ from a single-row pass); at batch size 1 they are rolled back.
 - A new record is prefilled alone, then joins the batch; a finished row leaves at once and
@@ -35,7 +38,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 import torch
 
 from marscli.config import GUARD_OFF, DraftConfig, GuardConfig, Request, SamplingParams
-from marscli.drafters.base import BatchedDrafter, Proposal
+from marscli.drafters.base import BatchedDrafter, DraftOffer, Proposal, choose_draft_lengths
 from marscli.engine import logprobs as lp
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
 from marscli.engine.sequence import GenerationResult, RowSettings, Sequence, StepObservation
@@ -79,10 +82,12 @@ class Engine:
 
     target: a LoadedModel (.model, .tokenizer, .device, .eos_token_ids, .context_length).
     drafters: the BatchedDrafter for the run (marscli.drafters.factory.build_drafters).
+    costs: the measured step costs (marscli.costs.StepCosts) the draft lengths are chosen
+    by; None: the static curve for the target's device.
     """
 
     def __init__(self, target, drafters: BatchedDrafter, rule: Rule, draft_cfg: DraftConfig,
-                 batch_size: int = 1, guard: GuardConfig = GUARD_OFF):
+                 batch_size: int = 1, costs=None, guard: GuardConfig = GUARD_OFF):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         self.target = target
@@ -91,6 +96,13 @@ class Engine:
         self.drafters = drafters
         self.rule = rule
         self.batch_size = batch_size
+        if costs is None:
+            from marscli.costs import static_costs
+
+            costs = static_costs(self.device.type)
+        self.costs = costs
+        self.adaptive = draft_cfg.adaptive
+        self.solo_lengths = False  # True: rows choose draft lengths as if alone (calibration)
         self.prompts = PromptEncoder(target.tokenizer, target.context_length)
         k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
         self.tree = drafters.tree
@@ -338,8 +350,22 @@ class Engine:
                 return self._tree_step(tokens, parents)
             proposals = [Proposal([])]  # nothing to draft (budget, or no features yet): a plain step
         else:
-            proposals = self.drafters.propose([r.seq.seq for r in self.rows], caps)
+            seqs = [r.seq.seq for r in self.rows]
+            caps = self.draft_lengths(self.drafters.offers(seqs, caps), caps)
+            proposals = self.drafters.propose(seqs, caps)
         return self._chain_step(proposals, caps)
+
+    def draft_lengths(self, offers: list[DraftOffer], caps: list[int]) -> list[int]:
+        """Every row's draft length this step (at most its cap): the batch's best goodput,
+        or with solo_lengths each row's own best as if it decoded alone (what calibration
+        uses, so that a profile does not depend on the batch size)."""
+        B = len(offers)
+        if self.solo_lengths:
+            ks = [choose_draft_lengths([o], lambda L: self.costs.step(1, L), self.adaptive)[0]
+                  for o in offers]
+        else:
+            ks = choose_draft_lengths(offers, lambda L: self.costs.step(B, L), self.adaptive)
+        return [max(min(k, cap), 0) for k, cap in zip(ks, caps)]
 
     def _chain_step(self, proposals: list[Proposal], caps: list[int]) -> list[int]:
         rows = self.rows

@@ -116,7 +116,8 @@ class Bench:
                 self.runners[m.name] = self._hf_runner(self._assisted_kwargs())
             else:
                 dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
-                engine = make_engine(target, draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard), dcfg)
+                engine = make_engine(target, draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard), dcfg,
+                                     note=log)
                 self.engines[m.name] = engine
                 self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != "none")
         self._check_generation_config()
@@ -323,14 +324,16 @@ class Bench:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 extra: dict[str, Any] = {}
+                engine = None
+                if m.kind != HF_GENERATE:  # built untimed: the first build measures step costs
+                    dcfg = DraftConfig(kind="none") if m.kind == AR else cfg.draft
+                    engine = make_engine(self.target, self.draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard),
+                                         dcfg, bs, self.log)
                 t0 = time.perf_counter()
                 if m.kind == HF_GENERATE:
                     outputs = self._hf_batched(prompts, sampling, bs)
                     stats = None
                 else:
-                    dcfg = DraftConfig(kind="none") if m.kind == AR else cfg.draft
-                    engine = make_engine(self.target, self.draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard),
-                                         dcfg, bs)
                     results: dict[int, Any] = {}
                     for i, res in engine.run(range(len(prompts)), lambda i: (prompts[i].ids, sampling)):
                         if isinstance(res, BaseException):

@@ -76,8 +76,9 @@ def choose_policy(max_nll_increase: float | None = None, relax_rate: float | Non
 
 
 def margins_profile(collector, failed: int, records: int, seconds: float, cfg: CalibrateConfig, target,
-                    draft_loaded, *, input_name: str, input_sha256: str | None) -> dict:
-    """The profile document for the margins collected (theta chosen by cfg's policy)."""
+                    draft_loaded, *, input_name: str, input_sha256: str | None, costs=None) -> dict:
+    """The profile document for the margins collected (theta chosen by cfg's policy; with
+    the engine's step costs, its predicted speed too: marscli.calibrate_speed)."""
     from marscli.calibrate import analyse
     from marscli.calibrate_report import build_profile
     from marscli.profiles import default_profile_name
@@ -87,15 +88,44 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
         raise MarscliError(f"{cfg.input}: the drafter proposed no tokens on these prompts, so there "
                            "are no margins to calibrate on (try --fixed-k, more or longer prompts, or another drafter)")
     cal = analyse(data, cfg.margin, cfg.policy, cfg.policy_value, seconds)
+    speed = None
+    if costs is not None:
+        cal, speed = speed_objective(cal, data, cfg, costs, seconds)
     ident = target.identity
     name = cfg.name or default_profile_name(
         str(ident.get("name")), cfg.draft.kind, draft_loaded.identity.get("name") if draft_loaded else None,
         str(ident.get("dtype")), ident.get("quantization"))
-    return build_profile(
+    doc = build_profile(
         name=name, cal=cal, data=data, target_identity=ident, draft_cfg=cfg.draft,
         draft_identity=draft_loaded.identity if draft_loaded else None, sampling=cfg.sampling,
         input_name=input_name, input_sha256=input_sha256, seconds=seconds,
     )
+    if speed is not None:
+        doc["speed"] = speed
+    return doc
+
+
+#: The speed prediction is made for one row decoding alone, as the margins were collected.
+SPEED_BATCH_SIZE = 1
+
+
+def speed_objective(cal, data, cfg: CalibrateConfig, costs, seconds: float):
+    """(calibration, the profile's speed section): with cfg.objective "speed" the fastest
+    theta within the policy's budget replaces the policy's own choice."""
+    import dataclasses
+
+    from marscli.calibrate import analyse, curve_thetas
+    from marscli.calibrate_speed import fastest_within_budget, speed_curve, speed_section
+    from marscli.profiles import POLICY_FIXED
+
+    thetas = curve_thetas(data, cfg.margin, (cal.theta,))
+    objective = getattr(cfg, "objective", "quality")
+    if objective == "speed":
+        theta = fastest_within_budget(speed_curve(data, cfg.margin, thetas, costs, SPEED_BATCH_SIZE), cal.theta)
+        if theta != cal.theta:
+            cal = dataclasses.replace(analyse(data, cfg.margin, POLICY_FIXED, theta, seconds),
+                                      policy=cal.policy, policy_value=cal.policy_value)
+    return cal, speed_section(data, cfg.margin, cal.theta, objective, costs, SPEED_BATCH_SIZE, thetas)
 
 
 def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
@@ -117,8 +147,11 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
 
     with step("loading the models") as s:
         target, draft_loaded = load_models(cfg.target, cfg.draft_model, log.info, group, cfg.draft.kind)
-        # Strict, with the guard: the engine records the guard's verdicts for the replay.
-        engine = make_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size)
+        # Strict, with the guard: the engine records the guard's verdicts for the replay. Rows
+        # choose their draft lengths as if alone: the profile is the batch size's neither
+        # through the lengths nor through the speed prediction (at batch size 1).
+        engine = make_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size,
+                             log.info, solo_lengths=True)
         s.value = (identity_for_profile(target.identity),
                    identity_for_profile(draft_loaded.identity) if draft_loaded else None)
     if group is not None and any(v != s.values[0] for v in s.values):
@@ -178,7 +211,7 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
     progress.close()
     doc = margins_profile(collector, failed, len(items), time.perf_counter() - t0, cfg, target, draft_loaded,
                           input_name="-" if cfg.input == "-" else os.path.basename(cfg.input),
-                          input_sha256=input_sha)
+                          input_sha256=input_sha, costs=engine.costs)
     name = doc["name"]
     from marscli.profiles import dump_profile, parse_profile
 

@@ -186,6 +186,13 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
 
     if profile is not None:
         mode = req.mode or "mars"
+        speed = profile.speed
+        if req.mode is None and req.theta is None and speed is not None and speed["verify_strictly"]:
+            from marscli.calibrate_speed import strict_reason
+
+            mode = "strict"
+            note(f"profile {profile.describe()}: {strict_reason(speed)}: verifying strictly "
+                 "(--verify mars relaxes anyway)")
         margin = req.margin or profile.margin
         theta = req.theta if req.theta is not None else profile.theta
         if mode == "mars" and req.theta is None and margin != profile.margin:
@@ -295,11 +302,13 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
     return prof
 
 
-def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, batch_size: int = 1):
+def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, batch_size: int = 1,
+                note: Note = _silent, solo_lengths: bool = False):
     """The engine of a job: marscli.engine.build_engine, the one constructor."""
     from marscli.engine import build_engine
 
-    return build_engine(target, draft_loaded, verify, draft, batch_size=batch_size)
+    return build_engine(target, draft_loaded, verify, draft, batch_size=batch_size, note=note,
+                        solo_lengths=solo_lengths)
 
 
 def choice_options(sampling: SamplingParams, n: int = 1, logprobs: bool = False,
@@ -384,7 +393,7 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
     prof = choose_profile(target, draft_loaded, setup.draft, profile=setup.profile,
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
-    engine = make_engine(target, draft_loaded, verify, setup.draft, setup.batch_size)
+    engine = make_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note)
     if setup.batch_size > 1:
         note(f"batch size {setup.batch_size}")
     return Generator(target, draft_loaded, setup.draft, verify, prof, engine, setup.batch_size)

@@ -1,0 +1,295 @@
+#!/usr/bin/env python
+"""Every CUDA path of the engine on random-initialised models: no downloads.
+
+Builds a Llama target from a config (default: the Llama-3-8B shape, bfloat16; --layers
+makes it shallower) with random weights and a word-level tokenizer of its vocabulary,
+saves it once, then loads it through marscli's own loader in each placement and decodes
+synthetic prompts (random token blocks repeated, so prompt lookup finds matches) with:
+
+    paths:    bf16 | 8bit | 4bit (bitsandbytes) | offload (--device-map auto, part on the CPU)
+    drafting: ar (no drafter) | ngram chain | eagle3 chain (a tiny random EAGLE-3 head)
+              | eagle3 tree (batch size 1)
+    batch:    1, 8, 32 (--batch-sizes)
+
+Per run it prints tokens/s, the per-step overhead outside the target's forward (wall time
+less the time inside the target's forward, per step: drafting, verification, bookkeeping),
+the mean tokens per step (tau), the measured speed-up over `ar` at the same path and batch
+size, and the ideal one: tau x t(plain forward) / t(speculative forward), i.e. what the
+speed-up would be with no overhead outside the target's forward. Random weights accept
+little, so tau is low: the figures check paths and overheads, not a model's speed-up.
+
+    python scripts/gpu_check.py                           # on a GPU: every path
+    python scripts/gpu_check.py --paths bf16 --layers 8 --batch-sizes 1,8
+    python scripts/gpu_check.py --device cpu --tiny       # end to end on a CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0)
+PATHS = ("bf16", "8bit", "4bit", "offload")
+MODES = ("ar", "ngram", "eagle3", "eagle3-tree")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--tiny", action="store_true", help="a tiny model instead of the Llama-3-8B shape")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated of {', '.join(PATHS)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {', '.join(MODES)}")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per run (default: 2 x the batch size)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="most drafts per step")
+    p.add_argument("--max-memory", default=None,
+                   help="offload path: --max-memory for the map (default: a third of the weights on the GPU)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--workdir", default=None, help="where the random model is saved (default: a temp dir)")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- the models
+
+
+def save_random_model(folder: Path, shape: dict, device: str) -> None:
+    """A random LlamaForCausalLM of this shape and a word-level tokenizer of its vocabulary."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    V = shape["vocab_size"]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    cfg = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(old)
+    model.save_pretrained(str(folder))
+    fast.save_pretrained(str(folder))
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    log(f"random model: {n / 1e9:.2f} B parameters, saved in {time.perf_counter() - t0:.0f} s to {folder}")
+
+
+def load_path(folder: Path, path: str, device: str, max_memory: str | None):
+    from marscli.config import ModelConfig
+    from marscli.models import load_model, parse_max_memory
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    kw = {}
+    if path == "8bit":
+        kw["load_in_8bit"] = True
+    elif path == "4bit":
+        kw["load_in_4bit"] = True
+    elif path == "offload":
+        weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        mm = max_memory or f"0={max(1, weights // 3 // 2**20)}MiB,cpu=256GiB"
+        kw["device_map"] = "auto"
+        kw["max_memory"] = parse_max_memory(mm)
+    return load_model(ModelConfig(str(folder), dtype=dtype, device=device, **kw), log=log)
+
+
+def tiny_head(target):
+    """A small random EAGLE-3 head for the target (its draft vocabulary: the first 4096 ids)."""
+    from marscli.eagle3 import LoadedHead, random_head
+
+    V = target.model.get_output_embeddings().weight.shape[0]
+    head = random_head(target.model, draft_vocab=list(range(min(V, 4096))))
+    dev = target.model.get_input_embeddings().weight.device
+    head = head.to(dev)
+    return LoadedHead(head, {"name": "random-eagle3", "dtype": str(head.dtype)}, dev)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class ForwardTimer:
+    """Seconds spent inside the target's forward (synchronised), and how many calls."""
+
+    def __init__(self, model, device_type: str):
+        import torch
+
+        self.seconds, self.calls = 0.0, 0
+        self._sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+        self._model = model
+        self._orig = model.forward
+
+        def timed(*a, **k):
+            self._sync()
+            t0 = time.perf_counter()
+            out = self._orig(*a, **k)
+            self._sync()
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            return out
+
+        model.forward = timed
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def close(self) -> None:
+        self._model.forward = self._orig
+
+
+def prompts_for(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random 24-token blocks repeated three times, then half a block: prompt lookup matches."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        block = torch.randint(3, vocab, (24,), generator=g).tolist()
+        out.append([1] + block * 3 + block[:12])
+    return out
+
+
+def run_one(target, head, mode: str, bs: int, prompts: list[list[int]], max_tokens: int, k: int,
+            timer: ForwardTimer) -> dict:
+    import torch
+
+    from marscli.config import DraftConfig, SamplingParams, VerifyConfig
+    from marscli.engine import build_engine
+
+    tree = mode == "eagle3-tree"
+    kind = {"ar": "none", "ngram": "ngram"}.get(mode, "eagle3")
+    cfg = DraftConfig(kind=kind, model="random" if kind == "eagle3" else None, num_draft_tokens=k,
+                      tree_depth=3 if tree else None, tree_top_k=4 if tree else None,
+                      tree_tokens=16 if tree else None)
+    engine = build_engine(target, head if kind == "eagle3" else None, VerifyConfig(), cfg, bs, note=log)
+    sampling = SamplingParams(max_tokens=max_tokens)
+    # warm-up (kernels, allocator), then the timed run
+    for _ in engine.run(prompts[:bs], lambda ids: (ids, sampling)):
+        pass
+    timer.reset()
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = [res for _, res in engine.run(prompts, lambda ids: (ids, sampling))]
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    bad = [r for r in results if isinstance(r, BaseException)]
+    if bad:
+        raise bad[0]
+    tokens = sum(len(r.token_ids) for r in results)
+    steps = sum(r.stats.steps for r in results)
+    prefill = engine.prefill_seconds
+    # The engine's steps: the target's forward calls less one prefill per prompt.
+    decode_calls = max(timer.calls - len(prompts), 1)
+    fwd = timer.seconds
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "fwd_s": fwd,
+            "prefill_s": prefill, "steps": decode_calls, "tau": tokens / max(steps, 1),
+            "overhead_ms_per_step": 1e3 * max(wall - fwd - 0.0, 0.0) / decode_calls,
+            "fwd_ms_per_step": 1e3 * fwd / max(timer.calls, 1),
+            "outputs": [r.token_ids for r in results]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        log("no CUDA device: use --device cpu --tiny")
+        return 2
+    shape = dict(TINY if args.tiny else LLAMA3_8B)
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    paths = [p for p in args.paths.split(",") if p]
+    modes = [m for m in args.modes.split(",") if m]
+    sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        folder = Path(tmp) / "random-llama"
+        save_random_model(folder, shape, device)
+        for path in paths:
+            if device != "cuda" and path != "bf16":
+                log(f"{path}: skipped (needs CUDA)")
+                continue
+            try:
+                target = load_path(folder, path, device, args.max_memory)
+            except Exception as e:  # noqa: BLE001 - report and go on to the next path
+                log(f"{path}: cannot load: {type(e).__name__}: {e}")
+                rows.append({"path": path, "error": f"{type(e).__name__}: {e}"})
+                continue
+            head = tiny_head(target) if any(m.startswith("eagle3") for m in modes) else None
+            timer = ForwardTimer(target.model, target.device.type)
+            V = shape["vocab_size"]
+            try:
+                for bs in sizes:
+                    prompts = prompts_for(args.prompts or 2 * bs, V)
+                    base = None
+                    for mode in modes:
+                        if mode == "eagle3-tree" and bs > 1:
+                            continue
+                        try:
+                            r = run_one(target, head, mode, bs, prompts, args.max_tokens, args.k, timer)
+                        except Exception as e:  # noqa: BLE001
+                            log(f"{path} {mode} batch {bs}: FAILED {type(e).__name__}: {e}")
+                            rows.append({"path": path, "mode": mode, "batch": bs, "error": f"{type(e).__name__}: {e}"})
+                            continue
+                        outputs = r.pop("outputs")
+                        if mode == "ar":
+                            base = (r, outputs)
+                        row = {"path": path, "mode": mode, "batch": bs, **r}
+                        if base is not None and mode != "ar":
+                            b = base[0]
+                            row["speedup"] = r["tokens_per_s"] / b["tokens_per_s"]
+                            row["ideal_speedup"] = (r["tokens"] / r["fwd_s"]) / (b["tokens"] / b["fwd_s"])
+                            row["same_as_ar"] = outputs == base[1]
+                        rows.append(row)
+                        log(f"{path:8s} {mode:12s} B={bs:<3d} {r['tokens_per_s']:9.1f} tok/s  tau {r['tau']:.2f}  "
+                            f"overhead {r['overhead_ms_per_step']:.2f} ms/step  fwd {r['fwd_ms_per_step']:.2f} ms"
+                            + (f"  speed-up {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})"
+                               f"  outputs {'=' if row['same_as_ar'] else '!='} ar" if "speedup" in row else ""))
+            finally:
+                timer.close()
+                del target, head
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    print(f"{'path':8s} {'mode':12s} {'B':>3s} {'tok/s':>9s} {'tau':>5s} {'ovh ms':>7s} {'speed-up':>8s} {'ideal':>6s} same")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['path']:8s} {r.get('mode', '-'):12s} {r.get('batch', 0):3d} ERROR {r['error'][:80]}")
+            continue
+        print(f"{r['path']:8s} {r['mode']:12s} {r['batch']:3d} {r['tokens_per_s']:9.1f} {r['tau']:5.2f} "
+              f"{r['overhead_ms_per_step']:7.2f} {r.get('speedup', 1.0):8.2f} {r.get('ideal_speedup', 1.0):6.2f} "
+              f"{r.get('same_as_ar', '-')}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shape": shape, "device": device, "rows": rows}, indent=1))
+    # Outputs equal to ar are reported, not required: in bfloat16 a forward over k + 1 tokens
+    # may round differently from k + 1 one-token forwards.
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

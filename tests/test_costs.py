@@ -1,0 +1,137 @@
+"""Measured step costs: the measurement, its cache (hit, changed key, corrupt file) and the
+engine's use of it. No timing is asserted: only what was measured and where it went."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import marscli.costs as costs_mod
+from marscli.config import DraftConfig, ModelConfig, VerifyConfig
+from marscli.costs import (
+    COSTS_ENV,
+    MEASURE_NEW_TOKENS,
+    StepCosts,
+    cost_key,
+    costs_path,
+    read_costs,
+    step_costs,
+)
+from marscli.engine import build_engine
+from marscli.errors import UsageError
+from marscli.models import load_model
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the real measurements (time_forwards calls) and makes them small."""
+    calls = []
+    real = costs_mod.time_forwards
+
+    def timed(model, device, batch_sizes, new_tokens, context=costs_mod.MEASURE_CONTEXT, repeats=1, vocab=None):
+        calls.append((tuple(batch_sizes), tuple(new_tokens), context))
+        return real(model, device, batch_sizes, new_tokens, min(context, 16), 1, vocab)
+
+    monkeypatch.setattr(costs_mod, "time_forwards", timed)
+    monkeypatch.setenv(COSTS_ENV, "measure")
+    return calls
+
+
+def test_measure_then_hit(target, counted):
+    notes = []
+    first = step_costs(target, None, "ngram", 4, note=notes.append)
+    assert counted and counted[0][0] == (1, 2, 4) and counted[0][1] == MEASURE_NEW_TOKENS
+    assert first.batch_sizes == (1, 2, 4) and all(v > 0 for r in first.target_s for v in r)
+    assert first.draft_s == (0.0, 0.0, 0.0)  # prompt lookup
+    path = costs_path(first.key)
+    assert path.exists() and any("measured step costs" in n for n in notes)
+    data = json.loads(path.read_text())
+    assert data["key"]["target"]["dtype"] == "float32" and data["key"]["threads"] >= 1
+    assert data["key"]["batch_sizes"] == [1, 2, 4] and "measured_in_seconds" in data
+    counted.clear()
+    again = step_costs(target, None, "ngram", 4)
+    assert counted == []  # a hit: nothing measured
+    assert again.target_s == first.target_s and again.key == first.key
+
+
+def test_changed_key_measures_again(target, counted, monkeypatch):
+    a = step_costs(target, None, "ngram", 2)
+    counted.clear()
+    import torch
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 7)
+    b = step_costs(target, None, "ngram", 2)
+    assert len(counted) == 1 and b.key["threads"] == threads + 7
+    assert costs_path(a.key) != costs_path(b.key)
+    counted.clear()
+    step_costs(target, None, "ngram", 8)  # another batch size: another grid, another file
+    assert counted and counted[0][0] == (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "other key", "bad table"])
+def test_corrupt_file_is_measured_again(target, counted, damage):
+    first = step_costs(target, None, "ngram", 2)
+    path = costs_path(first.key)
+    data = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_text("{not json")
+    elif damage == "other key":
+        data["key"]["torch"] = "0.0"
+        path.write_text(json.dumps(data))
+    else:
+        data["target_seconds"] = [[1.0]]
+        path.write_text(json.dumps(data))
+    counted.clear()
+    notes = []
+    again = step_costs(target, None, "ngram", 2, note=notes.append)
+    assert len(counted) == 1 and any("measuring again" in n for n in notes)
+    assert read_costs(path, again.key).key == first.key  # rewritten whole
+
+
+def test_remeasure_and_static_and_file(target, counted, monkeypatch, tmp_path):
+    step_costs(target, None, "ngram", 1)
+    counted.clear()
+    step_costs(target, None, "ngram", 1, mode="remeasure")
+    assert len(counted) == 1
+    counted.clear()
+    static = step_costs(target, None, "ngram", 1, mode="static")
+    assert counted == [] and static.source == "static"
+    f = tmp_path / "costs.json"
+    f.write_text(json.dumps(StepCosts((1,), (1, 2), ((1.0, 1.5),), (0.0,), {"x": 1}).to_dict()))
+    monkeypatch.setenv(COSTS_ENV, str(f))
+    assert step_costs(target, None, "ngram", 1).target(1, 2) == 1.5
+    f.write_text("[]")
+    with pytest.raises(ValueError, match="costs.json"):
+        step_costs(target, None, "ngram", 1)
+
+
+def test_draft_model_is_timed_beside_the_target(target, counted):
+    c = step_costs(target, target, "model", 2)
+    assert len(counted) == 2 and counted[1][1] == (1,)  # the draft model: one new token
+    assert all(v > 0 for v in c.draft_s)
+    assert c.key["draft"]["dtype"] == "float32"
+
+
+def test_engine_builds_with_measured_costs(target, counted, monkeypatch):
+    engine = build_engine(target, None, VerifyConfig(), DraftConfig(kind="ngram"), batch_size=2)
+    assert engine.costs.source == str(costs_path(engine.costs.key)) and len(counted) == 1
+    counted.clear()
+    build_engine(target, None, VerifyConfig(), DraftConfig(kind="none"), batch_size=2)
+    build_engine(target, None, VerifyConfig(), DraftConfig(kind="ngram", adaptive=False))
+    assert counted == []  # nothing to choose: nothing measured
+    monkeypatch.setenv(COSTS_ENV, "/no/such/costs.json")
+    with pytest.raises(UsageError, match="costs.json"):
+        build_engine(target, None, VerifyConfig(), DraftConfig(kind="ngram"))
+
+
+def test_cost_key_names_what_was_measured(target):
+    key = cost_key(target, (1, 2), "ngram", None)
+    assert key["device"] == "cpu" and key["batch_sizes"] == [1, 2]
+    assert key["target"]["name"] == target.identity["name"] and key["draft"] is None
