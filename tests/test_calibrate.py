@@ -232,6 +232,11 @@ def test_calibrate_writes_a_profile_generate_picks_up(tiny_model_dir, calib_prom
     g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir)])
     assert g.exit_code == 0, g.stderr
     res = json.loads(g.stdout)
+    if prof.speed is not None and prof.speed["verify_strictly"]:
+        # The profile predicts relaxing does not pay here: generate says so and verifies strictly.
+        assert res["spec"]["verify"] == "strict" and "verifying strictly" in g.stderr
+        g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--verify", "mars"])
+        res = json.loads(g.stdout)
     assert res["spec"]["verify"] == "mars" and res["spec"]["theta"] == prof.theta
     assert res["spec"]["profile"] == {"name": prof.name, "sha256": prof.sha256}
     assert "using profile" in g.stderr
