@@ -406,7 +406,9 @@ def test_guard_travels_from_calibrate_to_profile_to_results(tiny_model_dir, tmp_
                                                   "max_relaxed_share": 0.5}
     assert prof.guard == GuardConfig(3, 32, 0.5)
 
-    g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--no-timing"])
+    # --verify mars: the profile's theta and guard, even where it predicts relaxing does not pay
+    g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--no-timing",
+                            "--verify", "mars"])
     assert g.exit_code == 0, g.stderr
     for line in g.stdout.splitlines():
         spec = json.loads(line)["spec"]
@@ -414,7 +416,8 @@ def test_guard_travels_from_calibrate_to_profile_to_results(tiny_model_dir, tmp_
         assert 0.0 <= spec["repeat_share"] <= 1.0 and isinstance(spec["ends_in_loop"], bool)
         assert spec["guard_refused"] >= 0 and "budget_spent_at" in spec
     # The command line beats the profile; --no-guard turns both off.
-    g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--no-guard"])
+    g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--no-guard",
+                            "--verify", "mars"])
     spec = json.loads(g.stdout.splitlines()[0])["spec"]
     assert spec["guard"] == {"repeat_ngram": 0, "repeat_window": 32, "max_relaxed_share": 1.0}
     g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--verify", "strict"])
