@@ -20,6 +20,7 @@ import sys
 import time
 
 from marscli.config import DEFAULT_GUARD_WINDOW
+from marscli.metrics import common_prefix_len
 
 
 def parse_config(name: str) -> dict:
@@ -51,15 +52,6 @@ def records(path: str, limit: int) -> list[dict]:
             if len(out) == limit:
                 break
     return out
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> int:
@@ -105,7 +97,7 @@ def main() -> int:
     for name in names:
         out = outputs[name]
         rows[name]["same_as_strict"] = sum(a == b for a, b in zip(out, ref))
-        rows[name]["prefix_share"] = sum(common_prefix(a, b) / max(len(b), 1) for a, b in zip(out, ref)) / len(ref)
+        rows[name]["prefix_share"] = sum(common_prefix_len(a, b) / max(len(b), 1) for a, b in zip(out, ref)) / len(ref)
     hdr = ("config", "tau", "tau/strict", "relaxed", "repeat", "loops", "refused", "budget", "same", "prefix")
     print(f"{len(recs)} records, {args.max_tokens} tokens, theta {args.theta}")
     print(" | ".join(hdr))

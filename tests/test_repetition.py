@@ -19,7 +19,7 @@ from marscli.config import (
     SamplingParams,
     VerifyConfig,
 )
-from marscli.drafters.base import DrafterBase, Proposal, RowDrafters
+from marscli.drafters.base import RowDrafters
 from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
@@ -33,6 +33,7 @@ from marscli.repetition import (
 )
 from marscli.verify import MARS, Rule, margin_statistic, top2, verify
 from marscli.verify_tree import verify_tree
+from tests.test_engine import RunnerUpDrafter
 
 # --------------------------------------------------------------------------- the statistic
 
@@ -158,33 +159,6 @@ def test_tree_guard_and_budget_match_the_chain():
 @pytest.fixture(scope="module")
 def target(tiny_model_dir):
     return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
-
-
-class RunnerUpDrafter(DrafterBase):
-    """Proposes the target's top-2 token first, then its greedy path: every step offers the
-    verifier a runner-up to relax."""
-
-    name = "runner-up"
-
-    def __init__(self, model, k: int):
-        self.model, self.k = model, k
-
-    def start(self, prompt_ids, *_, **__):
-        pass
-
-    def propose(self, seq, k_max):
-        k = min(self.k, k_max)
-        out, cur = [], list(seq)
-        with torch.no_grad():
-            for i in range(k):
-                _, _, t1, t2 = top2(self.model(torch.tensor([cur])).logits[0, -1])
-                tok = int(t2 if i == 0 else t1)
-                out.append(tok)
-                cur.append(tok)
-        return Proposal(out)
-
-    def accepted(self, proposed, accepted, seq):
-        pass
 
 
 def reference_loop(model, ids, max_new, k, theta, margin, guard: GuardConfig,
