@@ -172,8 +172,8 @@ class RowSettings:
     k_max: int  # the most drafts (chain) or path positions (tree) a step verifies
     context_length: int | None
     #: The loop guard and relaxation budget of a relaxed rule (GUARD_OFF: none). A Sequence
-    #: keeps the n-gram index of its output whenever the guard is on (calibration, strict,
-    #: records the guard's verdicts too, for its replay).
+    #: keeps the n-gram index of its output when the guard is on and the rule relaxes or the
+    #: record has an observer (calibration, strict, records the verdicts for its replay).
     guard: GuardConfig = GUARD_OFF
     relaxing: bool = False  # the rule relaxes: the budget applies
 
@@ -208,7 +208,10 @@ class Sequence:
         self.text: str | None = None
         self.done = len(self.out) >= self.max_new
         g = settings.guard
-        self.ngrams = NgramIndex(g.repeat_ngram, g.repeat_window) if g.repeat_ngram else None
+        # The n-gram index only where its verdicts are read: a relaxed rule, or an observer
+        # (calibration records them); a plain strict run does not pay for it.
+        wanted = g.repeat_ngram and (settings.relaxing or observer is not None)
+        self.ngrams = NgramIndex(g.repeat_ngram, g.repeat_window) if wanted else None
         self.relax_budget = g.budget(self.max_new) if settings.relaxing else None
         self.stats.guarded = settings.relaxing and (g.repeat_ngram > 0 or g.budgeted)
         if self.relax_budget == 0:
