@@ -15,8 +15,12 @@ import torch
 from marscli.tree import DraftTree
 from marscli.verify import (
     LOGIT_RATIO,
+    MARS,
+    SAMPLING_MODE,
+    STRICT,
     PositionFacts,
     Rule,
+    draft_facts,
     margin_statistic,
     relaxed_positions,
     residual,
@@ -82,6 +86,8 @@ def verify_tree(
     """
     if rule is None:
         rule = Rule.from_theta(math.inf if theta is None else theta, margin)
+    if temperature != 0.0 and SAMPLING_MODE not in rule.modes:
+        raise ValueError(f"the {rule.name} rule is defined for greedy decoding only")
     n = len(tree)
     assert logits.dim() == 2 and logits.shape[0] == n + 1, (
         f"logits must be [N+1, V] = [{n + 1}, V], got {tuple(logits.shape)}"
@@ -101,8 +107,24 @@ def verify_tree(
             0, parents + 1, guard.long()) > 0
         relaxable = relaxable & ~row_guarded
     budget = math.inf if relax_left is None else relax_left
+    per_token = rule.name not in (STRICT, MARS) and rule.relaxes
+    if per_token:
+        probs = (torch.softmax(logits.float(), dim=-1) if temperature == 0.0
+                 else sampling_probs(logits, temperature, top_k, top_p))  # [N+1, V]
+        node_facts = _per_token_facts(tree, logits, probs, rule)
+        relax_node = rule.decide(node_facts).relaxable
+        if guard is not None:
+            relax_node = relax_node & ~guard
+        # a row is relaxable when the rule would relax one of its children
+        relaxable = torch.zeros(n + 1, dtype=torch.long, device=logits.device).index_add(
+            0, parents + 1, relax_node.long()) > 0
+        stat = torch.full((n + 1,), float("nan"), device=logits.device)
+        stat[parents + 1] = rule.statistic(node_facts).float()  # a row's last child's, for reports
+    else:
+        node_facts = None
     if temperature == 0.0:
-        path, relaxed, nxt = _tree_greedy(tree, kids, logits, t1, t2, stat, rule, guard, budget)
+        path, relaxed, nxt = _tree_greedy(tree, kids, logits, t1, t2, stat, rule, guard, budget,
+                                          node_facts)
     else:
         assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
         assert u_accept.shape == (n,), f"u_accept must be [N] = [{n}], got {tuple(u_accept.shape)}"
@@ -110,7 +132,8 @@ def verify_tree(
         u_accept, u_sample = u_accept.to(logits.device), u_sample.to(logits.device)
         p = sampling_probs(logits, temperature, top_k, top_p)  # [N+1, V]
         path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule,
-                                            u_accept, u_sample.reshape(1), budget)
+                                            u_accept, u_sample.reshape(1), budget,
+                                            node_facts, guard)
     return TreeVerifyResult(path, nxt, relaxed, stat, relaxable)
 
 
@@ -121,16 +144,39 @@ def _node_facts(tokens: torch.Tensor, alive: torch.Tensor, t1: torch.Tensor, t2:
     return PositionFacts({margin: stat}, ((tokens == t1) | (tokens == t2)) & alive, strict_ok)
 
 
-def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule, guard=None, budget=math.inf):
+def _per_token_facts(tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor,
+                     rule: Rule) -> PositionFacts:
+    """Facts of every node for a per-token rule (ratio, topk, typical, regret), each node
+    judged at its parent's row with that row's original p; the regret summed along the root
+    path. strict_ok is left for the walk to fill."""
+    rows = tree.parents.to(logits.device) + 1  # [N]
+    tok = tree.tokens.to(logits.device)
+    f = draft_facts(logits[rows], tok, probs[rows], rule.needs)
+    if "regret" in f:
+        own, parents = f["regret"].tolist(), tree.parents.tolist()
+        total = [0.0] * len(own)
+        for i, r in enumerate(own):  # parents come before their children
+            total[i] = r + (total[parents[i]] if parents[i] >= 0 else 0.0)
+        f["regret"] = torch.tensor(total, dtype=torch.float64, device=logits.device)
+    no = torch.zeros(len(tok), dtype=torch.bool, device=logits.device)  # the walk sets it
+    return PositionFacts({}, None, no, **f)
+
+
+def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule, guard=None, budget=math.inf,
+                 node_facts: PositionFacts | None = None):
     """Longest ok path with at most ``budget`` relaxed nodes. Nodes are visited in depth-first
     order (children in index order), so the first path found of a given (length, relaxed
     count) wins its ties."""
     rows = tree.parents.to(logits.device) + 1  # [N] the row that judges each node
     tok = tree.tokens.to(logits.device)
     strict_ok = tok == t1[rows]
-    alive = logits.float()[rows].gather(1, tok.unsqueeze(1)).squeeze(1) > -math.inf
-    facts = _node_facts(tok, alive, t1[rows], t2[rows], stat[rows], rule.margin, strict_ok)
-    facts.in_top2 = facts.in_top2 | strict_ok  # as in the chain: the top-1 always qualifies
+    if node_facts is not None:  # a per-token rule
+        facts = node_facts
+        facts.strict_ok = strict_ok
+    else:
+        alive = logits.float()[rows].gather(1, tok.unsqueeze(1)).squeeze(1) > -math.inf
+        facts = _node_facts(tok, alive, t1[rows], t2[rows], stat[rows], rule.margin, strict_ok)
+        facts.in_top2 = facts.in_top2 | strict_ok  # as in the chain: the top-1 always qualifies
     facts.guarded = guard
     d = rule.decide(facts)
     ok = d.ok.tolist()
@@ -155,9 +201,11 @@ def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule, guard=None, budge
 
 
 def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept, u_sample,
-                   budget=math.inf):
+                   budget=math.inf, node_facts: PositionFacts | None = None, guard=None):
     """The sampling walk: sequential strict rejection over siblings where the rule does not
-    relax the row; the rule's choice among the children where it does."""
+    relax the row; MARS's choice among the children where it does. A per-token rule
+    (``node_facts`` given) walks every row by strict rejection, except that a child whose
+    condition holds (on the row's original p; not guarded, budget left) is accepted outright."""
     tokens = tree.tokens.to(p.device)
     path: list[int] = []
     relaxed: list[bool] = []
@@ -168,7 +216,7 @@ def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept,
         if not children:
             dist = p_row  # bonus: from the plain target distribution
             break
-        if bool(relaxable[row]) and sum(relaxed) < budget:
+        if node_facts is None and bool(relaxable[row]) and sum(relaxed) < budget:
             c_idx = torch.tensor(children, dtype=torch.long, device=p.device)
             c_tok = tokens[c_idx]
             M = len(children)
@@ -190,23 +238,29 @@ def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept,
             relaxed.append(bool(relaxed_positions(d.ok, d.relaxable, strict_ok)[chosen]))
             row = children[chosen] + 1
             continue
-        accepted = None
+        accepted, was_relaxed = None, False
         for c in children:
             tok = tokens[c].view(1)
             strict_ok = strict_sampling_accepts(tok.view(1, 1), p_row.unsqueeze(1), u_accept[c].view(1, 1))[:, 0]
-            facts = _node_facts(tok, p_row[0, tok] > 0, t1[row].view(1), t2[row].view(1),
-                                stat[row].view(1), rule.margin, strict_ok)
-            facts.guarded = torch.ones_like(strict_ok)  # a row walked strictly (guard, budget)
+            if node_facts is not None:  # the condition on the row's original p, this child's
+                facts = PositionFacts({}, None, strict_ok, **{
+                    k: getattr(node_facts, k)[c].view(1) for k in rule.needs})
+                blocked = (guard is not None and bool(guard[c])) or sum(relaxed) >= budget
+                facts.guarded = torch.full_like(strict_ok, blocked)
+            else:
+                facts = _node_facts(tok, p_row[0, tok] > 0, t1[row].view(1), t2[row].view(1),
+                                    stat[row].view(1), rule.margin, strict_ok)
+                facts.guarded = torch.ones_like(strict_ok)  # a row walked strictly (guard, budget)
             d = rule.decide(facts)
             if bool(d.ok[0]):
-                accepted = c
+                accepted, was_relaxed = c, bool(d.relaxable[0] & ~strict_ok[0])
                 break
             p_row = residual(p_row, None, tok)  # one-hot q at the rejected token
         if accepted is None:
             dist = p_row  # correction from the residual left after every sibling
             break
         path.append(accepted)
-        relaxed.append(False)
+        relaxed.append(was_relaxed)
         row = accepted + 1
     nxt = int(sample_from(dist, u_sample)[0])
     return path, relaxed, nxt
