@@ -177,16 +177,20 @@ NEAR_STRICT = [Rule("ratio", rho=0.999999), Rule("topk", top_n=4, delta=1e-7),
                Rule("regret", budget=1e-7), Rule("typical", epsilon=1.0, alpha=1e30)]
 
 
-@pytest.mark.parametrize("rule", STRICT_ENDS + NEAR_STRICT, ids=lambda r: r.label())
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def _sampling_strict(rule: Rule) -> bool:
+    """Whether the rule must equal strict when sampling too. Not regret (greedy only,
+    test_regret_refuses_sampling), and not ratio/topk just off their strict end: any rho < 1
+    or delta > 0 accepts a top-1 draft outright (p(x) = p1), which strict rejection sampling
+    keeps only with probability p1 (the Rule docstring says so)."""
+    return rule.name != REGRET and rule not in NEAR_STRICT[:2]
+
+
+CHAIN_CASES = [(r, t) for r in STRICT_ENDS + NEAR_STRICT for t in (0.0, 0.8)
+               if t == 0.0 or _sampling_strict(r)]
+
+
+@pytest.mark.parametrize("rule,temperature", CHAIN_CASES, ids=[f"{r.label()}-T{t}" for r, t in CHAIN_CASES])
 def test_strict_end_equals_strict_on_random_chains(rule, temperature):
-    if temperature and rule.name == REGRET:
-        pytest.skip("regret is greedy only (test_regret_refuses_sampling)")
-    if temperature and rule in NEAR_STRICT[:2]:
-        # Sampling: any rho < 1 or delta > 0 accepts a top-1 draft outright (p(x) = p1),
-        # which strict rejection sampling accepts only with probability p1: only the strict
-        # end itself is strict there (the Rule docstring says so).
-        pytest.skip("near-strict ratio/topk relax the top-1 when sampling, by definition")
     g = torch.Generator().manual_seed(3)
     B, K = 64, 5
     logits = torch.randn(B, K + 1, V, generator=g) * 3
@@ -209,7 +213,7 @@ def test_strict_end_equals_strict_on_trees(rule):
     tree = DraftTree(torch.tensor([1, 2, 3, 4, 5, 6, 7]), torch.tensor([-1, -1, 0, 0, 2, 2, 4]))
     for trial in range(40):
         logits = torch.randn(len(tree) + 1, V, generator=g) * 3
-        temps = (0.0,) if rule.name == REGRET or rule in NEAR_STRICT[:2] else (0.0, 0.7)
+        temps = (0.0, 0.7) if _sampling_strict(rule) else (0.0,)
         for t in temps:
             kw = {} if not t else dict(temperature=t, u_accept=torch.rand(len(tree), generator=g),
                                        u_sample=torch.rand(1, generator=g))
