@@ -33,6 +33,7 @@ from marscli.jobs.setup import (
     ModelSetup,
     build_generator,
     check_choices,
+    check_rule_modes,
     choice_options,
     generation_setup,
 )
@@ -52,13 +53,18 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
          max_memory: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
          bnb_compute_dtype: str = "auto", offline: bool = False, repeat_guard: int | None = None,
          repeat_window: int | None = None, max_relaxed_share: float | None = None,
-         no_guard: bool = False, quiet: bool = True) -> LLM:
+         no_guard: bool = False, rho: float | None = None, top_n: int | None = None,
+         delta: float | None = None, epsilon: float | None = None, alpha: float | None = None,
+         budget: float | None = None, quiet: bool = True) -> LLM:
     """Load a target (default: the embedded model) and a drafter (default: the profile's, else
     'ngram'; 'none', a draft model, or 'eagle3:PATH'), choose the profile and build the engine.
 
     The arguments are `marscli generate`'s options, with the same defaults and the same rule:
     what you pass > the profile (`profile=`, else the newest matching one unless
     auto_profile=False) > defaults. quiet=False narrates loading on stderr as the CLI does.
+    verify picks the rule (strict, mars, ratio, topk, typical, regret; README "Verification
+    rules"), with its knobs: theta (mars), rho (ratio), top_n and delta (topk), epsilon and
+    alpha (typical), budget (regret), e.g. load(verify="ratio", rho=0.5).
     """
     from marscli.jobs.console import Log
 
@@ -70,7 +76,8 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
         device_map=device_map, load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit,
         max_memory=max_memory, bnb_compute_dtype=bnb_compute_dtype, offline=offline,
         repeat_guard=repeat_guard, repeat_window=repeat_window,
-        max_relaxed_share=max_relaxed_share, no_guard=no_guard)
+        max_relaxed_share=max_relaxed_share, no_guard=no_guard, rho=rho, top_n=top_n, delta=delta,
+        epsilon=epsilon, alpha=alpha, budget=budget)
     log = Log(quiet)
     return LLM(build_generator(setup, log.info), setup)
 
@@ -138,8 +145,9 @@ class LLM:
             stop = (stop,)
         sampling = choice_options(SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop)),
                                   n, logprobs, top_logprobs)
-        items = records_to_items(records)
         gen = self.generator
+        check_rule_modes(gen.verify.rule, sampling, "temperature")
+        items = records_to_items(records)
         # The OpenAI format's ids: from what decides the results, as the CLI's run fingerprint.
         run_key = hashlib.sha256(json.dumps(
             {"target": getattr(gen.target, "identity", None), "spec": gen.spec_meta,

@@ -9,6 +9,9 @@ Methods, all on the same target, drafter, prompts, max tokens, temperature and s
 - ``ar``: marscli's engine with no drafter (plain decoding through the same loop).
 - ``strict``: marscli speculative decoding with exact verification.
 - ``mars@THETA``: marscli with margin-aware verification, one method per theta.
+- ``ratio@R``, ``topk@N:D``, ``typical@E:A`` (or ``typical@E``: A = sqrt(E)), ``regret@B``:
+  marscli with another relaxed rule of the rulebook (marscli.verify.Rule) at these knobs,
+  guarded like ``mars``; labelled by ``Rule.label()``. ``mars@THETA`` spells one MARS method.
 - ``strict-tree`` and ``mars-tree@THETA`` (EAGLE-3 drafters only): the same with the head
   drafting an EAGLE-2 dynamic tree (the --tree-* settings, else EAGLE-3's defaults) instead of
   a chain, so chain and tree compare side by side. ``strict``/``mars`` then draft chains.
@@ -59,7 +62,22 @@ MARS_TREE = "mars-tree"
 #: MARS with the loop guard off (the paper's rule alone), beside `mars` (guarded by the run's
 #: --repeat-guard / --max-relaxed-share, on by default): what the guard changes.
 MARS_NOGUARD = "mars-noguard"
-ALL_METHODS = (HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE)
+#: The rulebook's other relaxed rules, spelled NAME@KNOBS (RULE_SPELLINGS): one method each.
+RATIO = "ratio"
+TOPK = "topk"
+TYPICAL = "typical"
+REGRET = "regret"
+RULE_METHODS = (RATIO, TOPK, TYPICAL, REGRET)
+#: How each rule method is written, its knobs in order (the rule's field names).
+RULE_SPELLINGS = {
+    RATIO: ("ratio@R (0 < R <= 1)", ("rho",)),
+    TOPK: ("topk@N:D (N >= 1 tokens, D >= 0)", ("top_n", "delta")),
+    TYPICAL: ("typical@E:A or typical@E (0 < E <= 1, A > 0; A = sqrt(E) by default)", ("epsilon", "alpha")),
+    REGRET: ("regret@B (B >= 0; greedy only)", ("budget",)),
+}
+#: Knobs a spelling may leave out (typical's alpha).
+OPTIONAL_KNOBS = ("alpha",)
+ALL_METHODS = (HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE, *RULE_METHODS)
 DEFAULT_METHODS = ",".join((HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS))
 #: The default for an EAGLE-3 drafter: transformers has no EAGLE-3 assisted generation, and
 #: chain and tree drafting compare side by side.
@@ -67,15 +85,15 @@ DEFAULT_EAGLE3_METHODS = ",".join((HF_GENERATE, AR, STRICT, STRICT_TREE, MARS, M
 #: Methods whose greedy output must equal the reference method's token for token.
 EXACT_METHODS = (AR, STRICT, STRICT_TREE)
 #: Methods that need a drafter.
-DRAFTED_METHODS = (HF_ASSISTED, STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE)
+DRAFTED_METHODS = (HF_ASSISTED, STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE, *RULE_METHODS)
 #: Methods with per-step statistics (acceptance, relaxed share, the ideal speedup).
-SPEC_METHODS = (STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE)
+SPEC_METHODS = (STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE, *RULE_METHODS)
 #: Methods that verify with MARS (one per theta) and methods that draft trees.
 MARS_METHODS = (MARS, MARS_NOGUARD, MARS_TREE)
 TREE_METHODS = (STRICT_TREE, MARS_TREE)
 #: Methods measured at several batch sizes by --batch-size (transformers refuses assisted
 #: generation at batch size > 1, and draft trees run one record at a time).
-BATCHED_METHODS = (HF_GENERATE, AR, STRICT, MARS, MARS_NOGUARD)
+BATCHED_METHODS = (HF_GENERATE, AR, STRICT, MARS, MARS_NOGUARD, *RULE_METHODS)
 #: Reference for quality comparisons, in order of preference.
 REFERENCE_METHODS = (HF_GENERATE, AR)
 
@@ -104,9 +122,22 @@ Log = Callable[[str], None]
 
 @dataclass(frozen=True)
 class MethodSpec:
-    name: str  # label in tables and the report: "strict", "mars@0.9"
+    name: str  # label in tables and the report: "strict", "mars@0.9", "ratio@0.5"
     kind: str  # one of ALL_METHODS
     theta: float | None = None
+    rule: Any = None  # the marscli.verify.Rule of a RULE_METHODS method (its knobs), else None
+
+    def verify_rule(self, margin: str):
+        """The marscli.verify.Rule this method verifies with, or None (hf-*, ar)."""
+        from marscli.verify import Rule
+
+        if self.rule is not None:
+            return self.rule
+        if self.kind in MARS_METHODS:
+            return Rule(MARS, self.theta, margin)
+        if self.kind in (STRICT, STRICT_TREE):
+            return Rule(STRICT, margin=margin)
+        return None
 
 
 @dataclass(frozen=True)
@@ -139,18 +170,65 @@ class BenchConfig:
 
 
 def parse_methods(text: str, thetas: Sequence[float]) -> tuple[MethodSpec, ...]:
-    """'hf-generate,ar,mars' + thetas -> method specs; `mars` becomes one method per theta."""
+    """'hf-generate,ar,mars,ratio@0.5' + thetas -> method specs; `mars` becomes one method per
+    theta, `mars@THETA` one at that theta; a rule method NAME@KNOBS one at its knobs."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise UsageError("--methods is empty; choose from " + ", ".join(ALL_METHODS))
     out: list[MethodSpec] = []
     for name in names:
-        if name not in ALL_METHODS:
+        kind, at, knobs = name.partition("@")
+        if kind not in ALL_METHODS:
             raise UsageError(f"unknown method {name!r} in --methods; choose from {', '.join(ALL_METHODS)}")
-        specs = ([MethodSpec(f"{name}@{t:g}", name, t) for t in thetas] if name in MARS_METHODS
-                 else [MethodSpec(name, name)])
+        if kind in RULE_METHODS:
+            specs = [rule_method(name)]
+        elif kind in MARS_METHODS and at:
+            theta = _method_number(name, knobs, f"{kind}@THETA")
+            specs = [MethodSpec(f"{kind}@{theta:g}", kind, theta)]
+        elif at:
+            raise UsageError(f"method {name!r} in --methods: {kind} takes no knobs; write {kind}")
+        elif kind in MARS_METHODS:
+            specs = [MethodSpec(f"{kind}@{t:g}", kind, t) for t in thetas]
+        else:
+            specs = [MethodSpec(kind, kind)]
         out.extend(s for s in specs if s not in out)
     return tuple(out)
+
+
+def rule_method(name: str) -> MethodSpec:
+    """'ratio@0.5', 'topk@3:0.1', 'typical@0.1[:0.3]', 'regret@2' -> its method, labelled by
+    Rule.label(). A bad spelling or a knob out of range is a usage error naming the method."""
+    from marscli.verify import Rule
+
+    kind, _, text = name.partition("@")
+    spelling, fields = RULE_SPELLINGS[kind]
+    parts = text.split(":") if text else []
+    least = len([f for f in fields if f not in OPTIONAL_KNOBS])
+    if not least <= len(parts) <= len(fields):
+        raise UsageError(f"method {name!r} in --methods: write {spelling}")
+    knobs: dict[str, Any] = {}
+    for field_, part in zip(fields, parts):
+        value = _method_number(name, part, spelling)
+        if field_ == "top_n":
+            if value != int(value):
+                raise UsageError(f"method {name!r} in --methods: N is a whole number of tokens; write {spelling}")
+            value = int(value)
+        knobs[field_] = value
+    try:
+        rule = Rule(kind, **knobs)
+    except ValueError as e:
+        raise UsageError(f"method {name!r} in --methods: {str(e).removeprefix('--')}") from None
+    return MethodSpec(rule.label(), kind, None, rule)
+
+
+def _method_number(name: str, text: str, spelling: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value):
+        raise UsageError(f"method {name!r} in --methods: {text!r} is not a number; write {spelling}")
+    return value
 
 
 def parse_float_list(text: str, option: str) -> tuple[float, ...]:
@@ -174,6 +252,13 @@ def parse_int_list(text: str, option: str) -> tuple[int, ...]:
 
 
 def check_config(cfg: BenchConfig) -> None:
+    if not cfg.greedy:
+        from marscli.verify import SAMPLING_MODE
+
+        greedy_only = [m.name for m in cfg.methods if m.rule is not None and SAMPLING_MODE not in m.rule.modes]
+        if greedy_only:
+            raise UsageError(f"{', '.join(greedy_only)}: the rule is defined for greedy decoding only; "
+                             "drop it from --methods or use --temperature 0")
     trees = [m.name for m in cfg.methods if m.kind in TREE_METHODS]
     if trees and cfg.draft.kind != "eagle3":
         raise UsageError(f"{', '.join(trees)} draft trees with an EAGLE-3 head: --draft eagle3:PATH")
@@ -318,14 +403,18 @@ class Run:
 
 
 def aggregate(runs: Sequence[Run], spec: MethodSpec, t_target: Sequence[float] | None,
-              t_draft: float) -> dict[str, Any]:
+              t_draft: float, margin: str = "logit-ratio") -> dict[str, Any]:
     """One method's figures over `runs` (one seed, or pooled)."""
+    rule = spec.verify_rule(margin)
     tokens = sum(len(r.tokens) for r in runs)
     seconds = sum(r.seconds for r in runs)
     forwards = sum(r.target_forwards for r in runs)
     per_prompt = [v for r in runs if (v := metrics.rate(len(r.tokens), r.seconds)) is not None]
     out: dict[str, Any] = {
-        "kind": spec.kind, "theta": spec.theta, "runs": len(runs),
+        "kind": spec.kind, "theta": spec.theta,
+        # the verification rule and its knobs (marscli.verify.Rule.knobs); None: no verification
+        "rule": rule.name if rule is not None else None, "knobs": rule.knobs() if rule is not None else None,
+        "runs": len(runs),
         "completion_tokens": tokens, "seconds": seconds,
         "tokens_per_s": metrics.rate(tokens, seconds),
         "median_tokens_per_s": metrics.median(per_prompt),
@@ -396,13 +485,14 @@ def summarize(cfg: BenchConfig, runs: Sequence[Run], limit_info: dict[str, Any] 
     ar = next((m.name for m in cfg.methods if m.kind == AR), None)
     per_seed: list[dict[str, dict[str, Any]]] = []
     for seed in cfg.seeds:
-        seed_methods = {m.name: aggregate([r for r in runs if r.method == m.name and r.seed == seed], m, t_target, t_draft)
+        seed_methods = {m.name: aggregate([r for r in runs if r.method == m.name and r.seed == seed], m, t_target,
+                                          t_draft, cfg.margin)
                         for m in cfg.methods}
         _add_ratios(seed_methods, hf, ar)
         per_seed.append(seed_methods)
     out: dict[str, dict[str, Any]] = {}
     for m in cfg.methods:
-        pooled = aggregate([r for r in runs if r.method == m.name], m, t_target, t_draft)
+        pooled = aggregate([r for r in runs if r.method == m.name], m, t_target, t_draft, cfg.margin)
         if len(cfg.seeds) == 1:
             pooled.update({f: per_seed[0][m.name][f] for f in SPREAD_FIELDS})
         else:

@@ -125,6 +125,17 @@ def _guard_group(
 ): ...
 
 
+def _rule_group(
+    verify: Annotated[Optional[str], typer.Option("--verify", "--rule", help="Verification rule: 'strict' (exact), 'mars' (relax at low-margin positions; --theta), 'ratio' (--rho), 'topk' (--top-n, --delta), 'typical' (--epsilon, --alpha) or 'regret' (--budget; greedy only). See README, Verification rules. Default: mars when a calibrated profile matches the target and drafter, else strict.", rich_help_panel=PANEL_VERIFY)] = None,
+    rho: Annotated[Optional[float], typer.Option("--rho", help="ratio: relax a draft x where p(x) >= R * p1 (0 < R <= 1; 1 = strict).", rich_help_panel=PANEL_VERIFY)] = None,
+    top_n: Annotated[Optional[int], typer.Option("--top-n", help="topk: the draft must be among the target's N most likely tokens (N >= 1; default 2).", rich_help_panel=PANEL_VERIFY)] = None,
+    delta: Annotated[Optional[float], typer.Option("--delta", help="topk: ... and p(x) >= p1 - D (D >= 0; 0 = strict).", rich_help_panel=PANEL_VERIFY)] = None,
+    epsilon: Annotated[Optional[float], typer.Option("--epsilon", help="typical: relax where p(x) > min(E, A * exp(-H(p))) (0 < E <= 1).", rich_help_panel=PANEL_VERIFY)] = None,
+    alpha: Annotated[Optional[float], typer.Option("--alpha", help="typical: A > 0 (default sqrt(E)).", rich_help_panel=PANEL_VERIFY)] = None,
+    budget: Annotated[Optional[float], typer.Option("--budget", help="regret: accept a step's drafts while their summed logit gap z1 - z(x) stays <= B (B >= 0; 0 = strict).", rich_help_panel=PANEL_VERIFY)] = None,
+): ...
+
+
 def _sampling_group(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.", rich_help_panel=PANEL_SAMPLING)] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel=PANEL_SAMPLING)] = 1.0,
@@ -143,7 +154,7 @@ def _run_group(
 
 
 GROUPS = {"model": _model_group, "placement": _placement_group, "drafting": _draft_group,
-          "guard": _guard_group, "sampling": _sampling_group, "run": _run_group}
+          "guard": _guard_group, "rule": _rule_group, "sampling": _sampling_group, "run": _run_group}
 
 
 def options(*names: str):
@@ -189,6 +200,7 @@ def _tree(d: SimpleNamespace) -> tuple[int | None, int | None, int | None]:
         "  marscli generate prompts.jsonl --profile smollm2-135m-instruct.ngram.float32\n\n"
         "  marscli generate prompts.jsonl --target ./Llama-3.1-8B-Instruct "
         "--draft ./Llama-3.2-1B-Instruct --verify mars --theta 0.9 -o results.jsonl\n\n"
+        "  marscli generate prompts.jsonl --verify ratio --rho 0.5   # another relaxed rule\n\n"
         "  cat prompts.jsonl | marscli generate - --draft ngram | jq -r .output\n\n"
         "  marscli generate prompts.jsonl -o results.jsonl --resume   # finish an interrupted run\n\n"
         "  marscli generate prompts.jsonl --batch-size 8 -o results.jsonl   # 8 records at once\n\n"
@@ -201,13 +213,12 @@ def _tree(d: SimpleNamespace) -> tuple[int | None, int | None, int | None]:
         + EXIT_CODES_HELP
     ),
 )
-@options("model", "placement", "drafting", "guard", "sampling", "run")
+@options("model", "placement", "drafting", "guard", "rule", "sampling", "run")
 def generate(
     input: Annotated[str, typer.Argument(help="JSONL file of records, or '-' for stdin.")],
     model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
-    guard: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
+    guard: SimpleNamespace, rule: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Write results here instead of stdout.", rich_help_panel=PANEL_OUTPUT)] = None,
-    verify: Annotated[Optional[str], typer.Option(help="'strict' (exact) or 'mars' (relax at low-margin positions). Default: mars when a calibrated profile matches the target and drafter, else strict.", rich_help_panel=PANEL_VERIFY)] = None,
     theta: Annotated[Optional[float], typer.Option(help=f"MARS threshold. Default: the profile's, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)] = None,
     profile: Annotated[Optional[str], typer.Option(help="Calibration profile (name or YAML path) to take theta, margin, target and drafter from. Default: the newest profile matching the loaded target and drafter.", rich_help_panel=PANEL_VERIFY)] = None,
     no_profile: Annotated[bool, typer.Option("--no-profile", help="Do not pick a profile automatically.", rich_help_panel=PANEL_VERIFY)] = False,
@@ -236,9 +247,9 @@ def generate(
 
     def job() -> int:
         check_choices(truncate_prompt=truncate_prompt, output_format=output_format)
-        setup = generation_setup(verify=verify, theta=theta, profile=profile, no_profile=no_profile,
+        setup = generation_setup(theta=theta, profile=profile, no_profile=no_profile,
                                  batch_size=run.batch_size, **vars(model), **vars(placement), **vars(drafting),
-                                 **vars(guard))
+                                 **vars(guard), **vars(rule))
         cfg = GenerateConfig(
             input=input, output=output, target=setup.target, draft=setup.draft, draft_model=setup.draft_model,
             verify=setup.verify, sampling=choice_options(_sampling(sampling), n, logprobs, top_logprobs),
@@ -409,6 +420,7 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
         "Examples:\n\n"
         "  marscli bench ../shared/data/prompts/sum.jsonl --limit 20 --max-tokens 128 "
         "--methods hf-generate,hf-assisted,ar,strict,mars --theta 0.85,0.9,0.95 --report bench.json\n\n"
+        "  marscli bench prompts.jsonl --methods ar,strict,mars@0.9,ratio@0.5,topk@3:0.1,typical@0.1,regret@2\n\n"
         "  marscli bench prompts.jsonl --profile smollm2-135m-instruct.ngram.float32 --plot bench.png\n\n"
         "  marscli bench prompts.jsonl --target ./Llama-3.1-8B-Instruct --draft ./Llama-3.2-1B-Instruct "
         "--temperature 1.0 --seeds 0,1,2\n\n"
@@ -425,7 +437,7 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
 def bench(
     input: Annotated[str, typer.Argument(help="JSONL file of prompts (any format generate reads), or '-' for stdin.")],
     model: SimpleNamespace, drafting: SimpleNamespace, guard: SimpleNamespace,
-    methods: Annotated[Optional[str], typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta, with the loop guard), mars-noguard (one per theta, the paper's rule alone); with an EAGLE-3 drafter also strict-tree, mars-tree (tree drafting). Default: hf-generate,hf-assisted,ar,strict,mars; with --draft eagle3:... hf-generate,ar,strict,strict-tree,mars,mars-tree.", rich_help_panel=PANEL_VERIFY)] = None,
+    methods: Annotated[Optional[str], typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta, with the loop guard), mars@THETA (one theta), mars-noguard (one per theta, the paper's rule alone), and the other relaxed rules at their knobs, guarded like mars: ratio@R, topk@N:D, typical@E:A (or typical@E), regret@B (greedy only); with an EAGLE-3 drafter also strict-tree, mars-tree (tree drafting). Default: hf-generate,hf-assisted,ar,strict,mars; with --draft eagle3:... hf-generate,ar,strict,strict-tree,mars,mars-tree.", rich_help_panel=PANEL_VERIFY)] = None,
     theta: Annotated[Optional[str], typer.Option(help=f"MARS thresholds, comma-separated. Default: the --profile's theta, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)] = None,
     profile: Annotated[Optional[str], typer.Option(help="Calibration profile (name or path): adds its theta (and supplies margin, target and drafter unless given).", rich_help_panel=PANEL_VERIFY)] = None,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; the same for every method.", rich_help_panel=PANEL_SAMPLING)] = 0.0,

@@ -10,13 +10,22 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-VerifyMode = Literal["strict", "mars"]
+#: The rulebook's rules (marscli.verify.RULES; this module does not import torch).
+VerifyMode = Literal["strict", "mars", "ratio", "topk", "typical", "regret"]
 MarginKind = Literal["logit-ratio", "prob-ratio"]
 
 #: The paper's global threshold (Song et al., arXiv 2601.15498).
 PAPER_THETA = 0.9
 #: theta that makes no position relaxable: MARS degenerates to strict verification.
 STRICT_THETA = math.inf
+#: The other rules' knobs at their strict end (marscli.verify.Rule's defaults): ratio's rho,
+#: topk's delta (top_n: its default candidate set, verify.DEFAULT_TOP_N), typical's epsilon,
+#: regret's budget. typical's alpha defaults to sqrt(epsilon) (None here).
+STRICT_RHO = 1.0
+DEFAULT_TOP_N = 2
+STRICT_DELTA = 0.0
+STRICT_EPSILON = 1.0
+STRICT_BUDGET = 0.0
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 8
@@ -111,15 +120,32 @@ class VerifyConfig:
     theta: float = STRICT_THETA
     margin: MarginKind = "logit-ratio"
     #: The loop guard. Off here (the paper's rule, as the library's building block); the jobs
-    #: layer turns the default guard on for generate, bench and the Python API.
+    #: layer turns the default guard on for generate, bench and the Python API. It applies to
+    #: every rule that relaxes.
     guard: GuardConfig = GUARD_OFF
+    #: The knobs of the other rules (marscli.verify.Rule), each at its strict end by default:
+    #: only the knobs of `mode` matter.
+    rho: float = STRICT_RHO
+    top_n: int = DEFAULT_TOP_N
+    delta: float = STRICT_DELTA
+    epsilon: float = STRICT_EPSILON
+    alpha: float | None = None  # None: sqrt(epsilon)
+    budget: float = STRICT_BUDGET
 
     @property
     def rule(self):
-        """The rulebook's Rule for this configuration (strict never relaxes, whatever theta)."""
+        """The rulebook's Rule for this configuration (strict never relaxes, whatever theta).
+        Raises ValueError for a knob out of its range (jobs.setup turns it into a usage error)."""
         from marscli.verify import Rule
 
-        return Rule(self.mode, self.theta, self.margin)
+        return Rule(self.mode, self.theta, self.margin, self.rho, self.top_n, self.delta,
+                    self.epsilon, self.alpha, self.budget)
+
+    @classmethod
+    def from_rule(cls, rule, guard: GuardConfig = GUARD_OFF) -> VerifyConfig:
+        """The configuration of a marscli.verify.Rule (the inverse of ``rule``)."""
+        return cls(rule.name, rule.theta, rule.margin, guard, rule.rho, rule.top_n, rule.delta,
+                   rule.epsilon, rule.alpha, rule.budget)
 
 
 @dataclass(frozen=True)
@@ -133,6 +159,13 @@ class VerifyRequest:
     repeat_ngram: int | None = None
     repeat_window: int | None = None
     max_relaxed_share: float | None = None
+    #: The other rules' knobs as given (--rho, --top-n, --delta, --epsilon, --alpha, --budget).
+    rho: float | None = None
+    top_n: int | None = None
+    delta: float | None = None
+    epsilon: float | None = None
+    alpha: float | None = None
+    budget: float | None = None
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ def test_messages_without_chat_template_is_a_record_error(runner, tiny_factory, 
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--verify", "lenient"], "--verify must be 'strict' or 'mars'"),
+    (["--verify", "lenient"], "--verify must be one of strict, mars, ratio, topk, typical, regret"),
     (["--margin", "odds"], "--margin must be"),
     (["--ngram-min", "4", "--ngram-max", "2"], "--ngram-min (4) must not exceed --ngram-max (2)"),
     (["--dtype", "int3"], "--dtype must be"),

@@ -73,9 +73,12 @@ from marscli.jobs.setup import (
 from marscli.report import REPORT_WIDTH, json_safe, render_tables, write_outputs
 
 def method_verification(kind: str, theta: float | None, margin: str,
-                        guard: GuardConfig = GUARD_OFF) -> VerifyConfig:
-    """A bench method's verification, by generate's rule (MARS at its theta, or strict), with
-    the margin statistic already resolved; `mars-noguard` without the loop guard."""
+                        guard: GuardConfig = GUARD_OFF, rule=None) -> VerifyConfig:
+    """A bench method's verification, by generate's rule (MARS at its theta, another rule at
+    its knobs, or strict), with the margin statistic already resolved; `mars-noguard` without
+    the loop guard. rule: the marscli.verify.Rule of a rule method (MethodSpec.rule)."""
+    if rule is not None:  # guarded like mars: the guard is the run's
+        return VerifyConfig.from_rule(rule, guard)
     mode = "mars" if kind in MARS_METHODS else "strict"
     if kind == MARS_NOGUARD:
         guard = GUARD_OFF
@@ -116,8 +119,8 @@ class Bench:
                 self.runners[m.name] = self._hf_runner(self._assisted_kwargs())
             else:
                 dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
-                engine = make_engine(target, draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard), dcfg,
-                                     note=log)
+                engine = make_engine(target, draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule),
+                                     dcfg, note=log)
                 self.engines[m.name] = engine
                 self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != "none")
         self._check_generation_config()
@@ -327,8 +330,8 @@ class Bench:
                 engine = None
                 if m.kind != HF_GENERATE:  # built untimed: the first build measures step costs
                     dcfg = DraftConfig(kind="none") if m.kind == AR else cfg.draft
-                    engine = make_engine(self.target, self.draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard),
-                                         dcfg, bs, self.log)
+                    verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
+                    engine = make_engine(self.target, self.draft, verify, dcfg, bs, self.log)
                 t0 = time.perf_counter()
                 if m.kind == HF_GENERATE:
                     outputs = self._hf_batched(prompts, sampling, bs)

@@ -55,7 +55,7 @@ def run_fingerprint(
         "draft_model": _model_fingerprint(draft_identity),
         "verify": {
             "mode": v.mode,
-            "theta": None if v.mode == "strict" else v.theta,
+            "theta": None if v.mode in ("strict", "ratio", "topk", "typical", "regret") else v.theta,
             "margin": v.margin,
         },
         "sampling": {
@@ -66,6 +66,13 @@ def run_fingerprint(
         "output": {"timing": cfg.timing, "token_ids": cfg.token_ids},
         "profile": None,
     }
+    rule = getattr(v, "rule", None)  # a VerifyConfig's; a VerifyRequest's rule is not resolved yet
+    if rule is not None and rule.name not in ("strict", "mars"):  # strict, mars: as before rules
+        fp["verify"]["knobs"] = rule.knobs()
+    elif rule is None:
+        asked = {k: getattr(v, k, None) for k in ("rho", "top_n", "delta", "epsilon", "alpha", "budget")}
+        if any(x is not None for x in asked.values()):
+            fp["verify"]["knobs"] = asked
     guard = getattr(v, "guard", None)  # a VerifyConfig's; a VerifyRequest has the options asked
     if guard is not None and v.mode != "strict":
         fp["verify"]["guard"] = guard.to_dict()  # it decides which drafts are relaxed

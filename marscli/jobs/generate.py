@@ -35,7 +35,7 @@ from marscli.jobs.results import (
     Totals,
     ignored_keys_note,
 )
-from marscli.jobs.setup import ModelSetup, build_generator, drafter_desc, verify_desc
+from marscli.jobs.setup import ModelSetup, build_generator, check_rule_modes, drafter_desc, verify_desc
 
 
 class Stop(BaseException):
@@ -186,6 +186,8 @@ class GenerateRun:
 
         cfg, log, group = self.cfg, self.log, self.group
         step = group.step if group is not None else solo_step
+        if cfg.verify.mode is not None:  # a rule asked for: its decoding modes, before anything else
+            check_rule_modes(cfg.verify.mode, cfg.sampling)
         # Everything that can be checked without the models is checked before loading them.
         with step("reading the input") as s:
             self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input,
@@ -221,6 +223,7 @@ class GenerateRun:
         with step("loading the models") as s:
             gen = build_generator(ModelSetup(cfg.target, cfg.draft, cfg.draft_model, cfg.verify, cfg.profile,
                                              cfg.auto_profile, cfg.batch_size), log.info, group)
+            check_rule_modes(gen.verify.rule, cfg.sampling)  # the rule may come from the profile
             extra["profile"] = gen.spec_meta["profile"]
             fingerprint = run_fingerprint(
                 cfg, gen.target.identity, gen.draft_loaded.identity if gen.draft_loaded else None, extra,

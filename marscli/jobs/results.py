@@ -73,6 +73,19 @@ def failure_result(item, exc: BaseException) -> dict:
     return error_result(item, ERR_GENERATION_FAILED, f"{type(exc).__name__}: {one_line(exc)}")
 
 
+def check_record_mode(rule, sampling: SamplingParams) -> None:
+    """A record whose own settings (temperature) ask for a decoding mode the run's rule does
+    not define (regret: greedy only) is an invalid record: its error result, the run goes on.
+    The run's own settings were refused before it started (jobs.setup.check_rule_modes)."""
+    from marscli.engine.sequence import RecordFailure
+    from marscli.io.records import ERR_RECORD
+    from marscli.jobs.setup import rule_mode_problem
+
+    problem = rule_mode_problem(rule, sampling.temperature)
+    if problem is not None:
+        raise RecordFailure(ERR_RECORD, f"temperature {sampling.temperature:g}: {problem}")
+
+
 def result_line(item, res, dropped: int, options: ResultOptions, spec_meta: dict) -> dict:
     usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
     if options.truncate_prompt != "none":
@@ -194,6 +207,7 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
         if got is None:
             try:
                 sp = sampling.with_overrides(item.overrides)
+                check_record_mode(engine.rule, sp)
                 ids, cut = engine.fit_prompt(engine.tokenize(item), truncate=options.truncate_prompt,
                                              max_tokens=sp.max_tokens)
                 got = (ids, sp, cut)

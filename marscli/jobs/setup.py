@@ -9,6 +9,7 @@ profile and to build the engine (marscli.engine.build_engine). Nothing else does
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -33,7 +34,16 @@ DRAFT_NGRAM = "ngram"
 DRAFT_MODEL = "model"
 DRAFT_EAGLE3 = "eagle3"
 EAGLE3_PREFIX = "eagle3:"
-VERIFY_MODES = ("strict", "mars")
+#: The rulebook's rules (marscli.verify.RULES), as --verify takes them.
+VERIFY_MODES = ("strict", "mars", "ratio", "topk", "typical", "regret")
+#: Each relaxed rule's knobs (VerifyRequest fields) and its main knob, which --verify NAME
+#: needs (MARS's theta may come from a profile, else the paper's); the others have defaults.
+RULE_KNOBS = {"mars": ("theta",), "ratio": ("rho",), "topk": ("top_n", "delta"),
+              "typical": ("epsilon", "alpha"), "regret": ("budget",)}
+MAIN_KNOB = {"ratio": ("rho", "0 < R <= 1"), "topk": ("delta", "D >= 0"),
+             "typical": ("epsilon", "0 < E <= 1"), "regret": ("budget", "B >= 0")}
+#: The knobs of the rules other than MARS (VerifyRequest fields).
+OTHER_KNOBS = ("rho", "top_n", "delta", "epsilon", "alpha", "budget")
 MARGINS = ("logit-ratio", "prob-ratio")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATIONS = ("none", "left")
@@ -74,7 +84,7 @@ def check_choices(margin: str | None = None, dtype: str = "auto", ngram_min: int
     if output_format not in OUTPUT_FORMATS:
         raise UsageError(f"--output-format must be 'default' or 'openai', got {output_format!r}")
     if verify is not None and verify not in VERIFY_MODES:
-        raise UsageError(f"--verify must be 'strict' or 'mars', got {verify!r}")
+        raise UsageError(f"--verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
     if margin is not None and margin not in MARGINS:
         raise UsageError(f"--margin must be 'logit-ratio' or 'prob-ratio', got {margin!r}")
     low, high = ngram_min or DEFAULT_NGRAM_MIN, ngram_max or DEFAULT_NGRAM_MAX
@@ -176,14 +186,52 @@ def model_configs(target: str | None, draft: DraftConfig, dtype: str = "auto", d
     return tcfg, dcfg
 
 
+def option_name(knob: str) -> str:
+    """A VerifyRequest field -> its command-line option: top_n -> --top-n."""
+    return "--" + knob.replace("_", "-")
+
+
+def check_rule_request(req: VerifyRequest) -> None:
+    """The rule's knobs as asked, checked before anything is loaded: a knob needs its rule
+    (--rho needs --verify ratio), a rule needs its main knob (--verify ratio needs --rho), and
+    every knob lies in its range (marscli.verify.Rule says which)."""
+    given = [k for k in OTHER_KNOBS if getattr(req, k) is not None]
+    mode = req.mode
+    for knob in given:
+        owner = next(r for r, knobs in RULE_KNOBS.items() if knob in knobs)
+        if mode is None:
+            raise UsageError(f"{option_name(knob)} needs --verify {owner}")
+        if mode != owner:
+            raise UsageError(f"{option_name(knob)} belongs to --verify {owner}, not --verify {mode}")
+    if mode in MAIN_KNOB:
+        knob, bounds = MAIN_KNOB[mode]
+        if getattr(req, knob) is None:
+            raise UsageError(f"--verify {mode} needs {option_name(knob)} ({bounds})")
+        if req.theta is not None:
+            raise UsageError(f"--theta belongs to --verify mars, not --verify {mode}")
+    verify_config(VerifyConfig(**{"mode": mode or "strict",
+                                  **{k: getattr(req, k) for k in given}})).rule  # noqa: B018 - range check
+
+
+def verify_config(cfg: VerifyConfig) -> VerifyConfig:
+    """cfg, its knobs checked: a knob out of range is a usage error naming its option."""
+    try:
+        cfg.rule  # noqa: B018 - Rule.__post_init__ checks every knob
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return cfg
+
+
 def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> VerifyConfig:
     """Command line > profile > defaults for verification -> VerifyConfig.
 
     With a profile, MARS at the profile's theta and margin statistic is the default; without
-    one, strict verification (or the paper's theta for an explicit --verify mars).
+    one, strict verification (or the paper's theta for an explicit --verify mars). Another
+    rule (--verify ratio|topk|typical|regret) takes its knobs from the command line only.
     """
     from marscli.profiles import ProfileError
 
+    check_rule_request(req)
     if profile is not None:
         mode = req.mode or "mars"
         speed = profile.speed
@@ -209,8 +257,31 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
             note(f"--verify mars without --theta or a profile: using the paper's theta = {PAPER_THETA}")
     if mode == "strict" and req.theta is not None:
         note("--theta has no effect with --verify strict")
-    return VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin,
-                        resolve_guard(req, profile))
+    knobs = {k: getattr(req, k) for k in RULE_KNOBS.get(mode, ()) if k != "theta" and getattr(req, k) is not None}
+    return verify_config(VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin,
+                                      resolve_guard(req, profile), **knobs))
+
+
+def check_rule_modes(rule, sampling: SamplingParams, what: str = "--temperature") -> None:
+    """A rule that does not define this decoding mode (regret: greedy only) is a usage error.
+    rule: a marscli.verify.Rule or a rule's name."""
+    problem = rule_mode_problem(rule, sampling.temperature)
+    if problem is not None:
+        raise UsageError(f"{what} {sampling.temperature:g}: {problem}")
+
+
+def rule_mode_problem(rule, temperature: float) -> str | None:
+    """Why `rule` cannot decode at `temperature`, or None (marscli.verify.Rule.modes)."""
+    from marscli.verify import GREEDY_MODE, SAMPLING_MODE, Rule
+
+    if isinstance(rule, str):
+        rule = Rule(rule)
+    mode = GREEDY_MODE if temperature == 0.0 else SAMPLING_MODE
+    if mode in rule.modes:
+        return None
+    if rule.modes == (GREEDY_MODE,):
+        return f"the {rule.name} rule is defined for greedy decoding only (temperature 0)"
+    return f"the {rule.name} rule does not define {mode} decoding (only {', '.join(rule.modes)})"
 
 
 def resolve_guard(req: VerifyRequest, profile) -> GuardConfig:
@@ -331,13 +402,24 @@ def drafter_desc(d: DraftConfig) -> str:
 
 
 def verify_desc(v: VerifyConfig) -> str:
+    """One line: "strict", "mars (theta=0.9, logit-ratio; repeat guard ...)",
+    "ratio (rho=0.5; repeat guard ...)"."""
     if v.mode == "strict":
         return v.mode
     g = v.guard
     guard = ", ".join(([f"repeat guard {g.repeat_ngram}-grams in {g.repeat_window} tokens"]
                        if g.repeat_ngram else []) +
                       ([f"at most {g.max_relaxed_share:g} relaxed"] if g.budgeted else [])) or "no loop guard"
-    return f"mars (theta={v.theta:g}, {v.margin}; {guard})"
+    if v.mode == "mars":
+        return f"mars (theta={v.theta:g}, {v.margin}; {guard})"
+    knobs = ", ".join(f"{k}={x:g}" for k, x in v.rule.knobs().items())
+    return f"{v.mode} ({knobs}; {guard})"
+
+
+def json_knobs(rule) -> dict[str, Any]:
+    """Rule.knobs() as JSON values: a knob at infinity (typical's alpha = inf: its strict
+    end) as the string "inf", since result lines hold no Infinity."""
+    return {k: (str(x) if isinstance(x, float) and not math.isfinite(x) else x) for k, x in rule.knobs().items()}
 
 
 # --------------------------------------------------------------------------- generation
@@ -374,9 +456,11 @@ class Generator:
     def spec_meta(self) -> dict[str, Any]:
         """The verification fields of every result's `spec`."""
         v = self.verify
+        rule = v.rule
         return {"drafter": self.draft.kind, "verify": v.mode,
-                "theta": None if v.mode == "strict" else v.theta, "margin": v.margin,
-                **({"guard": v.guard.to_dict()} if v.rule.relaxes else {}),
+                "theta": v.theta if v.mode == "mars" else None, "margin": v.margin,
+                "knobs": json_knobs(rule),
+                **({"guard": v.guard.to_dict()} if rule.relaxes else {}),
                 "profile": self.profile.reference() if self.profile is not None else None}
 
     def results(self, items: Iterable, sampling: SamplingParams, options) -> Iterator[tuple[Any, dict, float]]:
@@ -409,11 +493,15 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
                      load_in_4bit: bool = False, max_memory: str | None = None,
                      bnb_compute_dtype: str = "auto", offline: bool = False,
                      repeat_guard: int | None = None, repeat_window: int | None = None,
-                     max_relaxed_share: float | None = None, no_guard: bool = False) -> ModelSetup:
+                     max_relaxed_share: float | None = None, no_guard: bool = False,
+                     rho: float | None = None, top_n: int | None = None, delta: float | None = None,
+                     epsilon: float | None = None, alpha: float | None = None,
+                     budget: float | None = None) -> ModelSetup:
     """Options of `marscli generate` (and of marscli.load) -> ModelSetup, checked before
     anything is loaded. Command line > profile > defaults: a --profile supplies the target
     and the drafter's settings that are not given."""
     check_choices(margin, dtype, ngram_min, ngram_max, verify)
+    knobs = {"rho": rho, "top_n": top_n, "delta": delta, "epsilon": epsilon, "alpha": alpha, "budget": budget}
     if profile is not None and no_profile:
         raise UsageError("--profile and --no-profile exclude each other")
     prof = named_profile(profile)
@@ -423,5 +511,7 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
     tcfg, dmcfg = model_configs(target_source(target, prof), dcfg, dtype, device, device_map, load_in_8bit,
                                 load_in_4bit, max_memory, bnb_compute_dtype, offline)
     guard = guard_request(repeat_guard, repeat_window, max_relaxed_share, no_guard)
-    return ModelSetup(tcfg, dcfg, dmcfg, VerifyRequest(verify, theta, margin, **guard),
+    request = VerifyRequest(verify, theta, margin, **guard, **knobs)
+    check_rule_request(request)
+    return ModelSetup(tcfg, dcfg, dmcfg, request,
                       str(prof.path) if prof is not None else None, not no_profile, batch_size)
