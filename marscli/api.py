@@ -52,13 +52,16 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
          max_memory: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
          bnb_compute_dtype: str = "auto", offline: bool = False, repeat_guard: int | None = None,
          repeat_window: int | None = None, max_relaxed_share: float | None = None,
-         no_guard: bool = False, quiet: bool = True) -> LLM:
+         no_guard: bool = False, strict_in: str | None = None, strict_regex: str | None = None,
+         quiet: bool = True) -> LLM:
     """Load a target (default: the embedded model) and a drafter (default: the profile's, else
     'ngram'; 'none', a draft model, or 'eagle3:PATH'), choose the profile and build the engine.
 
     The arguments are `marscli generate`'s options, with the same defaults and the same rule:
     what you pass > the profile (`profile=`, else the newest matching one unless
-    auto_profile=False) > defaults. quiet=False narrates loading on stderr as the CLI does.
+    auto_profile=False) > defaults. strict_in ("code", "answer" or "code,answer") and
+    strict_regex: strict spans (marscli.spans), verified strictly whatever the rule.
+    quiet=False narrates loading on stderr as the CLI does.
     """
     from marscli.jobs.console import Log
 
@@ -70,7 +73,8 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
         device_map=device_map, load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit,
         max_memory=max_memory, bnb_compute_dtype=bnb_compute_dtype, offline=offline,
         repeat_guard=repeat_guard, repeat_window=repeat_window,
-        max_relaxed_share=max_relaxed_share, no_guard=no_guard)
+        max_relaxed_share=max_relaxed_share, no_guard=no_guard, strict_in=strict_in,
+        strict_regex=strict_regex)
     log = Log(quiet)
     return LLM(build_generator(setup, log.info), setup)
 
@@ -128,8 +132,9 @@ class LLM:
                stop: Iterable[str] = (), truncate_prompt: str = "none", timing: bool = True,
                token_ids: bool = False, n: int = 1, logprobs: bool = False,
                top_logprobs: int | None = None, output_format: str = "default",
-               strict_keys: bool = False) -> Iterator[dict[str, Any]]:
-        """Result dicts in input order, each as soon as it and those before it are done."""
+               strict_keys: bool = False, provenance: bool = False) -> Iterator[dict[str, Any]]:
+        """Result dicts in input order, each as soon as it and those before it are done.
+        provenance=True: each result carries `provenance` (marscli.engine.provenance)."""
         from marscli.jobs.generate import model_name
         from marscli.jobs.openai_format import render
 
@@ -137,7 +142,7 @@ class LLM:
         if isinstance(stop, str):
             stop = (stop,)
         sampling = choice_options(SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop)),
-                                  n, logprobs, top_logprobs)
+                                  n, logprobs, top_logprobs, provenance)
         items = records_to_items(records)
         gen = self.generator
         # The OpenAI format's ids: from what decides the results, as the CLI's run fingerprint.
@@ -159,7 +164,7 @@ class LLM:
         """Result dicts in input order, exactly the lines `marscli generate` writes for the
         same records and options (max_tokens, temperature, top_p, top_k, seed, stop,
         truncate_prompt, timing, token_ids, n, logprobs, top_logprobs, output_format,
-        strict_keys). In the "openai" format the ids differ from the CLI's (they come from
+        strict_keys, provenance). In the "openai" format the ids differ from the CLI's (they come from
         the models and settings, not from the CLI's run fingerprint)."""
         return list(self.stream(records, **sampling))
 

@@ -220,7 +220,7 @@ class GenerateRun:
 
         with step("loading the models") as s:
             gen = build_generator(ModelSetup(cfg.target, cfg.draft, cfg.draft_model, cfg.verify, cfg.profile,
-                                             cfg.auto_profile, cfg.batch_size), log.info, group)
+                                             cfg.auto_profile, cfg.batch_size, cfg.spans), log.info, group)
             extra["profile"] = gen.spec_meta["profile"]
             fingerprint = run_fingerprint(
                 cfg, gen.target.identity, gen.draft_loaded.identity if gen.draft_loaded else None, extra,
