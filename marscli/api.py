@@ -55,7 +55,8 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
          repeat_window: int | None = None, max_relaxed_share: float | None = None,
          no_guard: bool = False, rho: float | None = None, top_n: int | None = None,
          delta: float | None = None, epsilon: float | None = None, alpha: float | None = None,
-         budget: float | None = None, quiet: bool = True) -> LLM:
+         budget: float | None = None, strict_in: str | None = None,
+         strict_regex: str | None = None, quiet: bool = True) -> LLM:
     """Load a target (default: the embedded model) and a drafter (default: the profile's, else
     'ngram'; 'none', a draft model, or 'eagle3:PATH'), choose the profile and build the engine.
 
@@ -64,7 +65,9 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
     auto_profile=False) > defaults. quiet=False narrates loading on stderr as the CLI does.
     verify picks the rule (strict, mars, ratio, topk, typical, regret; README "Verification
     rules"), with its knobs: theta (mars), rho (ratio), top_n and delta (topk), epsilon and
-    alpha (typical), budget (regret), e.g. load(verify="ratio", rho=0.5).
+    alpha (typical), budget (regret), e.g. load(verify="ratio", rho=0.5). strict_in ("code",
+    "answer" or "code,answer") and strict_regex: strict spans (marscli.spans), verified
+    strictly whatever the rule.
     """
     from marscli.jobs.console import Log
 
@@ -77,7 +80,8 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
         max_memory=max_memory, bnb_compute_dtype=bnb_compute_dtype, offline=offline,
         repeat_guard=repeat_guard, repeat_window=repeat_window,
         max_relaxed_share=max_relaxed_share, no_guard=no_guard, rho=rho, top_n=top_n, delta=delta,
-        epsilon=epsilon, alpha=alpha, budget=budget)
+        epsilon=epsilon, alpha=alpha, budget=budget, strict_in=strict_in,
+        strict_regex=strict_regex)
     log = Log(quiet)
     return LLM(build_generator(setup, log.info), setup)
 
@@ -135,8 +139,9 @@ class LLM:
                stop: Iterable[str] = (), truncate_prompt: str = "none", timing: bool = True,
                token_ids: bool = False, n: int = 1, logprobs: bool = False,
                top_logprobs: int | None = None, output_format: str = "default",
-               strict_keys: bool = False) -> Iterator[dict[str, Any]]:
-        """Result dicts in input order, each as soon as it and those before it are done."""
+               strict_keys: bool = False, provenance: bool = False) -> Iterator[dict[str, Any]]:
+        """Result dicts in input order, each as soon as it and those before it are done.
+        provenance=True: each result carries `provenance` (marscli.engine.provenance)."""
         from marscli.jobs.generate import model_name
         from marscli.jobs.openai_format import render
 
@@ -144,7 +149,7 @@ class LLM:
         if isinstance(stop, str):
             stop = (stop,)
         sampling = choice_options(SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop)),
-                                  n, logprobs, top_logprobs)
+                                  n, logprobs, top_logprobs, provenance)
         gen = self.generator
         check_rule_modes(gen.verify.rule, sampling, "temperature")
         items = records_to_items(records)
@@ -167,7 +172,7 @@ class LLM:
         """Result dicts in input order, exactly the lines `marscli generate` writes for the
         same records and options (max_tokens, temperature, top_p, top_k, seed, stop,
         truncate_prompt, timing, token_ids, n, logprobs, top_logprobs, output_format,
-        strict_keys). In the "openai" format the ids differ from the CLI's (they come from
+        strict_keys, provenance). In the "openai" format the ids differ from the CLI's (they come from
         the models and settings, not from the CLI's run fingerprint)."""
         return list(self.stream(records, **sampling))
 

@@ -42,6 +42,7 @@ from typing import Any
 from marscli import metrics
 from marscli.config import (
     PAPER_THETA,
+    SPANS_OFF,
     DraftConfig,
     GuardConfig,
     MarginKind,
@@ -49,6 +50,7 @@ from marscli.config import (
     RecordError,
     Request,
     SamplingParams,
+    SpanConfig,
 )
 from marscli.errors import EXIT_RUNTIME, InputError, UsageError
 
@@ -159,6 +161,8 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = ()  # non-empty: also measure batched throughput at these sizes
     #: The loop guard of the `mars` and `mars-tree` methods (`mars-noguard` has none).
     guard: GuardConfig = GuardConfig()
+    #: Strict spans of every method (marscli.spans; they change only relaxed ones).
+    spans: SpanConfig = SPANS_OFF
     task: str | None = None  # humaneval, gsm8k, sum: task scores and the paired comparison (marscli.scoring)
 
     @property

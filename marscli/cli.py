@@ -136,6 +136,12 @@ def _rule_group(
 ): ...
 
 
+def _spans_group(
+    strict_in: Annotated[Optional[str], typer.Option("--strict-in", help="Strict spans: verify every position strictly, whatever the rule, inside fenced code blocks ('code') and/or after a final-answer marker such as '####', '\\boxed{' or 'Final answer:' ('answer'); e.g. --strict-in code,answer. Decided from the output before each position (docs/verification.md, 'Strict spans').", rich_help_panel=PANEL_VERIFY)] = None,
+    strict_regex: Annotated[Optional[str], typer.Option("--strict-regex", help="Strict span: a position is verified strictly when this Python regex matches (re.search) the output before it; e.g. '(?i)answer:' for everything after the first 'answer:'.", rich_help_panel=PANEL_VERIFY)] = None,
+): ...
+
+
 def _sampling_group(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.", rich_help_panel=PANEL_SAMPLING)] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel=PANEL_SAMPLING)] = 1.0,
@@ -154,7 +160,8 @@ def _run_group(
 
 
 GROUPS = {"model": _model_group, "placement": _placement_group, "drafting": _draft_group,
-          "guard": _guard_group, "rule": _rule_group, "sampling": _sampling_group, "run": _run_group}
+          "guard": _guard_group, "rule": _rule_group, "spans": _spans_group, "sampling": _sampling_group,
+          "run": _run_group}
 
 
 def options(*names: str):
@@ -213,11 +220,12 @@ def _tree(d: SimpleNamespace) -> tuple[int | None, int | None, int | None]:
         + EXIT_CODES_HELP
     ),
 )
-@options("model", "placement", "drafting", "guard", "rule", "sampling", "run")
+@options("model", "placement", "drafting", "guard", "rule", "spans", "sampling", "run")
 def generate(
     input: Annotated[str, typer.Argument(help="JSONL file of records, or '-' for stdin.")],
     model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
-    guard: SimpleNamespace, rule: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
+    guard: SimpleNamespace, rule: SimpleNamespace, spans: SimpleNamespace, sampling: SimpleNamespace,
+    run: SimpleNamespace,
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Write results here instead of stdout.", rich_help_panel=PANEL_OUTPUT)] = None,
     theta: Annotated[Optional[float], typer.Option(help=f"MARS threshold. Default: the profile's, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)] = None,
     profile: Annotated[Optional[str], typer.Option(help="Calibration profile (name or YAML path) to take theta, margin, target and drafter from. Default: the newest profile matching the loaded target and drafter.", rich_help_panel=PANEL_VERIFY)] = None,
@@ -232,6 +240,7 @@ def generate(
     top_logprobs: Annotated[Optional[int], typer.Option("--top-logprobs", min=0, max=20, help="With the logprobs, the N most likely alternatives per token (implies --logprobs).", rich_help_panel=PANEL_OUTPUT)] = None,
     output_format: Annotated[str, typer.Option("--output-format", help="'default' (marscli's result lines) or 'openai' (the OpenAI Batch API output format; marscli's statistics under the key 'marscli').", rich_help_panel=PANEL_OUTPUT)] = "default",
     strict_keys: Annotated[bool, typer.Option("--strict-keys", help="A record with request keys marscli does not act on (tools, response_format, presence_penalty...) becomes an error result instead of a result with 'warnings'.", rich_help_panel=PANEL_OUTPUT)] = False,
+    provenance: Annotated[bool, typer.Option("--provenance", help="Add to each result where each token came from: accepted draft, relaxed draft (with the rule's statistic), correction, bonus or plain target token, and the share of relaxed tokens (docs/engine.md, 'Provenance').", rich_help_panel=PANEL_OUTPUT)] = False,
 ) -> None:
     """Generate completions for a JSONL file of prompts with speculative decoding.
 
@@ -249,14 +258,15 @@ def generate(
         check_choices(truncate_prompt=truncate_prompt, output_format=output_format)
         setup = generation_setup(theta=theta, profile=profile, no_profile=no_profile,
                                  batch_size=run.batch_size, **vars(model), **vars(placement), **vars(drafting),
-                                 **vars(guard), **vars(rule))
+                                 **vars(guard), **vars(rule), **vars(spans))
         cfg = GenerateConfig(
             input=input, output=output, target=setup.target, draft=setup.draft, draft_model=setup.draft_model,
-            verify=setup.verify, sampling=choice_options(_sampling(sampling), n, logprobs, top_logprobs),
+            verify=setup.verify,
+            sampling=choice_options(_sampling(sampling), n, logprobs, top_logprobs, provenance),
             limit=run.limit, timing=timing, token_ids=token_ids, profile=setup.profile,
             auto_profile=setup.auto_profile, resume=resume, fail_fast=fail_fast,
             truncate_prompt=truncate_prompt, batch_size=run.batch_size, output_format=output_format,
-            strict_keys=strict_keys,
+            strict_keys=strict_keys, spans=setup.spans,
         )
         return run_generate(cfg, Log(run.quiet))
 
@@ -433,10 +443,10 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
         "error; 130 interrupted."
     ),
 )
-@options("model", "drafting", "guard")
+@options("model", "drafting", "guard", "spans")
 def bench(
     input: Annotated[str, typer.Argument(help="JSONL file of prompts (any format generate reads), or '-' for stdin.")],
-    model: SimpleNamespace, drafting: SimpleNamespace, guard: SimpleNamespace,
+    model: SimpleNamespace, drafting: SimpleNamespace, guard: SimpleNamespace, spans: SimpleNamespace,
     methods: Annotated[Optional[str], typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta, with the loop guard), mars@THETA (one theta), mars-noguard (one per theta, the paper's rule alone), and the other relaxed rules at their knobs, guarded like mars: ratio@R, topk@N:D, typical@E:A (or typical@E), regret@B (greedy only); with an EAGLE-3 drafter also strict-tree, mars-tree (tree drafting). Default: hf-generate,hf-assisted,ar,strict,mars; with --draft eagle3:... hf-generate,ar,strict,strict-tree,mars,mars-tree.", rich_help_panel=PANEL_VERIFY)] = None,
     theta: Annotated[Optional[str], typer.Option(help=f"MARS thresholds, comma-separated. Default: the --profile's theta, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)] = None,
     profile: Annotated[Optional[str], typer.Option(help="Calibration profile (name or path): adds its theta (and supplies margin, target and drafter unless given).", rich_help_panel=PANEL_VERIFY)] = None,
@@ -467,7 +477,7 @@ def bench(
         cfg = bench_config(input, methods=methods, theta=theta, profile=profile, temperature=temperature,
                            seeds=seeds, max_tokens=max_tokens, limit=limit, batch_size=batch_size,
                            report=report, plot=plot, task=task, note=log.info, **vars(model), **vars(drafting),
-                           **vars(guard))
+                           **vars(guard), **vars(spans))
         return run_bench(cfg, log)
 
     _run(job)

@@ -50,6 +50,9 @@ class SamplingParams:
     #: most likely alternatives (raw target logits, whatever the sampling settings).
     logprobs: bool = False
     top_logprobs: int = 0
+    #: Report where each completion token came from (marscli.engine.provenance): accepted
+    #: draft, relaxed draft (with the rule's statistic), correction, bonus or target token.
+    provenance: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +113,30 @@ class GuardConfig:
 
 #: Both guards off: a relaxed rule behaves as it did before the guard existed.
 GUARD_OFF = GuardConfig(0, DEFAULT_GUARD_WINDOW, 1.0)
+
+
+@dataclass(frozen=True)
+class SpanConfig:
+    """Strict spans (marscli.spans): parts of the output verified strictly whatever the rule.
+
+    strict_in: span kinds among marscli.spans.SPAN_KINDS ("code": inside fenced code blocks;
+    "answer": after a final-answer marker); strict_regex: positions whose text before matches
+    this Python regex (re.search). Empty: no strict span.
+    """
+
+    strict_in: tuple[str, ...] = ()
+    strict_regex: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.strict_in) or self.strict_regex is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strict_in": list(self.strict_in), "strict_regex": self.strict_regex}
+
+
+#: No strict span.
+SPANS_OFF = SpanConfig()
 
 
 @dataclass(frozen=True)
@@ -268,6 +295,7 @@ class GenerateConfig:
     batch_size: int = 1  # records decoded together (1: the single-record engine)
     output_format: Literal["default", "openai"] = "default"  # result lines: marscli's or OpenAI batch
     strict_keys: bool = False  # a record with keys marscli does not act on is an error result
+    spans: SpanConfig = SPANS_OFF  # strict spans (--strict-in, --strict-regex)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,9 @@ class TreeVerifyResult:
     relaxed: list[bool]  # per accepted node: accepted only thanks to the relaxed rule
     statistic: torch.Tensor  # [N+1] float32: margin statistic of each row (row 0 = root's)
     relaxable: torch.Tensor  # [N+1] bool: the rule relaxes the row and the row has children
+    #: [N] float32: a per-token rule's statistic of each node (judged at its parent's row);
+    #: None for strict and MARS, whose statistic is the row's
+    node_statistic: torch.Tensor | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -118,10 +121,11 @@ def verify_tree(
         # a row is relaxable when the rule would relax one of its children
         relaxable = torch.zeros(n + 1, dtype=torch.long, device=logits.device).index_add(
             0, parents + 1, relax_node.long()) > 0
+        node_stat = rule.statistic(node_facts).float()  # [N]
         stat = torch.full((n + 1,), float("nan"), device=logits.device)
-        stat[parents + 1] = rule.statistic(node_facts).float()  # a row's last child's, for reports
+        stat[parents + 1] = node_stat  # a row's last child's, for reports
     else:
-        node_facts = None
+        node_facts = node_stat = None
     if temperature == 0.0:
         path, relaxed, nxt = _tree_greedy(tree, kids, logits, t1, t2, stat, rule, guard, budget,
                                           node_facts)
@@ -134,7 +138,7 @@ def verify_tree(
         path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule,
                                             u_accept, u_sample.reshape(1), budget,
                                             node_facts, guard)
-    return TreeVerifyResult(path, nxt, relaxed, stat, relaxable)
+    return TreeVerifyResult(path, nxt, relaxed, stat, relaxable, node_stat)
 
 
 def _node_facts(tokens: torch.Tensor, alive: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,

@@ -15,12 +15,13 @@ from marscli.config import DraftConfig, VerifyConfig
 
 
 def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: DraftConfig,
-                 batch_size: int = 1, note=None, solo_lengths: bool = False):
+                 batch_size: int = 1, note=None, solo_lengths: bool = False, spans=None):
     """An Engine for target with the drafter draft_cfg asks for (draft_model: the loaded draft
     model or EAGLE-3 head; None for ngram/none), verify_cfg's rule and batch_size rows.
     Its draft lengths follow the target's measured step costs (marscli.costs.step_costs:
     cached per model, device and dtype; measured here the first time, narrated to note);
     solo_lengths: every row chooses its own as if alone (rows stay batch-invariant).
+    spans: a config.SpanConfig (strict spans, marscli.spans) or None.
     Raises UsageError for what the engine cannot run (trees or sliding-window models at
     batch size > 1)."""
     from marscli.drafters.factory import build_drafters
@@ -29,7 +30,8 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
 
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size)
     try:
-        engine = Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size, guard=verify_cfg.guard)
+        engine = Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size, guard=verify_cfg.guard,
+                        spans=spans)
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine.solo_lengths = solo_lengths

@@ -37,12 +37,14 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import torch
 
-from marscli.config import GUARD_OFF, DraftConfig, GuardConfig, Request, SamplingParams
+from marscli.config import GUARD_OFF, DraftConfig, GuardConfig, Request, SamplingParams, SpanConfig
 from marscli.drafters.base import BatchedDrafter, DraftOffer, Proposal, choose_draft_lengths
 from marscli.engine import logprobs as lp
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
 from marscli.engine.sequence import GenerationResult, RowSettings, Sequence, StepObservation
+from marscli.engine.provenance import float_bits, step_kinds
 from marscli.kvcache import HoleCache, compact_cache, sliding_layers
+from marscli.spans import SpanRule
 from marscli.verify import Rule, verify_rows
 from marscli.verify_tree import verify_tree
 
@@ -87,7 +89,8 @@ class Engine:
     """
 
     def __init__(self, target, drafters: BatchedDrafter, rule: Rule, draft_cfg: DraftConfig,
-                 batch_size: int = 1, costs=None, guard: GuardConfig = GUARD_OFF):
+                 batch_size: int = 1, costs=None, guard: GuardConfig = GUARD_OFF,
+                 spans: SpanConfig | None = None):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         self.target = target
@@ -119,8 +122,9 @@ class Engine:
                 raise UsageError(f"--tree-*: {e}") from None
             k_max = self.tree.max_path
         self.guard = guard
+        self.spans = SpanRule.from_config(spans)  # None: no strict span
         self.settings = RowSettings(target.tokenizer, frozenset(int(t) for t in target.eos_token_ids),
-                                    k_max, target.context_length, guard, rule.relaxes)
+                                    k_max, target.context_length, guard, rule.relaxes, self.spans)
         # A drafter that drafts from the target's hidden states (EAGLE-3) names the layers it
         # reads; every target forward pass then captures them (no second pass).
         self.tap = None
@@ -391,29 +395,44 @@ class Engine:
         draft_len = torch.tensor(ks, dtype=torch.long, device=dev)  # [B]
         u_acc, u_smp = self._uniforms(ks, K, dev)
         q = self._draft_probs(proposals, ks, K, logits)
-        guard, relax_left = self._guards(drafts, K, dev)
+        guard, relax_left, span = self._guards(drafts, K, dev)
         res = verify_rows(d_t, logits, draft_len, self.rule, [r.seq.sampling for r in rows],
                           u_accept=u_acc, u_sample=u_smp, draft_probs=q, guard=guard,
                           relax_left=relax_left)
-        T, packed = 0, None
+        # Sent with the verdicts, in the step's one transfer: the rule's statistic at every
+        # position (as float32 bits) when a row reports provenance, then packed logprobs.
+        extra, S = [], 0
+        if any(r.seq.provenance is not None for r in rows) and K > 0:
+            extra.append(res.statistic.float().contiguous().view(torch.int32).long())
+            S = K
+        T = 0
         if any(r.logprobs is not None for r in rows):  # gathered here, sent with the verdicts
             T = max(r.sampling.top_logprobs for r in rows if r.logprobs is not None)
-            packed = lp.pack(*lp.gather(logits, lp.emitted_tokens(d_t, res.num_accepted, res.next_token), T))
-        verdicts = res.host_rows(packed)  # the step's one device-to-host transfer
+            extra.append(lp.pack(*lp.gather(logits, lp.emitted_tokens(d_t, res.num_accepted, res.next_token), T)))
+        verdicts = res.host_rows(torch.cat(extra, dim=1) if extra else None)  # the step's one device-to-host transfer
         finished = []
         for b, (r, d) in enumerate(zip(rows, drafts)):
             k = ks[b]
-            n, nxt = verdicts[b][0], verdicts[b][1]
-            relaxed = sum(verdicts[b][2: 2 + n])
-            relaxable = sum(verdicts[b][2 + K: 2 + K + min(n + 1, k)])
+            v = verdicts[b]
+            n, nxt = v[0], v[1]
+            relaxed = sum(v[2: 2 + n])
+            relaxable = sum(v[2 + K: 2 + K + min(n + 1, k)])
+            refused, span_refused = v[2 + 2 * K], 0
+            if refused and span is not None and n < k and span[b][n]:
+                refused, span_refused = 0, 1  # a strict span refused it: counted there only
             observation = None
             if r.seq.observer is not None:
                 observation = self._chain_observation(b, k, d_t, logits, res, r.seq.sampling, u_acc, q,
-                                                      guard)
+                                                      guard, span)
+            origin = None
+            if r.seq.provenance is not None:
+                flags = v[2: 2 + n]
+                origin = (step_kinds(flags, n, k),
+                          [float_bits(v[3 + 2 * K + i]) if i < n and flags[i] else None for i in range(n + 1)])
             emitted = r.seq.commit(d[:n] + [nxt], k, n, relaxed, relaxable, observation,
-                                   refused=verdicts[b][2 + 2 * K])
+                                   refused=refused, span_refused=span_refused, origin=origin)
             if r.logprobs is not None:
-                r.logprobs += lp.unpack(verdicts[b][3 + 2 * K:], emitted, T, r.sampling.top_logprobs)
+                r.logprobs += lp.unpack(v[3 + 2 * K + S:], emitted, T, r.sampling.top_logprobs)
             if features is not None:  # the positions the target keeps: pending + accepted drafts
                 self.drafters.observe(b, features[b, : len(emitted)])
             self.drafters.accepted(b, k, n, r.seq.seq)
@@ -426,23 +445,35 @@ class Engine:
             self.kv.trim()
         return finished
 
-    def _guards(self, drafts: list[list[int]], K: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The loop guard's verdicts [B, K] (True: never relax this draft) and each row's
-        remaining relaxation budget [B]; None where there is nothing to guard. Strict runs
-        with an observer (calibration) get the verdicts too, for the replay."""
+    def _guards(self, drafts: list[list[int]], K: int, dev
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[list[bool]] | None]:
+        """The positions a relaxed rule must judge strictly [B, K] (True: never relax this
+        draft: the loop guard's verdicts, or a strict span), each row's remaining relaxation
+        budget [B], and the strict-span flags alone (per row, per draft, on the host); None
+        where there is nothing to guard. Strict runs with an observer (calibration) get the
+        verdicts too, for the replay."""
         rows = self.rows
         g = self.guard
-        guard = None
-        if g.repeat_ngram and (self.rule.relaxes or any(r.seq.observer is not None for r in rows)):
+        wanted = self.rule.relaxes or any(r.seq.observer is not None for r in rows)
+        m = None
+        if g.repeat_ngram and wanted:
             m = torch.zeros(len(rows), K, dtype=torch.bool)
             for b, (r, d) in enumerate(zip(rows, drafts)):
                 if d:
                     m[b, : len(d)] = torch.tensor(r.seq.repeats(d), dtype=torch.bool)
-            guard = m.to(dev)
+        span = None
+        if self.spans is not None and wanted:
+            span = [r.seq.strict_spans(d) for r, d in zip(rows, drafts)]
+            if any(any(f) for f in span):
+                m = torch.zeros(len(rows), K, dtype=torch.bool) if m is None else m
+                for b, f in enumerate(span):
+                    if f:
+                        m[b, : len(f)] |= torch.tensor(f, dtype=torch.bool)
+        guard = None if m is None else m.to(dev)
         relax_left = None
         if self.rule.relaxes and g.budgeted:
             relax_left = torch.tensor([r.seq.relax_left() for r in rows], dtype=torch.long).to(dev)
-        return guard, relax_left
+        return guard, relax_left, span
 
     def _uniforms(self, ks: list[int], K: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every sampling row's draws for this step ([B, K] and [B]; zeros for greedy rows)."""
@@ -475,7 +506,8 @@ class Engine:
         return q
 
     @staticmethod
-    def _chain_observation(b, k, d_t, logits, res, sampling, u_acc, q, guard) -> Callable[[int], StepObservation]:
+    def _chain_observation(b, k, d_t, logits, res, sampling, u_acc, q, guard,
+                           span) -> Callable[[int], StepObservation]:
         sampled = not sampling.greedy
 
         def make(emitted: int) -> StepObservation:
@@ -483,7 +515,8 @@ class Engine:
                 d_t[b: b + 1, :k], logits[b: b + 1, : k + 1], res.row(b, k), sampling,
                 u_acc[b: b + 1, :k] if sampled and u_acc is not None else None,
                 q[b: b + 1, :k] if sampled and q is not None else None, emitted,
-                guard=None if guard is None else guard[b: b + 1, :k])
+                guard=None if guard is None else guard[b: b + 1, :k],
+                strict_span=None if span is None else torch.tensor([span[b][:k]], dtype=torch.bool).view(1, k))
         return make
 
     def _tree_step(self, tokens: list[int], parents: list[int]) -> list[int]:
@@ -500,9 +533,13 @@ class Engine:
         N = len(tree)
         s = seq.sampling
         u_accept, u_sample = seq.uniforms(N)
-        guard = None
-        if self.guard.repeat_ngram and (self.rule.relaxes or seq.observer is not None):
+        guard = span = None
+        wanted = self.rule.relaxes or seq.observer is not None
+        if self.guard.repeat_ngram and wanted:
             guard = torch.tensor(_tree_repeats(seq, tokens, parents), dtype=torch.bool)  # [N]
+        if self.spans is not None and wanted:
+            span = torch.tensor(seq.strict_spans_tree(tokens, parents), dtype=torch.bool)  # [N]
+            guard = span.clone() if guard is None else guard | span
         res = verify_tree(tree, logits, rule=self.rule, temperature=s.temperature, top_k=s.top_k,
                           top_p=s.top_p, u_accept=u_accept, u_sample=u_sample, guard=guard,
                           relax_left=seq.relax_left())
@@ -519,9 +556,22 @@ class Engine:
                 return StepObservation(
                     tree.tokens[path].view(1, n) if n else torch.zeros(1, 0, dtype=torch.long),
                     logits[rows].unsqueeze(0), res, s, None, None, emitted, tree=tree,
-                    tree_logits=logits, tree_u_accept=u_accept, guard=guard)
+                    tree_logits=logits, tree_u_accept=u_accept, guard=guard, strict_span=span)
+        origin = None
+        if seq.provenance is not None:
+            kids = tree.child_lists()
+            stat = res.statistic if res.node_statistic is None else None
+            stats = []
+            for j, i in enumerate(path):
+                if not res.relaxed[j]:
+                    stats.append(None)
+                elif stat is not None:  # MARS: the statistic of the row that judged the node
+                    stats.append(float(stat[rows[j]]))
+                else:
+                    stats.append(float(res.node_statistic[i]))
+            origin = (step_kinds(res.relaxed, n, N, bonus=not kids[rows[-1]]), stats + [None])
         emitted = seq.commit([tokens[i] for i in path] + [res.next_token], depth, n,
-                             sum(res.relaxed), relaxable, observation)
+                             sum(res.relaxed), relaxable, observation, origin=origin)
         if r.logprobs is not None and emitted:
             T = s.top_logprobs
             got = lp.gather(logits[rows[: len(emitted)]].unsqueeze(0),

@@ -15,7 +15,9 @@ from typing import Any, Callable
 import torch
 
 from marscli.config import GUARD_OFF, GuardConfig, SamplingParams
+from marscli.engine.provenance import Provenance
 from marscli.repetition import NgramIndex
+from marscli.spans import SpanTracker
 from marscli.verify import step_uniforms
 
 FINISH_STOP = "stop"
@@ -59,6 +61,12 @@ class SpecStats:
     guarded: bool = False
     guard_refused: int = 0
     budget_spent_at: int | None = None
+    # Strict spans (marscli.spans; only reported when spans are on and the rule relaxes):
+    # steps whose first rejection was a relaxation refused because the position lay in a
+    # strict span. A refusal is counted once: here when the position is in a span, else in
+    # guard_refused (the loop guard or the budget).
+    spans: bool = False
+    span_refused: int = 0
 
     def __post_init__(self) -> None:
         k = max(self.k_max, 0)
@@ -99,6 +107,7 @@ class SpecStats:
             **({"tree_nodes": self.tree_nodes} if self.tree_nodes else {}),
             **({"guard_refused": self.guard_refused, "budget_spent_at": self.budget_spent_at}
                if self.guarded else {}),
+            **({"span_refused": self.span_refused} if self.spans else {}),
         }
 
 
@@ -116,6 +125,9 @@ class GenerationResult:
     #: Per completion token, the target's logprob and top alternatives
     #: (marscli.engine.logprobs.TokenLogprob), when the record asks for them; else None.
     logprobs: list | None = None
+    #: Where each completion token came from (marscli.engine.provenance: Provenance.to_dict()),
+    #: when the record asks; else None.
+    provenance: dict | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -161,6 +173,9 @@ class StepObservation:
     #: The loop guard's verdict per draft ([1, k] bool; [N] per node for trees): calibration
     #: replays relaxed rules with it. None: no guard.
     guard: torch.Tensor | None = None
+    #: Which of those positions lie in a strict span (marscli.spans; same shape; None: no
+    #: spans). They are included in `guard` already; kept apart so a replay can tell them.
+    strict_span: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +191,9 @@ class RowSettings:
     #: record has an observer (calibration, strict, records the verdicts for its replay).
     guard: GuardConfig = GUARD_OFF
     relaxing: bool = False  # the rule relaxes: the budget applies
+    #: Strict spans (a marscli.spans.SpanRule; None: none). A Sequence tracks them when the
+    #: rule relaxes or the record has an observer, as it keeps the n-gram index.
+    spans: Any = None
 
 
 #: Builds a step's StepObservation from the number of tokens the step really added; called
@@ -216,11 +234,27 @@ class Sequence:
         self.stats.guarded = settings.relaxing and (g.repeat_ngram > 0 or g.budgeted)
         if self.relax_budget == 0:
             self.stats.budget_spent_at = 0
+        # Strict spans, only where they can change a verdict or an observer records them.
+        track = settings.spans is not None and (settings.relaxing or observer is not None)
+        self.spans = SpanTracker(settings.tokenizer, settings.spans) if track else None
+        self.stats.spans = settings.spans is not None and settings.relaxing
+        self.provenance = Provenance() if sampling.provenance else None
 
     def repeats(self, drafts: list[int]) -> list[bool]:
         """Per draft: the loop guard refuses to relax it (it completes an n-gram seen in the
         last W tokens of the output); all False without a guard."""
         return self.ngrams.repeats(drafts) if self.ngrams is not None else [False] * len(drafts)
+
+    def strict_spans(self, drafts: list[int]) -> list[bool]:
+        """Per draft: it lies in a strict span (marscli.spans), judged from the committed
+        output and the drafts before it; all False without spans."""
+        return self.spans.flags(drafts) if self.spans is not None else [False] * len(drafts)
+
+    def strict_spans_tree(self, tokens: list[int], parents: list[int]) -> list[bool]:
+        """The same per node of a draft tree (parents before children, -1: the root)."""
+        if self.spans is None:
+            return [False] * len(tokens)
+        return self.spans.tree_flags(tokens, parents)
 
     def relax_left(self) -> int | None:
         """Relaxations this record may still make (None: no budget)."""
@@ -240,11 +274,15 @@ class Sequence:
         return step_uniforms(self.gen, n)
 
     def commit(self, emitted: list[int], k: int, n: int, relaxed: int, relaxable: int,
-               observation: ObservationFactory | None = None, refused: int = 0) -> list[int]:
+               observation: ObservationFactory | None = None, refused: int = 0,
+               span_refused: int = 0, origin: tuple[str, list] | None = None) -> list[int]:
         """Apply one verified step: `emitted` = the accepted drafts (chain) or path tokens
         (tree), then the correction or bonus. Stopping rules, statistics, the observer and the
         sequence update; returns the tokens the step really added. `refused`: the step's
-        first rejection was a relaxation the loop guard or the budget refused."""
+        first rejection was a relaxation the loop guard or the budget refused; `span_refused`:
+        one refused because it lay in a strict span (counted there only). `origin`: the
+        provenance of `emitted` (kinds, statistics; marscli.engine.provenance), when the
+        record asks for it."""
         remaining = self.max_new - len(self.out)
         # Stopping: EOS ends the sequence after it; max tokens cuts the step short.
         stop_at = None
@@ -258,6 +296,9 @@ class Sequence:
         emitted = emitted[:remaining]
         self.stats.record_step(k, n, relaxed, relaxable, len(emitted))
         self.stats.guard_refused += refused
+        self.stats.span_refused += span_refused
+        if self.provenance is not None and origin is not None:
+            self.provenance.extend(origin[0][: len(emitted)], origin[1])
         if self.observer is not None and observation is not None:
             self.observer(observation(len(emitted)))
         self.seq.extend(emitted)
@@ -265,6 +306,8 @@ class Sequence:
         out.extend(emitted)
         if self.ngrams is not None:
             self.ngrams.extend(emitted)
+        if self.spans is not None:
+            self.spans.commit(emitted)
         if (self.relax_budget is not None and self.stats.budget_spent_at is None
                 and self.stats.relaxed >= self.relax_budget):
             self.stats.budget_spent_at = len(out)
@@ -275,6 +318,8 @@ class Sequence:
                 at, decoded = self.stopper.first_stop(out[:j], self.checked_chars)
                 if at is not None:
                     del out[j:]
+                    if self.provenance is not None:
+                        self.provenance.truncate(j)
                     break
             if at is not None:
                 self.text = decoded[:at]
@@ -290,4 +335,5 @@ class Sequence:
             text = self.settings.tokenizer.decode(self.out, skip_special_tokens=True)
         capped = self.max_new if self.max_new < self.sampling.max_tokens else None
         return GenerationResult(self.out, text, self.finish, self.prompt_len, self.stats,
-                                time.perf_counter() - self.t0, capped)
+                                time.perf_counter() - self.t0, capped,
+                                provenance=None if self.provenance is None else self.provenance.to_dict())

@@ -68,6 +68,7 @@ from marscli.jobs.setup import (
     make_engine,
     named_profile,
     resolve_verification,
+    span_config,
     target_source,
 )
 from marscli.report import REPORT_WIDTH, json_safe, render_tables, write_outputs
@@ -120,7 +121,7 @@ class Bench:
             else:
                 dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
                 engine = make_engine(target, draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule),
-                                     dcfg, note=log)
+                                     dcfg, note=log, spans=cfg.spans)
                 self.engines[m.name] = engine
                 self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != "none")
         self._check_generation_config()
@@ -331,7 +332,7 @@ class Bench:
                 if m.kind != HF_GENERATE:  # built untimed: the first build measures step costs
                     dcfg = DraftConfig(kind="none") if m.kind == AR else cfg.draft
                     verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
-                    engine = make_engine(self.target, self.draft, verify, dcfg, bs, self.log)
+                    engine = make_engine(self.target, self.draft, verify, dcfg, bs, self.log, spans=cfg.spans)
                 t0 = time.perf_counter()
                 if m.kind == HF_GENERATE:
                     outputs = self._hf_batched(prompts, sampling, bs)
@@ -554,6 +555,7 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
             "limit": cfg.limit, "margin": cfg.margin,
             "thetas": sorted({m.theta for m in cfg.methods if m.kind in MARS_METHODS}),
             "guard": cfg.guard.to_dict(),
+            **({"spans": cfg.spans.to_dict()} if cfg.spans.active else {}),
             "drafter": {"kind": cfg.draft.kind, "model": cfg.draft.model,
                         "num_draft_tokens": cfg.draft.num_draft_tokens, "adaptive": cfg.draft.adaptive,
                         "ngram_max": cfg.draft.ngram_max, "ngram_min": cfg.draft.ngram_min,
@@ -652,6 +654,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
                  tree_tokens: int | None = None, margin: str | None = None, offline: bool = False,
                  repeat_guard: int | None = None, repeat_window: int | None = None,
                  max_relaxed_share: float | None = None, no_guard: bool = False,
+                 strict_in: str | None = None, strict_regex: str | None = None,
                  task: str | None = None, note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's)."""
@@ -688,6 +691,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
         batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
         guard=resolved.guard,
         task=task,
+        spans=span_config(strict_in, strict_regex),
     )
     if prof is not None:
         note(f"using profile {prof.describe()}: theta {prof.theta:.6g} ({prof.margin})")

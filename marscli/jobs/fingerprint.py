@@ -89,6 +89,11 @@ def run_fingerprint(
         fp["output"]["format"] = cfg.output_format
     if getattr(cfg, "strict_keys", False):
         fp["output"]["strict_keys"] = True
+    spans = getattr(cfg, "spans", None)
+    if spans is not None and spans.active:  # they decide which drafts may be relaxed
+        fp["verify"]["spans"] = spans.to_dict()
+    if getattr(s, "provenance", False):
+        fp["output"]["provenance"] = True
     fp.update(extra)
     return json.loads(json.dumps(fp))  # plain JSON values, as read back from a sidecar
 

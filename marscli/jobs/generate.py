@@ -222,7 +222,7 @@ class GenerateRun:
 
         with step("loading the models") as s:
             gen = build_generator(ModelSetup(cfg.target, cfg.draft, cfg.draft_model, cfg.verify, cfg.profile,
-                                             cfg.auto_profile, cfg.batch_size), log.info, group)
+                                             cfg.auto_profile, cfg.batch_size, cfg.spans), log.info, group)
             check_rule_modes(gen.verify.rule, cfg.sampling)  # the rule may come from the profile
             extra["profile"] = gen.spec_meta["profile"]
             fingerprint = run_fingerprint(

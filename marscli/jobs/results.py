@@ -4,7 +4,8 @@ A record's result carries its id (under the key it came with), the output, finis
 usage, the speculative decoding figures (`spec`), timing and `error` (None, or an object with
 type, message and line). Fields may be added over time, never changed. Only when asked:
 `token_ids`, `logprobs` ({"content": [{token, logprob, bytes, top_logprobs}]}, OpenAI chat's
-shape), `choices` (n > 1) and `warnings` (request keys marscli did not act on).
+shape), `provenance` (where each token came from: marscli.engine.provenance), `choices`
+(n > 1) and `warnings` (request keys marscli did not act on).
 
 n completions per request: choice i decodes with seed + i (choice 0 is exactly the n = 1
 result), as its own row of the engine's batch; the choices share the prompt's prefill (the
@@ -106,6 +107,8 @@ def result_line(item, res, dropped: int, options: ResultOptions, spec_meta: dict
     }
     if options.token_ids:
         out["token_ids"] = res.token_ids
+    if res.provenance is not None:  # marscli.engine.provenance: one kind per completion token
+        out["provenance"] = res.provenance
     return out
 
 
@@ -142,6 +145,8 @@ def request_result(item, results: list, dropped: int, options: ResultOptions, sp
                 c["token_ids"] = r.token_ids
             if r.logprobs is not None:
                 c["logprobs"] = logprobs_content(r.logprobs, decode)
+            if r.provenance is not None:
+                c["provenance"] = r.provenance
             choices.append(c)
         out["choices"] = choices
     if item.ignored:

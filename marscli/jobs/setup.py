@@ -18,12 +18,14 @@ from typing import Any
 from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     PAPER_THETA,
+    SPANS_OFF,
     STRICT_THETA,
     TREE_DEFAULTS,
     DraftConfig,
     GuardConfig,
     ModelConfig,
     SamplingParams,
+    SpanConfig,
     VerifyConfig,
     VerifyRequest,
 )
@@ -307,6 +309,20 @@ def guard_request(repeat_guard: int | None = None, repeat_window: int | None = N
             "max_relaxed_share": max_relaxed_share}
 
 
+def span_config(strict_in: str | None = None, strict_regex: str | None = None) -> SpanConfig:
+    """--strict-in KINDS and --strict-regex PATTERN -> SpanConfig (checked: the kinds exist,
+    the pattern compiles)."""
+    from marscli.spans import compile_regex, parse_strict_in
+
+    try:
+        kinds = parse_strict_in(strict_in)
+        if strict_regex is not None:
+            compile_regex(strict_regex)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return SpanConfig(kinds, strict_regex) if kinds or strict_regex is not None else SPANS_OFF
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -374,23 +390,24 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
 
 
 def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, batch_size: int = 1,
-                note: Note = _silent, solo_lengths: bool = False):
+                note: Note = _silent, solo_lengths: bool = False, spans: SpanConfig = SPANS_OFF):
     """The engine of a job: marscli.engine.build_engine, the one constructor."""
     from marscli.engine import build_engine
 
     return build_engine(target, draft_loaded, verify, draft, batch_size=batch_size, note=note,
-                        solo_lengths=solo_lengths)
+                        solo_lengths=solo_lengths, spans=spans)
 
 
 def choice_options(sampling: SamplingParams, n: int = 1, logprobs: bool = False,
-                   top_logprobs: int | None = None) -> SamplingParams:
-    """The sampling defaults with n and logprobs (top_logprobs implies logprobs)."""
+                   top_logprobs: int | None = None, provenance: bool = False) -> SamplingParams:
+    """The sampling defaults with n, logprobs (top_logprobs implies logprobs) and provenance."""
     if n < 1:
         raise UsageError(f"n must be at least 1, got {n}")
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
         raise UsageError(f"top_logprobs must be in [0, 20], got {top_logprobs}")
     on = logprobs or top_logprobs is not None
-    return dataclasses.replace(sampling, n=n, logprobs=on, top_logprobs=top_logprobs or 0)
+    return dataclasses.replace(sampling, n=n, logprobs=on, top_logprobs=top_logprobs or 0,
+                               provenance=provenance)
 
 
 def drafter_desc(d: DraftConfig) -> str:
@@ -437,6 +454,7 @@ class ModelSetup:
     profile: str | None = None  # a profile's path: use it; None: look for a matching one
     auto_profile: bool = True
     batch_size: int = 1
+    spans: SpanConfig = SPANS_OFF  # strict spans (marscli.spans)
 
 
 @dataclass
@@ -451,6 +469,7 @@ class Generator:
     profile: Any  # marscli.profiles.Profile or None
     engine: Any
     batch_size: int = 1
+    spans: SpanConfig = SPANS_OFF
 
     @property
     def spec_meta(self) -> dict[str, Any]:
@@ -461,6 +480,7 @@ class Generator:
                 "theta": v.theta if v.mode == "mars" else None, "margin": v.margin,
                 "knobs": json_knobs(rule),
                 **({"guard": v.guard.to_dict()} if rule.relaxes else {}),
+                **({"spans": self.spans.to_dict()} if self.spans.active and rule.relaxes else {}),
                 "profile": self.profile.reference() if self.profile is not None else None}
 
     def results(self, items: Iterable, sampling: SamplingParams, options) -> Iterator[tuple[Any, dict, float]]:
@@ -477,10 +497,12 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
     prof = choose_profile(target, draft_loaded, setup.draft, profile=setup.profile,
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
-    engine = make_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note)
+    engine = make_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans)
     if setup.batch_size > 1:
         note(f"batch size {setup.batch_size}")
-    return Generator(target, draft_loaded, setup.draft, verify, prof, engine, setup.batch_size)
+    if setup.spans.active and not verify.rule.relaxes:
+        note("--strict-in / --strict-regex have no effect with strict verification")
+    return Generator(target, draft_loaded, setup.draft, verify, prof, engine, setup.batch_size, setup.spans)
 
 
 def generation_setup(*, target: str | None = None, draft: str | None = None, verify: str | None = None,
@@ -496,7 +518,8 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
                      max_relaxed_share: float | None = None, no_guard: bool = False,
                      rho: float | None = None, top_n: int | None = None, delta: float | None = None,
                      epsilon: float | None = None, alpha: float | None = None,
-                     budget: float | None = None) -> ModelSetup:
+                     budget: float | None = None, strict_in: str | None = None,
+                     strict_regex: str | None = None) -> ModelSetup:
     """Options of `marscli generate` (and of marscli.load) -> ModelSetup, checked before
     anything is loaded. Command line > profile > defaults: a --profile supplies the target
     and the drafter's settings that are not given."""
@@ -513,5 +536,6 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
     guard = guard_request(repeat_guard, repeat_window, max_relaxed_share, no_guard)
     request = VerifyRequest(verify, theta, margin, **guard, **knobs)
     check_rule_request(request)
+    spans = span_config(strict_in, strict_regex)
     return ModelSetup(tcfg, dcfg, dmcfg, request,
-                      str(prof.path) if prof is not None else None, not no_profile, batch_size)
+                      str(prof.path) if prof is not None else None, not no_profile, batch_size, spans)
