@@ -298,7 +298,7 @@ def test_relax_rate_counts_only_positions_strict_rejects():
         step_k=np.array([2, 2]), step_n=np.array([1, 1]), tokens=4, records=1, failed_records=0,
         logit_ratio=np.full(4, 0.9), prob_ratio=px / p1, z1=np.full(4, 5.0), rank=np.array([1.0, 2, 1, 2]),
         logp1=np.log(p1), logp2=np.log(px), logp_draft=np.log(px), strict_ok=np.array([1.0, 0, 1, 0]),
-        entropy=np.full(4, 1.0))
+        p_draft=px, p1=p1, entropy=np.full(4, 1.0))
     rep = data.replay(Rule(RATIO, rho=0.5))
     assert rep.relaxable_share == 1.0  # the condition holds at every position...
     assert rep.relax_rate == 0.5 and rep.relaxing == 2  # ...but only the runner-ups are relaxations
@@ -315,7 +315,7 @@ def test_regret_budget_is_summed_along_the_step():
         step_k=np.array([2]), step_n=np.array([0]), tokens=1, records=1, failed_records=0,
         logit_ratio=np.full(2, 0.9), prob_ratio=np.full(2, 0.5), z1=np.full(2, 5.0), rank=np.full(2, 2.0),
         logp1=np.log([0.6, 0.6]), logp2=np.log([0.6, 0.6]) - [1.0, 1.5],
-        logp_draft=np.log([0.6, 0.6]) - [1.0, 1.5], strict_ok=np.zeros(2))
+        logp_draft=np.log([0.6, 0.6]) - [1.0, 1.5], strict_ok=np.zeros(2), regret=np.array([1.0, 1.5]))
     assert data.replay(Rule(REGRET, budget=2.0)).num_accepted.tolist() == [1]
     assert data.replay(Rule(REGRET, budget=2.5)).num_accepted.tolist() == [2]
     assert critical_values(data, RuleFamily.of(Rule(REGRET))).tolist() == [1.0, 2.5]
@@ -380,8 +380,11 @@ def test_a_profile_per_rule_round_trips(template, tmp_path):
         assert rule.alpha == 0.2
     elif template.name == TYPICAL:
         assert rule.alpha == pytest.approx(math.sqrt(rule.epsilon))
-    # The chosen knob keeps the budget on the data it was fitted on.
-    assert handmade().replay(rule).nll_increase <= 0.02
+    # The chosen knob keeps the budget on the data it was fitted on (typical with alpha tied:
+    # unless even its least relaxing member, epsilon = 1, breaks it; then that is chosen).
+    family = RuleFamily.of(template)
+    floor = handmade().replay(family.at(family.strict_end)).nll_increase if template.name == TYPICAL else 0
+    assert handmade().replay(rule).nll_increase <= max(0.02, floor)
     assert again.knob == (rule.knob[0], rule.knob[1]) and prof.rule_name == template.name
     if template.name != MARS:
         with pytest.raises(ProfileError, match="not mars"):
