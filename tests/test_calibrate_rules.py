@@ -476,3 +476,15 @@ def calib_prompts(tmp_path):
     src = tmp_path / "calib.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return src
+
+
+def test_api_calibrates_a_rule(tiny_model_dir):
+    import marscli
+
+    llm = marscli.load(str(tiny_model_dir))
+    prompts = ["one two three one two three one two three", "hello world, hello world, hello"]
+    prof = llm.calibrate(prompts, rule="topk", top_n=3, relax_rate=0.05, max_tokens=16)
+    assert prof.rule_name == TOPK and prof.rule.top_n == 3
+    assert prof.name.endswith(".topk") and prof.data["summary"]["relax_rate"] <= 0.05
+    fixed = llm.calibrate(prompts, rule="regret", budget=1.5, max_tokens=16)
+    assert fixed.rule == Rule(REGRET, budget=1.5) and fixed.data["policy"]["name"] == "fixed"
