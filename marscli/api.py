@@ -180,12 +180,16 @@ class LLM:
                   relax_rate: float | None = None, theta: float | None = None, margin: str = "logit-ratio",
                   name: str | None = None, output: str | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                  stop: Iterable[str] = ()):
+                  stop: Iterable[str] = (), rule: str = "mars", rho: float | None = None,
+                  top_n: int | None = None, delta: float | None = None, epsilon: float | None = None,
+                  alpha: float | None = None, budget: float | None = None):
         """Collect margins on `records` under strict verification with this drafter, choose
-        theta by one policy (default max_nll_increase=0.02) and return the profile; with
-        `output`, also write it there (a YAML file generate can use)."""
+        theta (or `rule`'s main knob: ratio rho, topk delta at `top_n`, typical epsilon,
+        regret budget) by one policy (default max_nll_increase=0.02; the main knob given:
+        fixed) and return the profile; with `output`, also write it there (a YAML file
+        generate can use)."""
         from marscli.calibrate import MarginCollector
-        from marscli.jobs.calibrate import choose_policy, collect_margins, margins_profile
+        from marscli.jobs.calibrate import choose_policy, choose_rule, collect_margins, margins_profile
         from marscli.jobs.setup import make_engine
         from marscli.profiles import dump_profile, parse_profile, save_profile
 
@@ -193,8 +197,11 @@ class LLM:
         gen = self.generator
         if gen.draft.kind == "none":
             raise UsageError("calibrate needs a drafter: load with draft='ngram' or a draft model")
-        policy, value = choose_policy(max_nll_increase, relax_rate, theta)
         sampling = SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop))
+        template, fixed, alpha_given = choose_rule(
+            rule, theta=theta, rho=rho, top_n=top_n, delta=delta, epsilon=epsilon, alpha=alpha,
+            budget=budget, margin=margin, greedy=sampling.greedy)
+        policy, value = choose_policy(max_nll_increase, relax_rate, fixed, knob=template.knob[0])
         data = records_jsonl(records)
         items = records_to_items(data)
         if not items:
@@ -202,7 +209,8 @@ class LLM:
         cfg = CalibrateConfig(input=PYTHON_INPUT_NAME, output=output, name=name, target=self.setup.target,
                               draft=gen.draft, draft_model=self.setup.draft_model, margin=margin,
                               policy=policy, policy_value=value, sampling=sampling,
-                              batch_size=self.setup.batch_size, guard=gen.verify.guard)
+                              batch_size=self.setup.batch_size, guard=gen.verify.guard,
+                              rule=template, alpha_given=alpha_given)
         engine = make_engine(gen.target, gen.draft_loaded, VerifyConfig(guard=gen.verify.guard), gen.draft,
                              self.setup.batch_size, solo_lengths=True)
         per_record: dict[int, MarginCollector] = {}

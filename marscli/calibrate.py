@@ -73,6 +73,7 @@ class MarginCollector:
         # replay of the per-record relaxation budget).
         self.step_record: list[int] = []
         self.record_max_tokens: list[int] = []
+        self.sampled = False  # some step sampled (regret, greedy only, cannot be replayed)
 
     def __call__(self, obs) -> None:
         import torch
@@ -80,12 +81,14 @@ class MarginCollector:
         from marscli.verify import (
             LOGIT_RATIO,
             PROB_RATIO,
+            draft_facts,
             margin_statistic,
             sampling_probs,
             strict_sampling_accepts,
             top2,
         )
 
+        self.sampled = self.sampled or not obs.sampling.greedy
         if getattr(obs, "tree", None) is not None:
             self._tree_step(obs)
             return
@@ -123,6 +126,15 @@ class MarginCollector:
             strict_ok.double(),
             guarded,
         ], dim=1)
+        # The per-token rules' facts, by the verifier's own function on the verifier's own p
+        # ([1, k, V], as verify builds them), so the replay compares the very same numbers.
+        p_rows = (torch.softmax(obs.logits[:, :k].float(), dim=-1) if s.greedy
+                  else sampling_probs(obs.logits, s.temperature, s.top_k, s.top_p)[:, :k])
+        facts = draft_facts(obs.logits[:, :k], obs.drafts, p_rows, ALL_FACTS)
+        z_draft = obs.logits[:, :k].float().gather(-1, obs.drafts.unsqueeze(-1)).squeeze(-1)
+        cols = torch.cat([cols, torch.stack([facts["p_draft"][0].double(), facts["p1"][0].double(),
+                                             facts["rank"][0].double(), facts["entropy"][0].double(),
+                                             z_draft[0].double(), facts["regret"][0].double()], dim=1)], dim=1)
         ok = strict_ok.tolist()
         replayed = ok.index(False) if False in ok else k
         if replayed != n:  # the replay rule must reproduce what the verifier did
@@ -141,6 +153,7 @@ class MarginCollector:
         from marscli.verify import (
             LOGIT_RATIO,
             PROB_RATIO,
+            draft_facts,
             margin_statistic,
             sampling_probs,
             top2,
@@ -158,6 +171,14 @@ class MarginCollector:
         logp = torch.log(p.double())  # [N+1, V]
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         t1l, t2l = t1.tolist(), t2.tolist()
+        # Per node, at its parent's row, as verify_tree's per-token facts (own regret only:
+        # the replay sums it along the chain laid out below, which is a root path).
+        rows = tree.parents.to(L.device) + 1  # [N]
+        tok = tree.tokens.to(L.device)
+        nf = draft_facts(L[rows], tok, p[rows], ALL_FACTS) if len(tree) else {}
+        extra = (torch.stack([nf["p_draft"].double(), nf["p1"].double(), nf["rank"].double(),
+                              nf["entropy"].double(), L[rows].gather(1, tok.unsqueeze(1)).squeeze(1).double(),
+                              nf["regret"].double()], dim=1).tolist() if len(tree) else [])
 
         def row(i: int) -> int:
             return 0 if parents[i] == ROOT else parents[i] + 1
@@ -166,7 +187,7 @@ class MarginCollector:
             r, d = row(i), tokens[i]
             rank = RANK_TOP1 if d == t1l[r] else RANK_TOP2 if d == t2l[r] else RANK_OTHER
             return [float(stat_l[r]), float(stat_p[r]), float(z1[r]), rank, float(logp[r, t1l[r]]),
-                    float(logp[r, t2l[r]]), float(logp[r, d]), ok, float(guard[i])]
+                    float(logp[r, t2l[r]]), float(logp[r, d]), ok, float(guard[i])] + extra[i]
 
         if s.greedy and any(tokens[i] != t1l[row(i)] for i in path):
             raise RuntimeError("calibration replay disagrees with strict tree verification: "
@@ -198,6 +219,7 @@ class MarginCollector:
         """Append another collector's steps after this one's (batched calibration collects
         per record and merges in input order, so the data do not depend on the batch). Each
         collector appended is one record."""
+        self.sampled = self.sampled or other.sampled
         self.step_record += [len(self.record_max_tokens)] * len(other.step_k)
         self.record_max_tokens.append(other.max_tokens)
         self.step_k += other.step_k
@@ -229,12 +251,15 @@ class MarginCollector:
             tokens=int(sum(self.step_emitted)),
             records=records,
             failed_records=failed,
+            sampled=self.sampled,
             **{name: rows[:, i].copy() for i, name in enumerate(_COLS)},
         )
 
 
 _COLS = ("logit_ratio", "prob_ratio", "z1", "rank", "logp1", "logp2", "logp_draft", "strict_ok",
-         "guarded")
+         "guarded", "p_draft", "p1", "target_rank", "entropy", "z_draft", "regret")
+#: Every per-token fact a rule may need (verify.Rule.needs), recorded at every position.
+ALL_FACTS = frozenset({"p_draft", "p1", "rank", "entropy", "regret"})
 #: Columns of MarginData.tree_nodes: those of a position (strict_ok: accepted), then the step
 #: number, the node's depth and whether it is on the accepted path.
 TREE_COLS = _COLS + ("step", "depth", "on_path")
@@ -269,12 +294,35 @@ class MarginData:
     guard: GuardConfig = GUARD_OFF  # the guard the replay applies
     # Tree steps only: one row per node on the accepted path or beside it ([T, len(TREE_COLS)]).
     tree_nodes: np.ndarray = field(default_factory=lambda: np.zeros((0, len(TREE_COLS))))
+    # The per-token rules' facts (verify.PositionFacts), as the verifier computes them:
+    p_draft: np.ndarray | None = None  # [P] p(draft) (float32 in the verifier)
+    p1: np.ndarray | None = None  # [P] the top probability
+    target_rank: np.ndarray | None = None  # [P] 1 + number of tokens with a larger logit
+    entropy: np.ndarray | None = None  # [P] H(p) in nats (nan: not recorded)
+    z_draft: np.ndarray | None = None  # [P] the draft's raw logit
+    regret: np.ndarray | None = None  # [P] the draft's own regret z1 - z(draft) (not summed)
+    sampled: bool = False  # some step sampled (greedy-only rules cannot be replayed on it)
     _grid: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         # Data without a guard (built by hand): nothing guarded, one record, no budget base.
         if self.guarded is None:
             self.guarded = np.zeros(len(self.rank))
+        # Hand-made data without the per-token facts: what follows from the columns there
+        # (at T = 1, log p1 - log p(x) = z1 - z(x)); ranks beyond 2 are only known to be >= 3;
+        # the entropy is unknown (the typical rule refuses to replay without it).
+        if self.p_draft is None:
+            self.p_draft = np.exp(self.logp_draft)
+        if self.p1 is None:
+            self.p1 = np.exp(self.logp1)
+        if self.target_rank is None:
+            self.target_rank = np.asarray(self.rank, dtype=np.float64).copy()
+        if self.entropy is None:
+            self.entropy = np.full(len(self.rank), math.nan)
+        if self.regret is None:
+            self.regret = np.where(self.rank == RANK_TOP1, 0.0, self.logp1 - self.logp_draft)
+        if self.z_draft is None:
+            self.z_draft = self.z1 - self.regret
         if self.step_record is None:
             self.step_record = np.zeros(len(self.step_k), dtype=np.int64)
         if self.record_max_tokens is None:
@@ -306,6 +354,7 @@ class MarginData:
             step_k=np.concatenate([p.step_k for p in parts]),
             step_n=np.concatenate([p.step_n for p in parts]),
             tokens=sum(p.tokens for p in parts),
+            sampled=any(p.sampled for p in parts),
             records=sum(p.records for p in parts),
             failed_records=sum(p.failed_records for p in parts),
             **{name: np.concatenate([getattr(p, name) for p in parts]) for name in _COLS},
@@ -316,46 +365,66 @@ class MarginData:
 
     # ------------------------------------------------------------------ replay
 
-    def _matrices(self, margin: str) -> dict[str, np.ndarray]:
-        """Positions laid out as [S, Kmax] matrices (cached per statistic)."""
-        if margin in self._grid:
-            return self._grid[margin]
-        S = self.steps
-        K = int(self.step_k.max()) if S else 0
-        valid = np.arange(K)[None, :] < self.step_k[:, None]  # [S, K]
-        def lay(values: np.ndarray, fill: float) -> np.ndarray:
-            m = np.full((S, K), fill, dtype=np.float64)
-            m[valid] = values  # row-major order == step order, then position order
-            return m
-        gain = np.where(self.rank == RANK_TOP1, 0.0, self.logp1 - self.logp_draft)
-        g = {
-            "valid": valid,
-            "stat": lay(self.statistic(margin), -math.inf),
-            "strict_ok": lay(self.strict_ok, 0.0) > 0.5,
-            "guarded": lay(self.guarded, 0.0) > 0.5,
-            # The facts' in_top2: the draft is the target's top-1/top-2 with p > 0.
-            "eligible": lay(((self.rank <= RANK_TOP2) & np.isfinite(self.logp_draft)).astype(float), 0.0) > 0.5,
-            "gain": lay(gain, 0.0),
-        }
-        self._grid[margin] = g
+    def grid(self, margin: str | None = None) -> dict[str, np.ndarray]:
+        """Positions laid out as [S, Kmax] matrices (cached; ``stat:<margin>`` on demand)."""
+        g = self._grid
+        if not g:
+            S = self.steps
+            K = int(self.step_k.max()) if S else 0
+            valid = np.arange(K)[None, :] < self.step_k[:, None]  # [S, K]
+
+            def lay(values: np.ndarray, fill: float) -> np.ndarray:
+                m = np.full((S, K), fill, dtype=np.float64)
+                m[valid] = values  # row-major order == step order, then position order
+                return m
+            g.update(
+                lay=lay,
+                valid=valid,
+                strict_ok=lay(self.strict_ok, 0.0) > 0.5,
+                guarded=lay(self.guarded, 0.0) > 0.5,
+                # The facts' in_top2: the draft is the target's top-1/top-2 with p > 0.
+                eligible=lay(((self.rank <= RANK_TOP2) & np.isfinite(self.logp_draft)).astype(float), 0.0) > 0.5,
+                gain=lay(np.where(self.rank == RANK_TOP1, 0.0, self.logp1 - self.logp_draft), 0.0),
+                p_draft=lay(self.p_draft, 0.0),
+                p1=lay(self.p1, 1.0),
+                rank=lay(self.target_rank, math.inf),
+                entropy=lay(self.entropy, 0.0),
+                # The step's summed regret so far, as verify.chain_facts sums it (padding: 0).
+                regret=np.cumsum(lay(self.regret, 0.0), axis=1),
+            )
+        if margin is not None and f"stat:{margin}" not in g:
+            g[f"stat:{margin}"] = g["lay"](self.statistic(margin), -math.inf)
         return g
 
-    def replay(self, theta: float, margin: str) -> Replay:
-        """Every step of the collection run, verified by MARS at ``theta`` (with the data's
-        loop guard and relaxation budget) instead."""
-        from marscli.verify import (
-            MARS,
-            PositionFacts,
-            Rule,
-            relaxed_positions,
-        )
+    def facts(self, rule) -> Any:
+        """The recorded facts as verify.PositionFacts of [S, Kmax] numpy arrays, for ``rule``
+        (with the loop guard's verdicts when the data's guard is on)."""
+        from marscli.verify import MARS, GREEDY_MODE, SAMPLING_MODE, TYPICAL, PositionFacts
 
-        g = self._matrices(margin)
+        if self.sampled and SAMPLING_MODE not in rule.modes:
+            raise ValueError(f"the {rule.name} rule is defined for {GREEDY_MODE} decoding only; "
+                             "these margins were collected while sampling")
+        g = self.grid(rule.margin if rule.name == MARS else None)
+        if rule.name == TYPICAL and np.isnan(g["entropy"][g["valid"]]).any():
+            raise ValueError("the typical rule needs the entropy at each position, which these "
+                             "data lack (collect them again with this marscli)")
+        guarded = g["guarded"] if self.guard.repeat_ngram else None
+        if rule.name == MARS:
+            return PositionFacts({rule.margin: g[f"stat:{rule.margin}"]}, g["eligible"], g["strict_ok"], guarded)
+        return PositionFacts({}, None, g["strict_ok"], guarded, p_draft=g["p_draft"], p1=g["p1"],
+                             rank=g["rank"], entropy=g["entropy"], regret=g["regret"])
+
+    def replay(self, rule: Any, margin: str | None = None) -> Replay:
+        """Every step of the collection run, verified by ``rule`` (a verify.Rule; or a theta
+        and a margin: MARS there, strict at +inf) instead, with the data's loop guard and
+        relaxation budget. Each position is judged by verify's own Rule.decide."""
+        from marscli.verify import LOGIT_RATIO, MARS, Rule, relaxed_positions
+
+        if not isinstance(rule, Rule):
+            rule = Rule(MARS, float(rule), margin or LOGIT_RATIO)
+        g = self.grid()
         S, P = self.steps, self.positions
-        rule = Rule(MARS, theta, margin)
-        # The verifier's own per-position decision, on the recorded facts.
-        facts = PositionFacts({margin: g["stat"]}, g["eligible"], g["strict_ok"],
-                              g["guarded"] if self.guard.repeat_ngram else None)
+        facts = self.facts(rule)
         decision = rule.decide(facts)
         if self.guard.budgeted and rule.relaxes and S:
             facts.guarded = self._budget_guard(decision, g) | (
@@ -366,17 +435,21 @@ class MarginData:
         n = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(S, dtype=np.int64)
         accepted = np.arange(ok.shape[1])[None, :] < n[:, None]
         relaxed = relaxed_positions(accepted, relaxable, g["strict_ok"])
+        relaxing = ok & relaxable & ~g["strict_ok"]  # accepted on their own only if relaxed
         emitted = int(n.sum()) + S
+        knob = rule.knob or ("theta", math.inf)
         return Replay(
-            theta=theta,
+            theta=knob[1],
             num_accepted=n,
             relaxable_share=float(relaxable.sum() / P) if P else 0.0,
             relaxed=int(relaxed.sum()),
             emitted=emitted,
             tau=emitted / S if S else 0.0,
             nll_increase=float(g["gain"][relaxed].sum() / emitted) if emitted else 0.0,
+            knob_name=knob[0],
+            relax_rate=float(relaxing.sum() / P) if P else 0.0,
+            relaxing=int(relaxing.sum()),
         )
-
 
     def _budget_guard(self, decision, g) -> np.ndarray:
         """[S, K] bool: positions reached after the record's relaxation budget is spent, as
@@ -399,13 +472,20 @@ class MarginData:
 
 @dataclass
 class Replay:
-    theta: float
+    theta: float  # the rule's main knob's value (named knob_name; theta for MARS)
     num_accepted: np.ndarray  # [S]
-    relaxable_share: float
+    relaxable_share: float  # positions where the rule relaxed the check (MARS: statistic > theta)
     relaxed: int
     emitted: int
     tau: float
     nll_increase: float  # nats per emitted token
+    knob_name: str = "theta"
+    #: The relax rate (every rule's common measure; bench --match-relax-rate matches it): the
+    #: share of verified draft positions at which the rule, judging the position on its own
+    #: (Rule.decide, loop guard and budget applied), accepts a draft strict verification
+    #: rejects there: decision.ok & decision.relaxable & ~strict_ok, over all positions.
+    relax_rate: float = 0.0
+    relaxing: int = 0  # the count behind relax_rate
 
     @property
     def relaxed_share(self) -> float:
@@ -413,8 +493,9 @@ class Replay:
 
     def row(self) -> dict[str, float]:
         return {
-            "theta": self.theta,
+            self.knob_name: self.theta,
             "relaxable_share": _r(self.relaxable_share),
+            "relax_rate": _r(self.relax_rate),
             "relaxed_share": _r(self.relaxed_share),
             "tau": _r(self.tau),
             "nll_increase": _r(self.nll_increase),
@@ -428,7 +509,7 @@ def _r(x: float, digits: int = 6) -> float:
 # --------------------------------------------------------------------------- policies
 
 
-def _sensitive_candidates(data: MarginData, margin: str) -> np.ndarray:
+def sensitive_candidates(data: MarginData, margin: str) -> np.ndarray:
     """Distinct statistic values, highest first, at positions where relaxing changes the
     outcome (MARS and strict disagree there): the cost and tau only change at these."""
     stat = data.statistic(margin)
@@ -454,7 +535,7 @@ def pick_max_nll_increase(data: MarginData, margin: str, eps: float) -> float:
     token can unlock a run of exact acceptances.) Positions relax only when their statistic
     exceeds theta, so theta = c excludes c itself.
     """
-    cands = _sensitive_candidates(data, margin)
+    cands = sensitive_candidates(data, margin)
     if len(cands) == 0:
         return 1.0  # nothing on record where relaxing would change anything
     best = float(cands[0])  # relaxes none of the sensitive positions: cost 0
@@ -547,19 +628,23 @@ class Calibration:
     margin: str
     policy: str
     policy_value: float
-    theta: float
+    theta: float  # the rule's main knob's chosen value (theta for MARS)
     summary: dict[str, float]
     histogram: dict[str, Any]
     curve: list[dict[str, float]]
+    rule: Any = None  # the verify.Rule chosen; None: MARS at theta with this margin
+
+    def chosen_rule(self):
+        from marscli.verify import MARS, Rule
+
+        return self.rule if self.rule is not None else Rule(MARS, self.theta, self.margin)
 
 
-def analyse(data: MarginData, margin: str, policy: str, value: float,
-            seconds: float) -> Calibration:
-    theta = choose_theta(data, margin, policy, value)
-    at = data.replay(theta, margin)
-    strict = data.replay(math.inf, margin)
+def summary_figures(data: MarginData, at: Replay, strict: Replay, seconds: float) -> dict[str, float]:
+    """The profile's summary: the chosen rule's replay beside strict's (tau_mars holds the
+    chosen rule's tau whatever the rule: the key is schema 1's) and the measured run."""
     measured_tau = data.tokens / data.steps if data.steps else 0.0
-    summary = {
+    return {
         "relaxable_share": _r(at.relaxable_share),
         "relaxed_share": _r(at.relaxed_share),
         "tau_strict": _r(strict.tau),
@@ -567,6 +652,22 @@ def analyse(data: MarginData, margin: str, policy: str, value: float,
         "nll_increase": _r(at.nll_increase),
         "measured_tau_strict": _r(measured_tau),
         "measured_tokens_per_s": _r(data.tokens / seconds if seconds > 0 else 0.0),
+        "relax_rate": _r(at.relax_rate),
     }
+
+
+def analyse(data: MarginData, margin: str, policy: str, value: float,
+            seconds: float, rule=None, alpha_given: bool | None = None) -> Calibration:
+    """Choose the knob by the policy and gather the profile's figures. ``rule``: a
+    verify.Rule whose main knob is fitted (its other knobs kept; marscli.calibrate_rules);
+    None or MARS: theta for ``margin`` (MARS's own policies, unchanged)."""
+    from marscli.verify import MARS
+
+    if rule is not None and rule.name != MARS:
+        from marscli.calibrate_rules import RuleFamily, analyse_rule
+
+        return analyse_rule(data, RuleFamily.of(rule, alpha_given), policy, value, seconds)
+    theta = choose_theta(data, margin, policy, value)
+    summary = summary_figures(data, data.replay(theta, margin), data.replay(math.inf, margin), seconds)
     curve = trade_off_curve(data, margin, curve_thetas(data, margin, (theta,)))
     return Calibration(margin, policy, float(value), theta, summary, histogram(data, margin), curve)

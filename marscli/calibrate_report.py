@@ -16,16 +16,20 @@ def curve_table(profile_data: dict[str, Any], title: str | None = None):
     """A rich Table of a profile's trade-off curve; the chosen theta's row is marked."""
     from rich.table import Table
 
-    theta = profile_data["verification"]["theta"]
+    knob, theta = chosen_knob(profile_data)
+    rows = profile_data["curve"]
     t = Table(title=title, title_justify="left")
-    for col in ("theta", "relaxable", "relaxed/token", "tau (est.)", "NLL +nats/token"):
+    for col in (knob, "relaxable", "relax rate", "relaxed/token", "tau (est.)", "NLL +nats/token"):
         t.add_column(col, justify="right")
-    for row in profile_data["curve"]:
-        chosen = math.isfinite(row["theta"]) and row["theta"] == theta
-        th = "strict" if not math.isfinite(row["theta"]) else f"{row['theta']:.6g}"
+    for i, row in enumerate(rows):
+        strict = i == len(rows) - 1 or not math.isfinite(row[knob])  # the last row is strict's
+        chosen = not strict and row[knob] == theta
+        th = "strict" if strict else f"{row[knob]:.6g}"
+        rate = row.get("relax_rate")
         t.add_row(
             ("> " if chosen else "") + th,
             f"{row['relaxable_share']:.3f}",
+            "-" if rate is None else f"{rate:.3f}",
             f"{row['relaxed_share']:.3f}",
             f"{row['tau']:.3f}",
             f"{row['nll_increase']:.4f}",
@@ -34,10 +38,20 @@ def curve_table(profile_data: dict[str, Any], title: str | None = None):
     return t
 
 
+def chosen_knob(profile_data: dict[str, Any]) -> tuple[str, float]:
+    """(name, value) of a profile document's main knob (theta for mars)."""
+    from marscli.profiles import MAIN_KNOB
+
+    v = profile_data["verification"]
+    name = MAIN_KNOB[v.get("rule", "mars")]
+    return name, v[name]
+
+
 def histogram_text(hist: dict[str, Any], theta: float | None = None, rows: int = 20,
-                   width: int = 40) -> str:
+                   width: int = 40, knob: str = "theta") -> str:
     """A terminal histogram of the statistic, split by draft rank (1 = top-1 '#', 2 = top-2
-    '=', other '.'), over the occupied part of [0, 1]; the bin holding theta is marked."""
+    '=', other '.'), over the occupied part of its range; the bin holding the knob's value
+    (``theta``, named ``knob``) is marked."""
     edges = np.asarray(hist["edges"])
     counts = np.stack([np.asarray(hist["counts"][k]) for k in RANK_KEYS])  # [3, bins]
     total = counts.sum(axis=0)
@@ -58,7 +72,7 @@ def histogram_text(hist: dict[str, Any], theta: float | None = None, rows: int =
         bar = ""
         for ch, c in zip("#=.", s):
             bar += ch * int(round(width * int(c) / peak))
-        mark = " <- theta" if theta is not None and a < theta <= b else ""
+        mark = f" <- {knob}" if theta is not None and a < theta <= b else ""
         lines.append(f" {a:.3f}-{b:.3f} |{bar:<{width}}|{int(s.sum()):>7}{mark}")
     return "\n".join(lines)
 
@@ -75,7 +89,7 @@ def plot_profile(profile_data: dict[str, Any], path: str) -> None:
 
         raise UsageError("--plot needs matplotlib: pip install 'marscli[plot]'") from None
     hist = profile_data["histogram"]
-    theta = profile_data["verification"]["theta"]
+    knob, theta = chosen_knob(profile_data)
     edges = np.asarray(hist["edges"])
     centers = (edges[:-1] + edges[1:]) / 2
     width = np.diff(edges)
@@ -88,16 +102,16 @@ def plot_profile(profile_data: dict[str, Any], path: str) -> None:
     nz = np.nonzero(bottom)[0]
     if len(nz):
         ax1.set_xlim(edges[nz[0]], edges[nz[-1] + 1])
-    ax1.axvline(theta, color="k", linestyle="--", label=f"theta = {theta:.4g}")
+    ax1.axvline(theta, color="k", linestyle="--", label=f"{knob} = {theta:.4g}")
     ax1.set_xlabel(hist["statistic"])
     ax1.set_ylabel("verified draft positions")
     ax1.legend()
-    rows = [r for r in profile_data["curve"] if math.isfinite(r["theta"])]
+    rows = [r for r in profile_data["curve"][:-1] if math.isfinite(r[knob])]
     xs = [r["nll_increase"] for r in rows]
     ys = [r["tau"] for r in rows]
     ax2.plot(xs, ys, marker="o")
     for r in rows:
-        ax2.annotate(f"{r['theta']:.3g}", (r["nll_increase"], r["tau"]), fontsize=7)
+        ax2.annotate(f"{r[knob]:.3g}", (r["nll_increase"], r["tau"]), fontsize=7)
     strict = profile_data["summary"]["tau_strict"]
     ax2.axhline(strict, color="gray", linestyle=":", label=f"strict tau = {strict:.3g}")
     s = profile_data["summary"]
@@ -106,13 +120,19 @@ def plot_profile(profile_data: dict[str, Any], path: str) -> None:
     ax2.set_ylabel("estimated mean acceptance length")
     ax2.legend()
     fig.suptitle(f"{profile_data['name']}: {profile_data['policy']['name']} "
-                 f"{profile_data['policy']['value']:g} -> theta {theta:.4g}")
+                 f"{profile_data['policy']['value']:g} -> {knob} {theta:.4g}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 # --------------------------------------------------------------------------- the profile
+
+
+def verification_section(cal: Calibration, data: MarginData) -> dict[str, Any]:
+    """The profile's verification: the rule, its knobs (verify.Rule.knobs) and the guard."""
+    rule = cal.chosen_rule()
+    return {"rule": rule.name, **rule.knobs(), "guard": data.guard.to_dict()}
 
 
 def build_profile(*, name: str, cal: Calibration, data: MarginData, target_identity: dict,
@@ -140,7 +160,7 @@ def build_profile(*, name: str, cal: Calibration, data: MarginData, target_ident
             **({"tree": {"depth": draft_cfg.tree_depth, "top_k": draft_cfg.tree_top_k,
                          "tokens": draft_cfg.tree_tokens}} if getattr(draft_cfg, "tree", False) else {}),
         },
-        "verification": {"margin": cal.margin, "theta": cal.theta, "guard": data.guard.to_dict()},
+        "verification": verification_section(cal, data),
         "policy": {"name": cal.policy, "value": cal.policy_value},
         "sampling": {
             "temperature": sampling.temperature,

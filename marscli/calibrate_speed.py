@@ -1,4 +1,5 @@
-"""Speed-aware calibration: the speed-up each candidate theta is predicted to give, from the
+"""Speed-aware calibration: the speed-up each candidate theta (or another rule's knob value:
+pass a calibrate_rules.RuleFamily where a margin is asked for) is predicted to give, from the
 collection run's replayed acceptance and the engine's measured step costs (marscli.costs).
 
 For a theta, replay says how many drafts every recorded step would have accepted
@@ -40,38 +41,59 @@ def plain_step_units(data, costs, batch_size: int) -> float:
     return float(sum(costs.step(batch_size, int(k)) for k in data.step_k)) / plain
 
 
-def predicted_speedup(data, margin: str, theta: float, costs, batch_size: int = 1,
+def _replay(data, on, value: float):
+    """``on``: a margin name (MARS at theta = value; strict at +inf) or a
+    calibrate_rules.RuleFamily (that rule at value; strict at +inf)."""
+    from marscli.verify import STRICT, Rule
+
+    if isinstance(on, str):
+        return data.replay(value, on)
+    return data.replay(Rule(STRICT) if value == math.inf else on.at(value))
+
+
+def _knob(on) -> tuple[str, int]:
+    """(the curve's knob column, +1 when larger values relax more, -1 otherwise)."""
+    return ("theta", -1) if isinstance(on, str) else (on.knob, on.direction)
+
+
+def predicted_speedup(data, margin, theta: float, costs, batch_size: int = 1,
                       units: float | None = None) -> float:
-    """Tokens per plain-step time had the run been verified at theta (1.0: as fast as plain)."""
+    """Tokens per plain-step time had the run been verified at theta (1.0: as fast as plain).
+    ``margin``: MARS's statistic, or a calibrate_rules.RuleFamily with theta its knob."""
     units = plain_step_units(data, costs, batch_size) if units is None else units
     if units <= 0:
         return 1.0
-    return data.replay(theta, margin).emitted / units
+    return _replay(data, margin, theta).emitted / units
 
 
-def speed_curve(data, margin: str, thetas: list[float], costs, batch_size: int = 1) -> list[dict[str, float]]:
-    """One row per theta (and strict, theta = inf): its predicted speed-up over plain."""
+def speed_curve(data, margin, thetas: list[float], costs, batch_size: int = 1) -> list[dict[str, float]]:
+    """One row per knob value (and strict, +inf): its predicted speed-up over plain."""
     units = plain_step_units(data, costs, batch_size)
+    key, _ = _knob(margin)
     rows = []
     for t in list(thetas) + [math.inf]:
-        rows.append({"theta": float(t),
+        rows.append({key: float(t),
                      "speedup": round(predicted_speedup(data, margin, t, costs, batch_size, units), 4)})
     return rows
 
 
-def fastest_within_budget(curve: list[dict[str, float]], budget_theta: float) -> float:
-    """The fastest theta at or above budget_theta (the quality policy's choice); among those
-    within SPEED_TIE of it, the largest (least relaxed)."""
-    allowed = [r for r in curve if r["theta"] >= budget_theta and math.isfinite(r["theta"])]
+def fastest_within_budget(curve: list[dict[str, float]], budget_theta: float, on: Any = "logit-ratio") -> float:
+    """The fastest knob value at or beyond budget_theta towards strict (the quality policy's
+    choice; theta: at or above it); among those within SPEED_TIE of it, the least relaxed.
+    ``on`` as in predicted_speedup."""
+    key, direction = _knob(on)
+    toward = (lambda x: x >= budget_theta) if direction < 0 else (lambda x: x <= budget_theta)
+    allowed = [r for r in curve if toward(r[key]) and math.isfinite(r[key])]
     if not allowed:
         return budget_theta
     best = max(r["speedup"] for r in allowed)
-    return max(r["theta"] for r in allowed if r["speedup"] >= best * (1.0 - SPEED_TIE))
+    fast = [r[key] for r in allowed if r["speedup"] >= best * (1.0 - SPEED_TIE)]
+    return max(fast) if direction < 0 else min(fast)
 
 
-def speed_section(data, margin: str, theta: float, objective: str, costs, batch_size: int,
+def speed_section(data, margin, theta: float, objective: str, costs, batch_size: int,
                   thetas: list[float]) -> dict[str, Any]:
-    """The profile's ``speed`` section for the chosen theta."""
+    """The profile's ``speed`` section for the chosen knob value."""
     curve = speed_curve(data, margin, sorted(set(thetas) | {theta}), costs, batch_size)
     units = plain_step_units(data, costs, batch_size)
     strict = predicted_speedup(data, margin, math.inf, costs, batch_size, units)

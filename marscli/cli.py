@@ -282,6 +282,8 @@ def generate(
         "  marscli calibrate prompts.jsonl                       # embedded model, ngram drafter, "
         "--max-nll-increase 0.02\n\n"
         "  marscli calibrate prompts.jsonl --relax-rate 0.10 --plot calib.png\n\n"
+        "  marscli calibrate prompts.jsonl --rule ratio        # fit rho: profile NAME.ratio.yaml\n\n"
+        "  marscli calibrate prompts.jsonl --rule topk --top-n 3 --relax-rate 0.05\n\n"
         "  marscli calibrate prompts.jsonl --batch-size 8      # 8 records at once, same profile\n\n"
         "  torchrun --nproc_per_node 8 -m marscli calibrate prompts.jsonl   # 8 GPUs, one profile\n\n"
         "  marscli calibrate prompts.jsonl --target ./Qwen3-8B --draft ./Qwen3-0.6B "
@@ -298,19 +300,28 @@ def calibrate(
     max_nll_increase: Annotated[Optional[float], typer.Option(min=0.0, help="Policy (default, 0.02): the most relaxing theta whose estimated cost stays within EPS nats of target log-probability per token.", rich_help_panel=PANEL_POLICY)] = None,
     relax_rate: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Policy: theta at which this share of verified draft positions is relaxable.", rich_help_panel=PANEL_POLICY)] = None,
     theta: Annotated[Optional[float], typer.Option(help="Policy: a fixed theta (e.g. the paper's 0.9), recorded as such.", rich_help_panel=PANEL_POLICY)] = None,
+    rule: Annotated[str, typer.Option("--rule", help="The rule whose main knob is calibrated: mars (theta), ratio (rho), topk (delta, at --top-n), typical (epsilon; alpha tied to sqrt(epsilon) unless --alpha), regret (budget; greedy only). Giving the main knob itself (--theta, --rho, --delta, --epsilon, --budget) is the fixed policy.", rich_help_panel=PANEL_POLICY)] = "mars",
+    rho: Annotated[Optional[float], typer.Option(help="--rule ratio: a fixed rho in (0, 1].", rich_help_panel=PANEL_POLICY)] = None,
+    top_n: Annotated[Optional[int], typer.Option("--top-n", help="--rule topk: the candidate set's size N, kept while delta is fitted (default 2).", rich_help_panel=PANEL_POLICY)] = None,
+    delta: Annotated[Optional[float], typer.Option(help="--rule topk: a fixed delta >= 0.", rich_help_panel=PANEL_POLICY)] = None,
+    epsilon: Annotated[Optional[float], typer.Option(help="--rule typical: a fixed epsilon in (0, 1].", rich_help_panel=PANEL_POLICY)] = None,
+    alpha: Annotated[Optional[float], typer.Option(help="--rule typical: a fixed alpha > 0 (default: sqrt(epsilon), following it).", rich_help_panel=PANEL_POLICY)] = None,
+    budget: Annotated[Optional[float], typer.Option(help="--rule regret: a fixed budget >= 0 (logits).", rich_help_panel=PANEL_POLICY)] = None,
     objective: Annotated[str, typer.Option(help="quality: the policy's theta; speed: the fastest theta within the policy's budget (predicted from replayed acceptance and measured step costs). Either way the profile records the predicted speed-up, and generate verifies strictly when relaxing gains under 3%.", rich_help_panel=PANEL_POLICY)] = "quality",
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
     *, model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
     guard: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
 ) -> None:
-    """Measure the target's margins over prompts and write a profile with a calibrated theta.
+    """Measure the target's margins over prompts and write a profile with a calibrated theta
+    (or another rule's knob: --rule).
 
-    Runs the target with the drafter under strict verification, records the margin statistics
-    at every verified draft position, replays each step under MARS for a grid of theta, and
-    picks theta by one policy. generate then finds the profile for this target and drafter.
+    Runs the target with the drafter under strict verification, records at every verified
+    draft position what every rule needs, replays each step under the rule for a grid of its
+    knob, and picks the knob by one policy. generate then finds the profile for this target
+    and drafter.
     """
     from marscli.config import CalibrateConfig
-    from marscli.jobs.calibrate import choose_policy, run_calibrate
+    from marscli.jobs.calibrate import choose_policy, choose_rule, run_calibrate
     from marscli.jobs.console import Log
     from marscli.config import VerifyRequest
     from marscli.jobs.setup import (
@@ -325,7 +336,11 @@ def calibrate(
     def job() -> int:
         d = drafting
         check_choices(d.margin, model.dtype, d.ngram_min, d.ngram_max)
-        policy, value = choose_policy(max_nll_increase, relax_rate, theta)
+        smp = _sampling(sampling)
+        template, fixed, alpha_given = choose_rule(
+            rule, theta=theta, rho=rho, top_n=top_n, delta=delta, epsilon=epsilon, alpha=alpha,
+            budget=budget, margin=d.margin or "logit-ratio", greedy=smp.greedy)
+        policy, value = choose_policy(max_nll_increase, relax_rate, fixed, knob=template.knob[0])
         if objective not in ("quality", "speed"):
             raise UsageError(f"--objective must be 'quality' or 'speed', got {objective!r}")
         draft_cfg = draft_config(d.draft, d.num_draft_tokens, d.adaptive, d.ngram_max, d.ngram_min, tree=_tree(d))
@@ -337,9 +352,9 @@ def calibrate(
         cfg = CalibrateConfig(
             input=input, output=output, name=name, target=target_cfg, draft=draft_cfg,
             draft_model=draft_model_cfg, margin=d.margin or "logit-ratio", policy=policy, policy_value=value,
-            sampling=_sampling(sampling), limit=run.limit, plot=plot, batch_size=run.batch_size,
+            sampling=smp, limit=run.limit, plot=plot, batch_size=run.batch_size,
             guard=resolve_guard(VerifyRequest(**guard_request(**vars(guard))), None),
-            objective=objective,
+            objective=objective, rule=template, alpha_given=alpha_given,
         )
         return run_calibrate(cfg, Log(run.quiet))
 
@@ -360,7 +375,7 @@ def profile_list() -> None:
     from marscli.profiles import ProfileError, iter_profile_files, load_profile, profile_dirs
 
     table = Table(title="search order: " + ", ".join(str(d) for d in profile_dirs()), title_justify="left")
-    for col in ("name", "target", "dtype", "drafter", "margin", "theta", "policy", "file"):
+    for col in ("name", "target", "dtype", "drafter", "rule", "knob", "policy", "file"):
         table.add_column(col)
     bad = 0
     for f in iter_profile_files():
@@ -376,7 +391,8 @@ def profile_list() -> None:
             drafter = f"eagle3:{d['drafter']['model']['name']}" + (" (tree)" if d["drafter"].get("tree") else "")
         quant = d["target"]["quantization"]
         table.add_row(p.name, d["target"]["name"], d["target"]["dtype"] + (f"/{quant}" if quant else ""),
-                      drafter, p.margin, f"{p.theta:.6g}", f"{d['policy']['name']} {d['policy']['value']:g}", str(f))
+                      drafter, p.rule_name if p.rule_name != "mars" else f"mars ({p.margin})",
+                      f"{p.knob[0]} {p.knob[1]:.6g}", f"{d['policy']['name']} {d['policy']['value']:g}", str(f))
     con = Console(highlight=False)
     if not con.is_terminal:
         con.width = 160  # piped: keep one profile per line
@@ -418,7 +434,7 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
             stderr_console().print(f"marscli: error: {e}", markup=False, soft_wrap=True)
             code = e.exit_code
             continue
-        print(f"{f}: ok (profile {p.name}, theta {p.theta:.6g}, sha256 {p.short_hash})")
+        print(f"{f}: ok (profile {p.name}, {p.knob[0]} {p.knob[1]:.6g}, sha256 {p.short_hash})")
     raise typer.Exit(code)
 
 

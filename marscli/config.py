@@ -319,3 +319,7 @@ class CalibrateConfig:
     #: must agree on which relaxations can happen.
     guard: GuardConfig = GuardConfig()
     objective: str = "quality"  # quality: the policy's theta; speed: the fastest within its budget
+    #: The rule whose main knob is fitted (a verify.Rule; its other knobs kept); None: mars
+    #: with ``margin``. ``alpha_given``: typical's alpha was given (else tied to sqrt(epsilon)).
+    rule: Any = None
+    alpha_given: bool = False

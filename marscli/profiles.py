@@ -1,4 +1,5 @@
-"""Calibration profiles: one YAML file per (target, drafter) holding a calibrated theta.
+"""Calibration profiles: one YAML file per (target, drafter, rule) holding a calibrated knob
+(MARS's theta, or another rule's: ``verification.rule``; mars when absent).
 
 A profile says which weights it was measured on (target identity: sha256 of a GGUF file or a
 fingerprint of a model folder, dtype, quantization, device type), with which drafter, which
@@ -183,6 +184,15 @@ def _mapping(fields: dict[str, Any], optional: tuple[str, ...] = ()):
 
 
 _share = _number(lo=0.0, hi=1.0)
+#: Rules a profile may hold (verify.RULES but strict, which has nothing to calibrate).
+RELAXING_RULES = ("mars", "ratio", "topk", "typical", "regret")
+#: Knobs of the rules beside mars's margin and theta, in verify.Rule's field names.
+_RULE_KNOBS = ("rho", "top_n", "delta", "epsilon", "alpha", "budget")
+#: Each rule's knobs in a profile (verify.Rule.knobs()).
+RULE_KNOB_KEYS = {"mars": ("margin", "theta"), "ratio": ("rho",), "topk": ("top_n", "delta"),
+                  "typical": ("epsilon", "alpha"), "regret": ("budget",)}
+#: Each rule's main knob (verify.KNOBS): the curve's column.
+MAIN_KNOB = {"mars": "theta", "ratio": "rho", "topk": "delta", "typical": "epsilon", "regret": "budget"}
 _count = _integer(lo=0)
 _rank_counts = _mapping({k: _list(_count) for k in RANK_KEYS})
 _IDENTITY = {
@@ -197,13 +207,17 @@ _IDENTITY = {
     "device_type": _string,
 }
 _identity = _mapping(_IDENTITY)
+#: The main knob of each relaxing rule (verify.KNOBS; a curve row carries its rule's).
+KNOB_KEYS = ("theta", "rho", "delta", "epsilon", "budget")
 _curve_row = _mapping({
-    "theta": _number(finite=False),
+    **{k: _number(finite=False) for k in KNOB_KEYS},
     "relaxable_share": _share,
+    # optional (profiles before it load unchanged): the relax rate (marscli.calibrate_rules)
+    "relax_rate": _share,
     "relaxed_share": _share,
     "tau": _number(lo=0.0),
     "nll_increase": _number(lo=0.0),
-})
+}, optional=KNOB_KEYS + ("relax_rate",))
 
 #: Optional (profiles before it load unchanged): the predicted speed (marscli.calibrate_speed).
 _speed = _mapping({
@@ -215,7 +229,8 @@ _speed = _mapping({
     "relaxed_gain": _number(),
     "min_gain": _number(lo=0.0),
     "verify_strictly": _boolean,
-    "curve": _list(_mapping({"theta": _number(finite=False), "speedup": _number(lo=0.0)})),
+    "curve": _list(_mapping({**{k: _number(finite=False) for k in KNOB_KEYS}, "speedup": _number(lo=0.0)},
+                            optional=KNOB_KEYS)),
 })
 
 _SCHEMA = _mapping({
@@ -236,8 +251,17 @@ _SCHEMA = _mapping({
                                     "tokens": _integer(lo=2)})),
     }, optional=("tree",)),
     "verification": _mapping({
+        # the rule (absent in profiles before issue 14: mars) and its knobs (verify.Rule.knobs;
+        # mars: margin and theta; the others' knobs only with their rule: _check_verification)
+        "rule": _choice(*RELAXING_RULES),
         "margin": _choice("logit-ratio", "prob-ratio"),
         "theta": _number(),
+        "rho": _number(),
+        "top_n": _integer(lo=1),
+        "delta": _number(),
+        "epsilon": _number(),
+        "alpha": _number(),
+        "budget": _number(),
         # the loop guard the theta was calibrated with (absent in older profiles: the
         # default guard applies, and the theta was calibrated without one)
         "guard": _mapping({
@@ -245,7 +269,7 @@ _SCHEMA = _mapping({
             "repeat_window": _integer(lo=1),
             "max_relaxed_share": _share,
         }),
-    }, optional=("guard",)),
+    }, optional=("guard", "rule", "margin", "theta") + _RULE_KNOBS),
     "policy": _mapping({
         "name": _choice(*POLICIES),
         "value": _number(),
@@ -275,9 +299,11 @@ _SCHEMA = _mapping({
         "nll_increase": _number(lo=0.0),
         "measured_tau_strict": _number(lo=0.0),
         "measured_tokens_per_s": _number(lo=0.0),
-    }),
+        "relax_rate": _share,  # optional: profiles before it load unchanged
+    }, optional=("relax_rate",)),
     "histogram": _mapping({
-        "statistic": _choice("logit-ratio", "prob-ratio"),
+        # a rule's statistic (marscli.calibrate_rules.STATISTIC_NAMES beside mars's margins)
+        "statistic": _choice("logit-ratio", "prob-ratio", "p-ratio", "p-gap", "p-draft", "regret"),
         "edges": _list(_number(), min_len=2),
         "below": _mapping({k: _count for k in RANK_KEYS}),
         "counts": _rank_counts,
@@ -285,6 +311,35 @@ _SCHEMA = _mapping({
     "curve": _list(_curve_row),
     "speed": _speed,
 }, optional=("speed",))
+
+
+def _check_verification(v: dict, path: str) -> None:
+    """The knobs present are exactly the rule's, each in its range (verify.Rule checks)."""
+    from marscli.verify import Rule
+
+    rule = v.get("rule", "mars")
+    want = RULE_KNOB_KEYS[rule]
+    for key in ("margin", "theta") + _RULE_KNOBS:
+        if key in v and key not in want:
+            raise _Invalid(f"{path}.{key}", f"not a knob of rule {rule} (its knobs: {', '.join(want)})")
+    for key in want:
+        if key not in v:
+            raise _Invalid(f"{path}.{key}", "missing" + ("" if rule == "mars" else f" (rule {rule})"))
+    for key in want:
+        if key == "margin":
+            continue
+        try:
+            Rule(rule, **{key: v[key]})
+        except ValueError as e:  # "--rho must be in (0, 1], got 0" -> the profile's words
+            raise _Invalid(f"{path}.{key}", str(e).replace(f"--{key.replace('_', '-')} ", "")) from None
+
+
+def _check_curve_knobs(rows: list, knob: str, path: str) -> None:
+    for i, row in enumerate(rows):
+        keys = [k for k in KNOB_KEYS if k in row]
+        if keys != [knob]:
+            raise _Invalid(f"{path}[{i}]", f"expected the knob {knob} (and no other), got "
+                           f"{', '.join(keys) or 'none'}")
 
 
 def _check_histogram(h: dict, path: str) -> None:
@@ -359,12 +414,37 @@ class Profile:
         return self.data["name"]
 
     @property
+    def rule_name(self) -> str:
+        """The profile's rule: mars in profiles from before issue 14."""
+        return self.data["verification"].get("rule", "mars")
+
+    @property
+    def rule(self):
+        """The calibrated verify.Rule with the profile's knobs (the loop guard is apart:
+        ``guard``)."""
+        from marscli.verify import Rule
+
+        v = self.data["verification"]
+        return Rule(self.rule_name, **{k: v[k] for k in RULE_KNOB_KEYS[self.rule_name]})
+
+    @property
     def theta(self) -> float:
+        """MARS's theta; a profile of another rule has none (use ``rule``)."""
+        if self.rule_name != "mars":
+            raise ProfileError(f"{self.describe()}: calibrated for the {self.rule_name} rule, "
+                               f"not mars: it has no theta ({self.rule.label()})")
         return self.data["verification"]["theta"]
 
     @property
     def margin(self) -> str:
-        return self.data["verification"]["margin"]
+        """MARS's margin statistic (logit-ratio for a profile of another rule: unused)."""
+        return self.data["verification"].get("margin", "logit-ratio")
+
+    @property
+    def knob(self) -> tuple[str, float]:
+        """(name, value) of the rule's main knob, as calibrated."""
+        name = MAIN_KNOB[self.rule_name]
+        return name, self.data["verification"][name]
 
     @property
     def guard(self):
@@ -418,6 +498,11 @@ def validate_profile(raw: Any, source: str) -> dict[str, Any]:
         )
     try:
         data = _SCHEMA(raw, "")
+        _check_verification(data["verification"], "verification")
+        knob = MAIN_KNOB[data["verification"].get("rule", "mars")]
+        _check_curve_knobs(data["curve"], knob, "curve")
+        if "speed" in data:
+            _check_curve_knobs(data["speed"]["curve"], knob, "speed.curve")
         _check_histogram(data["histogram"], "histogram")
     except _Invalid as e:
         raise ProfileError(f"{source}: {e.path}: {e.message}") from None
@@ -590,10 +675,12 @@ def match_problems(profile: Profile, target_identity: dict[str, Any],
 
 
 def find_matching_profile(target_identity: dict[str, Any], drafter: dict[str, Any],
-                          note: Callable[[str], None] | None = None) -> Profile | None:
+                          note: Callable[[str], None] | None = None,
+                          rule: str | None = None) -> Profile | None:
     """The profile for this target and drafter: user dir first, then packaged; newest first
     within a dir. Profiles for the same weights calibrated under another dtype, quantization
-    or device type are not used, and ``note`` says why."""
+    or device type are not used, and ``note`` says why. ``rule``: only profiles of that rule
+    (None: of any rule, the newest)."""
     note = note or (lambda _msg: None)
     for d in profile_dirs():
         candidates = []
@@ -604,7 +691,7 @@ def find_matching_profile(target_identity: dict[str, Any], drafter: dict[str, An
                 note(f"skipping profile {e}")
                 continue
             problems = match_problems(prof, target_identity, drafter)
-            if problems is None:
+            if problems is None or (rule is not None and prof.rule_name != rule):
                 continue
             if problems:
                 note(f"profile {prof.describe()} is for these weights but was calibrated with "
@@ -617,8 +704,10 @@ def find_matching_profile(target_identity: dict[str, Any], drafter: dict[str, An
 
 
 def default_profile_name(target_name: str, drafter_kind: str, draft_name: str | None,
-                         dtype: str, quantization: str | None) -> str:
-    """A file-name-safe profile name, e.g. smollm2-135m-instruct.ngram.float32."""
+                         dtype: str, quantization: str | None, rule: str = "mars") -> str:
+    """A file-name-safe profile name, e.g. smollm2-135m-instruct.ngram.float32; a rule other
+    than mars is appended (smollm2-135m-instruct.ngram.float32.ratio), so that profiles of
+    several rules for one target and drafter live side by side."""
     drafter = drafter_kind
     if drafter_kind == "model" and draft_name:
         drafter = draft_name
@@ -627,5 +716,7 @@ def default_profile_name(target_name: str, drafter_kind: str, draft_name: str | 
     parts = [target_name, drafter, dtype]
     if quantization:
         parts.append(quantization)
+    if rule != "mars":
+        parts.append(rule)
     slug = ".".join(re.sub(r"[^a-z0-9]+", "-", str(x).lower()).strip("-") for x in parts)
     return slug or "profile"

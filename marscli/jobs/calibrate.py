@@ -1,5 +1,5 @@
-"""The calibrate job: collect margins under strict verification, choose theta, write and
-show the profile.
+"""The calibrate job: collect margins under strict verification, choose a rule's knob (MARS's
+theta by default; `--rule`), write and show the profile.
 
 Under a launcher each process collects the margins of its shard of the records; the main
 process gathers them, merges them in input order (so the profile is the one a single
@@ -59,20 +59,56 @@ def collect_margins(engine, items, sampling, observer_for, skipped, tick) -> Non
 
 
 def choose_policy(max_nll_increase: float | None = None, relax_rate: float | None = None,
-                  theta: float | None = None) -> tuple[str, float]:
-    """The one policy that picks theta -> (name, value); the default: --max-nll-increase 0.02."""
+                  theta: float | None = None, knob: str = "theta") -> tuple[str, float]:
+    """The one policy that picks the knob (theta, or ``knob``: another rule's main knob,
+    whose fixed value comes in ``theta``) -> (name, value); the default:
+    --max-nll-increase 0.02."""
     from marscli.calibrate import DEFAULT_MAX_NLL_INCREASE
     from marscli.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
 
     chosen = [(n, v) for n, v in ((POLICY_MAX_NLL, max_nll_increase), (POLICY_RELAX_RATE, relax_rate),
                                   (POLICY_FIXED, theta)) if v is not None]
     if len(chosen) > 1:
-        raise UsageError("give one policy: --max-nll-increase, --relax-rate or --theta "
-                         f"(got {', '.join('--' + n if n != POLICY_FIXED else '--theta' for n, _ in chosen)})")
+        raise UsageError(f"give one policy: --max-nll-increase, --relax-rate or --{knob} "
+                         f"(got {', '.join('--' + n if n != POLICY_FIXED else '--' + knob for n, _ in chosen)})")
     if theta is not None and not math.isfinite(theta):
-        raise UsageError("--theta must be a finite number")
+        raise UsageError(f"--{knob} must be a finite number")
     policy, value = chosen[0] if chosen else (POLICY_MAX_NLL, DEFAULT_MAX_NLL_INCREASE)
     return policy, float(value)
+
+
+def choose_rule(rule: str = "mars", *, theta: float | None = None, rho: float | None = None,
+                top_n: int | None = None, delta: float | None = None, epsilon: float | None = None,
+                alpha: float | None = None, budget: float | None = None, margin: str = "logit-ratio",
+                greedy: bool = True):
+    """`calibrate --rule NAME` and its knob options -> (rule template, fixed knob value or
+    None, alpha given). The main knob given (--theta, --rho, --delta, --epsilon, --budget) is
+    the fixed policy; the others (--top-n, --alpha) are kept while the main one is fitted."""
+    from marscli.verify import KNOBS, MARS, RULES, STRICT, Rule
+
+    if rule not in RULES or rule == STRICT:
+        raise UsageError(f"--rule must be one of {', '.join(r for r in RULES if r != STRICT)}; got {rule!r}")
+    given = {"theta": theta, "rho": rho, "top_n": top_n, "delta": delta, "epsilon": epsilon,
+             "alpha": alpha, "budget": budget}
+    own = {MARS: ("theta",), "ratio": ("rho",), "topk": ("top_n", "delta"),
+           "typical": ("epsilon", "alpha"), "regret": ("budget",)}[rule]
+    stray = [k for k, v in given.items() if v is not None and k not in own]
+    if stray:
+        raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in stray)} "
+                         f"{'is not a knob' if len(stray) == 1 else 'are not knobs'} of --rule {rule}")
+    main = KNOBS[rule][0]
+    fixed = given[main]
+    if fixed is not None and not math.isfinite(fixed):
+        raise UsageError(f"--{main} must be a finite number")
+    kw = {k: given[k] for k in own if given[k] is not None}
+    try:
+        template = Rule(rule, margin=margin, **kw)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not greedy and "sampling" not in template.modes:
+        raise UsageError(f"the {rule} rule is defined for greedy decoding only: calibrate it "
+                         "with --temperature 0")
+    return template, fixed, alpha is not None
 
 
 def margins_profile(collector, failed: int, records: int, seconds: float, cfg: CalibrateConfig, target,
@@ -87,14 +123,18 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
     if data.positions == 0:
         raise MarscliError(f"{cfg.input}: the drafter proposed no tokens on these prompts, so there "
                            "are no margins to calibrate on (try --fixed-k, more or longer prompts, or another drafter)")
-    cal = analyse(data, cfg.margin, cfg.policy, cfg.policy_value, seconds)
+    try:
+        cal = analyse(data, cfg.margin, cfg.policy, cfg.policy_value, seconds, rule=cfg.rule,
+                      alpha_given=cfg.alpha_given)
+    except ValueError as e:  # a rule the data cannot replay (regret on sampled steps)
+        raise UsageError(str(e)) from None
     speed = None
     if costs is not None:
         cal, speed = speed_objective(cal, data, cfg, costs, seconds)
     ident = target.identity
     name = cfg.name or default_profile_name(
         str(ident.get("name")), cfg.draft.kind, draft_loaded.identity.get("name") if draft_loaded else None,
-        str(ident.get("dtype")), ident.get("quantization"))
+        str(ident.get("dtype")), ident.get("quantization"), rule=cal.chosen_rule().name)
     doc = build_profile(
         name=name, cal=cal, data=data, target_identity=ident, draft_cfg=cfg.draft,
         draft_identity=draft_loaded.identity if draft_loaded else None, sampling=cfg.sampling,
@@ -118,14 +158,23 @@ def speed_objective(cal, data, cfg: CalibrateConfig, costs, seconds: float):
     from marscli.calibrate_speed import fastest_within_budget, speed_curve, speed_section
     from marscli.profiles import POLICY_FIXED
 
-    thetas = curve_thetas(data, cfg.margin, (cal.theta,))
+    rule = getattr(cfg, "rule", None)
+    if rule is not None and rule.name != "mars":
+        from marscli.calibrate_rules import RuleFamily, curve_values
+
+        family = RuleFamily.of(rule, getattr(cfg, "alpha_given", None))
+        on, thetas = family, curve_values(data, family, (cal.theta,))
+    else:
+        on, thetas = cfg.margin, curve_thetas(data, cfg.margin, (cal.theta,))
     objective = getattr(cfg, "objective", "quality")
     if objective == "speed":
-        theta = fastest_within_budget(speed_curve(data, cfg.margin, thetas, costs, SPEED_BATCH_SIZE), cal.theta)
+        theta = fastest_within_budget(speed_curve(data, on, thetas, costs, SPEED_BATCH_SIZE), cal.theta,
+                                      on)
         if theta != cal.theta:
-            cal = dataclasses.replace(analyse(data, cfg.margin, POLICY_FIXED, theta, seconds),
+            cal = dataclasses.replace(analyse(data, cfg.margin, POLICY_FIXED, theta, seconds, rule=rule,
+                                              alpha_given=getattr(cfg, "alpha_given", None)),
                                       policy=cal.policy, policy_value=cal.policy_value)
-    return cal, speed_section(data, cfg.margin, cal.theta, objective, costs, SPEED_BATCH_SIZE, thetas)
+    return cal, speed_section(data, on, cal.theta, objective, costs, SPEED_BATCH_SIZE, thetas)
 
 
 def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
@@ -246,11 +295,15 @@ def show_profile(p, con) -> None:
     con.print(f"profile {p.describe()}  sha256 {p.short_hash}", markup=False)
     con.print(f"target {d['target']['name']} ({d['target']['dtype']}, {d['target']['device_type']}); "
               f"drafter {d['drafter']['kind']} K<={d['drafter']['num_draft_tokens']}", markup=False)
-    con.print(f"theta {p.theta:.6g} ({p.margin}) by {d['policy']['name']} {d['policy']['value']:g}; "
+    rule = p.rule
+    chosen = f"theta {p.theta:.6g} ({p.margin})" if rule.name == "mars" else rule.label()
+    con.print(f"{chosen} by {d['policy']['name']} {d['policy']['value']:g}; "
               f"calibrated on {cd['file']}: {cd['records']} records, {cd['tokens']} tokens, "
               f"{cd['positions']} verified draft positions", markup=False)
-    con.print(f"estimated: tau strict {s['tau_strict']:.3f} -> mars {s['tau_mars']:.3f}, relaxable "
-              f"{s['relaxable_share']:.3f}, relaxed {s['relaxed_share']:.3f}/token, NLL +{s['nll_increase']:.4f} nats/token",
-              markup=False)
-    con.print(histogram_text(d["histogram"], p.theta), markup=False, highlight=False)
+    rate = f", relax rate {s['relax_rate']:.3f}" if "relax_rate" in s else ""
+    con.print(f"estimated: tau strict {s['tau_strict']:.3f} -> {rule.name} {s['tau_mars']:.3f}, relaxable "
+              f"{s['relaxable_share']:.3f}{rate}, relaxed {s['relaxed_share']:.3f}/token, "
+              f"NLL +{s['nll_increase']:.4f} nats/token", markup=False)
+    knob, value = p.knob
+    con.print(histogram_text(d["histogram"], value, knob=knob), markup=False, highlight=False)
     con.print(curve_table(d, "trade-off curve (replayed on the calibration run)"))

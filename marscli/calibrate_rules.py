@@ -1,0 +1,262 @@
+"""Calibrating any rule's main knob (issue 14): MARS's theta, ratio's rho, topk's delta,
+typical's epsilon, regret's budget, by the policies of marscli.calibrate, on the same
+recorded facts (one collection run serves every rule).
+
+Each rule relaxes a position once its knob passes a **critical value** of that position
+(computed from the facts: MARS its statistic, ratio p(x)/p1, topk p1 - p(x), typical
+max(p(x), (p(x) e^H)^2) with alpha tied to sqrt(epsilon) or p(x) with alpha fixed, regret the
+step's summed regret so far). The replay only changes at those values, so a policy walks them
+from the knob's strict end towards more relaxing ones and keeps the last value whose replay
+(``MarginData.replay``, i.e. verify's own Rule.decide) keeps its promise. The critical
+values only say where to look; every promise is checked on the replay itself.
+
+The **relax rate** (``Replay.relax_rate``) is every rule's common measure of how much it
+relaxes: the share of verified draft positions at which the rule, judging the position on
+its own (with the loop guard and the relaxation budget as replayed), accepts a draft that
+strict verification rejects there. ``match_relax_rate`` sets each rule's knob so that all
+relax the same share: bench's ``--match-relax-rate``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from marscli.calibrate import MAX_CANDIDATES, MarginData, Replay, sensitive_candidates
+from marscli.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
+from marscli.verify import KNOBS, MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
+
+#: Chosen knobs are rounded towards the strict end to this many decimals when the policy's
+#: promise still holds there (as marscli.calibrate.THETA_DECIMALS for theta).
+KNOB_DECIMALS = 4
+#: Round values every curve shows beside the quantiles of the critical values.
+_ROUND_VALUES = {
+    MARS: (0.5, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99),
+    RATIO: (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
+    TOPK: (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5),
+    TYPICAL: (0.01, 0.05, 0.09, 0.2, 0.3, 0.5, 0.9),
+    REGRET: (0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
+}
+_QUANTILES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
+#: What each rule's histogram shows (Rule.statistic): its name and range.
+STATISTIC_NAMES = {RATIO: "p-ratio", TOPK: "p-gap", TYPICAL: "p-draft", REGRET: "regret"}
+
+
+@dataclass(frozen=True)
+class RuleFamily:
+    """A rule with its main knob free: ``at(value)`` is the rule at that value. typical's
+    alpha follows sqrt(epsilon) when ``tie_alpha`` (no --alpha given), else stays fixed."""
+
+    template: Rule
+    tie_alpha: bool = False
+
+    @classmethod
+    def of(cls, rule: Rule, alpha_given: bool | None = None) -> RuleFamily:
+        """``alpha_given`` None: a typical template whose alpha is sqrt(epsilon) is tied."""
+        if rule.name not in KNOBS:
+            raise ValueError(f"the {rule.name} rule has no knob to calibrate")
+        if rule.name != TYPICAL:
+            return cls(rule)
+        tied = rule.alpha == math.sqrt(rule.epsilon) if alpha_given is None else not alpha_given
+        return cls(rule, tied)
+
+    @property
+    def name(self) -> str:
+        return self.template.name
+
+    @property
+    def knob(self) -> str:
+        return KNOBS[self.name][0]
+
+    @property
+    def direction(self) -> int:
+        """+1 when larger values relax more, -1 when smaller ones do."""
+        return KNOBS[self.name][1]
+
+    @property
+    def strict_end(self) -> float:
+        """The least relaxing value (strict itself, except typical: epsilon 1 still relaxes)."""
+        return KNOBS[self.name][2]
+
+    def at(self, value: float) -> Rule:
+        if self.tie_alpha:
+            return replace(self.template, epsilon=float(value), alpha=None)
+        return self.template.with_knob(float(value))
+
+    def toward_strict(self, a: float, b: float) -> bool:
+        """Is ``a`` at or beyond ``b`` towards the strict end?"""
+        return a <= b if self.direction > 0 else a >= b
+
+
+def critical_values(data: MarginData, family: RuleFamily) -> np.ndarray:
+    """Knob values to walk, from the strict end outwards: one per position where the rule
+    can change the outcome, each the value that just lets that position relax (unique,
+    subsampled to MAX_CANDIDATES)."""
+    rule = family.template
+    if rule.name == MARS:
+        c = sensitive_candidates(data, rule.margin)
+        return np.asarray([np.nextafter(x, -math.inf) for x in c])  # relaxes stat > value
+    open_ = (data.strict_ok < 0.5) & (data.p_draft > 0)
+    px, p1 = data.p_draft[open_], data.p1[open_]
+    if rule.name == RATIO:  # p(x) >= rho p1
+        v = np.minimum(np.nextafter(px / p1, 0.0), np.nextafter(1.0, 0.0))
+        v = v[v > 0]
+    elif rule.name == TOPK:  # rank <= N and p(x) >= p1 - delta
+        near = data.target_rank[open_] <= rule.top_n
+        v = np.nextafter((p1 - px)[near], math.inf)
+    elif rule.name == TYPICAL:  # p(x) > min(E, A e^-H)
+        h = data.entropy[open_]
+        if family.tie_alpha:  # E < p  or  E < (p e^H)^2
+            c = np.maximum(px, (px * np.exp(h)) ** 2)
+        else:  # E < p, unless p > A e^-H already relaxes it at any E
+            c = np.where(px > rule.alpha * np.exp(-h), math.inf, px)
+        v = np.nextafter(c[c <= 1.0], 0.0)
+        v = v[v > 0]
+    elif rule.name == REGRET:  # the step's summed regret <= B
+        g = data.grid()
+        summed = g["regret"][g["valid"] & ~g["strict_ok"]]
+        v = np.maximum(summed[np.isfinite(summed)], np.nextafter(0.0, 1.0))
+    else:
+        raise ValueError(f"the {rule.name} rule has no knob to calibrate")
+    v = np.unique(v)
+    if family.direction < 0:
+        v = v[::-1]
+    if len(v) > MAX_CANDIDATES:
+        v = v[np.unique(np.linspace(0, len(v) - 1, MAX_CANDIDATES).round().astype(int))]
+    return v
+
+
+def walk(data: MarginData, family: RuleFamily, keeps) -> float:
+    """The most relaxing knob value reached from the strict end through the critical values
+    while ``keeps(replay)`` holds at every one (the strict end when none does)."""
+    best = family.strict_end
+    for v in critical_values(data, family):
+        if not keeps(data.replay(family.at(float(v)))):
+            break
+        best = float(v)
+    return best
+
+
+def relax_rate(data: MarginData, rule: Rule) -> float:
+    """The rule's relax rate on these data (see the module docstring)."""
+    return data.replay(rule).relax_rate
+
+
+def pick_knob(data: MarginData, family: RuleFamily, policy: str, value: float) -> float:
+    """The knob chosen by a policy: fixed (``value`` itself), max-nll-increase (the most
+    relaxing knob whose estimated cost stays within ``value`` nats per token) or relax-rate
+    (the most relaxing knob whose relax rate is at most ``value``); rounded towards the
+    strict end to KNOB_DECIMALS where the promise still holds."""
+    if policy == POLICY_FIXED:
+        return float(value)
+    if policy == POLICY_MAX_NLL:
+        keeps = lambda r: r.nll_increase <= value
+    elif policy == POLICY_RELAX_RATE:
+        keeps = lambda r: r.relax_rate <= value
+    else:
+        raise ValueError(f"unknown policy {policy!r}")
+    knob = walk(data, family, keeps)
+    if knob == family.strict_end:
+        return knob
+    scale = 10 ** KNOB_DECIMALS
+    rounded = (math.ceil(knob * scale) if family.direction < 0 else math.floor(knob * scale)) / scale
+    if family.name in (RATIO, TYPICAL):
+        rounded = min(rounded, 1.0)
+    if rounded != family.strict_end and keeps(data.replay(family.at(rounded))):
+        return rounded
+    return knob
+
+
+def match_relax_rate(data: MarginData, rules: list[Rule], share: float) -> list[Rule]:
+    """Each rule with its main knob set so that it relaxes at most a share ``share`` of the
+    verified draft positions of ``data`` (its relax rate), as close to it as the data allow:
+    the fair setting to compare rules (bench --match-relax-rate). Strict stays strict; a
+    typical rule whose alpha is sqrt(epsilon) keeps it tied. No rounding: the knobs are the
+    exact values the walk found."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the relax rate must be in [0, 1], got {share}")
+    out = []
+    for rule in rules:
+        if rule.name == STRICT:
+            out.append(rule)
+            continue
+        family = RuleFamily.of(rule)
+        out.append(family.at(walk(data, family, lambda r: r.relax_rate <= share)))
+    return out
+
+
+# --------------------------------------------------------------------------- curve, histogram
+
+
+def curve_values(data: MarginData, family: RuleFamily, extra: tuple[float, ...] = ()) -> list[float]:
+    """A knob grid, most relaxing first: quantiles of the critical values, round values and
+    ``extra`` (the chosen one), all inside the knob's range."""
+    c = critical_values(data, family)
+    qs = [round(float(q), 4) for q in np.quantile(c, _QUANTILES)] if len(c) else []
+    vals = set(qs) | set(_ROUND_VALUES[family.name]) | {float(x) for x in extra}
+    ok = []
+    for v in vals:
+        try:
+            if family.at(v).relaxes or family.name == TYPICAL:
+                ok.append(v)
+        except ValueError:  # out of the knob's range (e.g. a quantile of 0 for rho)
+            continue
+    return sorted(ok, reverse=family.direction > 0)
+
+
+def strict_row(data: MarginData, family: RuleFamily) -> dict[str, float]:
+    """Strict verification's curve row, its knob written +inf (as MARS's theta = +inf): the
+    mark of the strict row in every rule's curve."""
+    row = data.replay(Rule(STRICT)).row()
+    del row["theta"]
+    return {family.knob: math.inf, **row}
+
+
+def rule_curve(data: MarginData, family: RuleFamily, values: list[float]) -> list[dict[str, float]]:
+    """One row per knob value, and a last row for strict verification."""
+    return [data.replay(family.at(v)).row() for v in values] + [strict_row(data, family)]
+
+
+def rule_statistic(data: MarginData, rule: Rule) -> np.ndarray:
+    """[P] the number each position is judged by (verify's Rule.statistic on the facts)."""
+    g = data.grid()
+    return np.asarray(rule.statistic(data.facts(rule)))[g["valid"]]
+
+
+def rule_histogram(data: MarginData, rule: Rule, bins: int = 200) -> dict[str, Any]:
+    """Counts of the rule's statistic by draft rank (ratio p(x)/p1, topk p1 - p(x),
+    typical p(x) over [0, 1]; regret over [0, its 99th percentile])."""
+    from marscli.calibrate import RANK_OTHER, RANK_TOP1, RANK_TOP2
+    from marscli.profiles import RANK_KEYS
+
+    stat = rule_statistic(data, rule)
+    hi = 1.0
+    if rule.name == REGRET:
+        finite = stat[np.isfinite(stat)]
+        hi = max(1.0, float(np.ceil(np.quantile(finite, 0.99)))) if len(finite) else 1.0
+    edges = np.linspace(0.0, hi, bins + 1)
+    counts, below = {}, {}
+    for key, sel in zip(RANK_KEYS, (data.rank == RANK_TOP1, data.rank == RANK_TOP2, data.rank == RANK_OTHER)):
+        v = stat[sel]
+        v = v[~np.isnan(v)]
+        below[key] = int((v < 0).sum())
+        c, _ = np.histogram(np.clip(v[v >= 0], 0.0, hi), bins=edges)
+        counts[key] = [int(x) for x in c]
+    return {"statistic": STATISTIC_NAMES[rule.name], "edges": [round(float(e), 6) for e in edges],
+            "below": below, "counts": counts}
+
+
+def analyse_rule(data: MarginData, family: RuleFamily, policy: str, value: float, seconds: float):
+    """marscli.calibrate.analyse for any rule but MARS: the Calibration a profile records."""
+    from marscli.calibrate import Calibration, summary_figures
+
+    knob = pick_knob(data, family, policy, value)
+    rule = family.at(knob)
+    at: Replay = data.replay(rule)
+    summary = summary_figures(data, at, data.replay(Rule(STRICT)), seconds)
+    curve = rule_curve(data, family, curve_values(data, family, (knob,)))
+    return Calibration(rule.margin, policy, float(value), knob, summary, rule_histogram(data, rule),
+                       curve, rule=rule)
