@@ -488,3 +488,42 @@ def test_api_calibrates_a_rule(tiny_model_dir):
     assert prof.name.endswith(".topk") and prof.data["summary"]["relax_rate"] <= 0.05
     fixed = llm.calibrate(prompts, rule="regret", budget=1.5, max_tokens=16)
     assert fixed.rule == Rule(REGRET, budget=1.5) and fixed.data["policy"]["name"] == "fixed"
+
+
+def test_generate_applies_a_profiles_rule_and_the_command_line_wins(tiny_model_dir, calib_prompts, tmp_path):
+    """calibrate --rule ratio -> profile -> generate: the profile's rule at its knob is the
+    default; --rho replaces the knob; --verify naming another rule drops the profile's."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+
+    runner = CliRunner()
+    prof = tmp_path / "ratio.yaml"
+    r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
+                            "--rule", "ratio", "--relax-rate", "0.2", "-o", str(prof), "--fixed-k", "--quiet"])
+    assert r.exit_code == 0, r.stderr
+    rho = load_profile(prof).rule.rho
+    # the profile may predict that relaxing does not pay and verify strictly: take that out
+    doc = load_profile(prof).data
+    doc.get("speed", {})["verify_strictly"] = False
+    save_profile(doc, prof)
+
+    def spec(*extra):
+        res = runner.invoke(app, ["generate", str(calib_prompts), "--target", str(tiny_model_dir),
+                                  "--profile", str(prof), "--max-tokens", "6", "--limit", "1", *extra])
+        assert res.exit_code == 0, res.stderr
+        return json.loads(res.stdout.splitlines()[0])["spec"], res.stderr
+
+    s, _ = spec()
+    assert s["verify"] == "ratio" and s["knobs"] == {"rho": rho}
+    s, _ = spec("--rho", "0.25")  # a knob of the profile's rule needs no --verify
+    assert s["verify"] == "ratio" and s["knobs"] == {"rho": 0.25}
+    s, _ = spec("--verify", "topk", "--delta", "0.1")
+    assert s["verify"] == "topk" and s["knobs"] == {"top_n": 2, "delta": 0.1}
+    s, err = spec("--verify", "mars")  # a ratio profile has no theta: the paper's
+    assert s["verify"] == "mars" and s["theta"] == 0.9 and "paper's theta" in err
+    bad = runner.invoke(app, ["generate", str(calib_prompts), "--target", str(tiny_model_dir),
+                              "--profile", str(prof), "--delta", "0.1"])
+    assert bad.exit_code == 2 and "--delta belongs to --verify topk, not --verify ratio" in bad.stderr

@@ -669,12 +669,15 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
         repeat_guard, repeat_window, max_relaxed_share, no_guard)), prof)
     margin = resolved.margin
     thetas = parse_float_list(theta, "--theta") if theta is not None else ()
-    if prof is not None and prof.theta not in thetas:
-        thetas = (*thetas, prof.theta)
+    prule = prof.rule if prof is not None else None
+    if prule is not None and prule.name == "mars" and prule.theta not in thetas:
+        thetas = (*thetas, prule.theta)
     dcfg = draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min, prof,
                         tree=(tree_depth, tree_top_k, tree_tokens))
     if methods is None:
         methods = DEFAULT_EAGLE3_METHODS if dcfg.kind == "eagle3" else DEFAULT_METHODS
+        if prule is not None and prule.name not in ("mars", "strict"):
+            methods = f"{methods},{prule.label()}"  # the profile's rule at its knobs
     cfg = BenchConfig(
         input=input,
         methods=parse_methods(methods, thetas or (PAPER_THETA,)),
@@ -694,5 +697,5 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
         spans=span_config(strict_in, strict_regex),
     )
     if prof is not None:
-        note(f"using profile {prof.describe()}: theta {prof.theta:.6g} ({prof.margin})")
+        note(f"using profile {prof.describe()}: {prule.label()}")
     return cfg

@@ -193,25 +193,33 @@ def option_name(knob: str) -> str:
     return "--" + knob.replace("_", "-")
 
 
-def check_rule_request(req: VerifyRequest) -> None:
+def check_rule_request(req: VerifyRequest, profile_rule: str | None = None,
+                       profile_pending: bool = False) -> None:
     """The rule's knobs as asked, checked before anything is loaded: a knob needs its rule
-    (--rho needs --verify ratio), a rule needs its main knob (--verify ratio needs --rho), and
-    every knob lies in its range (marscli.verify.Rule says which)."""
+    (--rho needs --verify ratio, or a profile of the ratio rule), a rule needs its main knob
+    (--verify ratio needs --rho, unless a profile of that rule supplies it), and every knob
+    lies in its range (marscli.verify.Rule says which). ``profile_rule``: the rule of the
+    profile in use; ``profile_pending``: a matching profile may still be found once the
+    target is loaded (then what it could supply is not yet required)."""
     given = [k for k in OTHER_KNOBS if getattr(req, k) is not None]
-    mode = req.mode
+    mode = req.mode or profile_rule
     for knob in given:
         owner = next(r for r, knobs in RULE_KNOBS.items() if knob in knobs)
         if mode is None:
+            if profile_pending:
+                continue
             raise UsageError(f"{option_name(knob)} needs --verify {owner}")
         if mode != owner:
             raise UsageError(f"{option_name(knob)} belongs to --verify {owner}, not --verify {mode}")
     if mode in MAIN_KNOB:
         knob, bounds = MAIN_KNOB[mode]
-        if getattr(req, knob) is None:
+        supplied = mode == profile_rule or (profile_pending and profile_rule is None)
+        if getattr(req, knob) is None and not supplied:
             raise UsageError(f"--verify {mode} needs {option_name(knob)} ({bounds})")
         if req.theta is not None:
             raise UsageError(f"--theta belongs to --verify mars, not --verify {mode}")
-    verify_config(VerifyConfig(**{"mode": mode or "strict",
+    owners = {r for k in given for r, knobs in RULE_KNOBS.items() if k in knobs}
+    verify_config(VerifyConfig(**{"mode": mode or (owners.pop() if len(owners) == 1 else "strict"),
                                   **{k: getattr(req, k) for k in given}})).rule  # noqa: B018 - range check
 
 
@@ -227,41 +235,55 @@ def verify_config(cfg: VerifyConfig) -> VerifyConfig:
 def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> VerifyConfig:
     """Command line > profile > defaults for verification -> VerifyConfig.
 
-    With a profile, MARS at the profile's theta and margin statistic is the default; without
-    one, strict verification (or the paper's theta for an explicit --verify mars). Another
-    rule (--verify ratio|topk|typical|regret) takes its knobs from the command line only.
+    With a profile, its rule at its knobs is the default (MARS at its theta and margin
+    statistic for profiles made before other rules existed); a knob given on the command
+    line replaces the profile's, and --verify naming another rule takes that rule's knobs
+    from the command line only. Without a profile, strict verification (or the paper's theta
+    for an explicit --verify mars).
     """
+    import dataclasses
+
     from marscli.profiles import ProfileError
 
-    check_rule_request(req)
-    if profile is not None:
-        mode = req.mode or "mars"
+    prule = profile.rule if profile is not None else None
+    check_rule_request(req, prule.name if prule is not None else None)
+    guard = resolve_guard(req, profile)
+    given = {k: getattr(req, k) for k in OTHER_KNOBS if getattr(req, k) is not None}
+    if prule is not None and (req.mode or prule.name) == prule.name:
+        mode = prule.name
         speed = profile.speed
-        if req.mode is None and req.theta is None and speed is not None and speed["verify_strictly"]:
+        if (req.mode is None and req.theta is None and not given and speed is not None
+                and speed["verify_strictly"]):
             from marscli.calibrate_speed import strict_reason
 
-            mode = "strict"
             note(f"profile {profile.describe()}: {strict_reason(speed)}: verifying strictly "
-                 "(--verify mars relaxes anyway)")
-        margin = req.margin or profile.margin
-        theta = req.theta if req.theta is not None else profile.theta
-        if mode == "mars" and req.theta is None and margin != profile.margin:
+                 f"(--verify {mode} relaxes anyway)")
+            return verify_config(VerifyConfig("strict", STRICT_THETA, req.margin or prule.margin, guard))
+        margin = req.margin or prule.margin
+        if mode == "mars" and req.theta is None and margin != prule.margin:
             raise ProfileError(
-                f"{profile.describe()}: theta {profile.theta:g} was calibrated for "
-                f"{profile.margin}, not {margin}: give --theta with --margin {margin}"
+                f"{profile.describe()}: theta {prule.theta:g} was calibrated for "
+                f"{prule.margin}, not {margin}: give --theta with --margin {margin}"
             )
-    else:
-        mode = req.mode or "strict"
-        margin = req.margin or "logit-ratio"
-        theta = req.theta
-        if mode == "mars" and theta is None:
-            theta = PAPER_THETA
-            note(f"--verify mars without --theta or a profile: using the paper's theta = {PAPER_THETA}")
+        if mode == "typical" and "epsilon" in given and "alpha" not in given:
+            given["alpha"] = None  # a new epsilon ties alpha to it again unless --alpha is given
+        try:
+            rule = dataclasses.replace(prule, margin=margin, **given,
+                                       **({"theta": req.theta} if req.theta is not None else {}))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return verify_config(VerifyConfig.from_rule(rule, guard))
+    mode = req.mode or "strict"
+    margin = req.margin or "logit-ratio"
+    theta = req.theta
+    if mode == "mars" and theta is None:
+        theta = PAPER_THETA
+        note(f"--verify mars without --theta or a profile of MARS: using the paper's theta = {PAPER_THETA}")
     if mode == "strict" and req.theta is not None:
         note("--theta has no effect with --verify strict")
-    knobs = {k: getattr(req, k) for k in RULE_KNOBS.get(mode, ()) if k != "theta" and getattr(req, k) is not None}
+    knobs = {k: v for k, v in given.items() if k in RULE_KNOBS.get(mode, ())}
     return verify_config(VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin,
-                                      resolve_guard(req, profile), **knobs))
+                                      guard, **knobs))
 
 
 def check_rule_modes(rule, sampling: SamplingParams, what: str = "--temperature") -> None:
@@ -380,7 +402,9 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
         return prof
     if not auto or draft.kind == DRAFT_NONE:
         return None
-    prof = find_matching_profile(target.identity, drafter, note=note)
+    # --verify naming a relaxed rule looks for a profile of that rule only
+    rule = verify_mode if verify_mode not in (None, "strict") else None
+    prof = find_matching_profile(target.identity, drafter, note=note, rule=rule)
     if prof is not None:
         note(f"using profile {prof.describe()} (sha256 {prof.short_hash}), matched to the target")
     elif verify_mode is None:
@@ -535,7 +559,8 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
                                 load_in_4bit, max_memory, bnb_compute_dtype, offline)
     guard = guard_request(repeat_guard, repeat_window, max_relaxed_share, no_guard)
     request = VerifyRequest(verify, theta, margin, **guard, **knobs)
-    check_rule_request(request)
+    check_rule_request(request, prof.rule.name if prof is not None else None,
+                       profile_pending=prof is None and not no_profile and dcfg.kind != DRAFT_NONE)
     spans = span_config(strict_in, strict_regex)
     return ModelSetup(tcfg, dcfg, dmcfg, request,
                       str(prof.path) if prof is not None else None, not no_profile, batch_size, spans)
