@@ -22,9 +22,10 @@ Words used throughout marscli (fixed here, kept everywhere):
 - **theta**: the threshold; a position is **relaxable** when its statistic exceeds theta.
 - **acceptance length** (tau): tokens emitted per step, bonus/correction included.
 
-How a rule is built (the seam the next rules plug into):
+How a rule is built (the seam the next rules plug into; ``Rule``, ``PositionFacts`` and the
+facts' builders live in marscli.rules and are re-exported here):
 
-1. ``position_facts`` (chain) or the tree walk gathers, per verified draft position, what
+1. The chain walk (``verify``) or the tree walk gathers, per verified draft position, what
    the target says: the margin statistics, whether the draft is among the target's top two
    with p > 0 (``in_top2``) and whether the strict check accepts it on its own (``strict_ok``).
 2. ``Rule.decide(facts)`` judges every position on its own: ``ok`` and ``relaxable``. It uses
@@ -46,311 +47,39 @@ the row rejected one of its own drafts and a bonus when it accepted all of them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-LOGIT_RATIO = "logit-ratio"
-PROB_RATIO = "prob-ratio"
-MARGINS = (LOGIT_RATIO, PROB_RATIO)
-
-#: Statistic value of positions that can never be relaxed (z1 <= 0 under logit-ratio).
-NOT_RELAXABLE = -math.inf
-
-STRICT = "strict"
-MARS = "mars"
-RATIO = "ratio"
-TOPK = "topk"
-TYPICAL = "typical"
-REGRET = "regret"
-RULES = (STRICT, MARS, RATIO, TOPK, TYPICAL, REGRET)
-
-#: Decoding modes a rule may define: greedy; sampling with a deterministic drafter (one-hot
-#: q: n-gram lookup, greedy draft models, EAGLE); sampling with the drafter's probabilities q.
-GREEDY_MODE = "greedy"
-SAMPLING_MODE = "sampling"
-SAMPLING_Q_MODE = "sampling-q"
-MODES = (GREEDY_MODE, SAMPLING_MODE, SAMPLING_Q_MODE)
-
-#: Each rule's main knob (the one calibrate fits) and which way it relaxes: +1 when larger
-#: values relax more, -1 when smaller values do; then the knob's strict end.
-KNOBS = {
-    MARS: ("theta", -1, math.inf),
-    RATIO: ("rho", -1, 1.0),
-    TOPK: ("delta", +1, 0.0),
-    TYPICAL: ("epsilon", -1, 1.0),
-    REGRET: ("budget", +1, 0.0),
-}
-
-#: typical's alpha when not given: the square root of epsilon (Medusa's convention:
-#: posterior_alpha = sqrt(posterior_threshold), 0.09 -> 0.3).
-DEFAULT_TOP_N = 2
-
-
-# ----------------------------------------------------------------------------- rules
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A verification rule and its knobs. Notation: at a verified draft position, target
-    logits z, target probabilities p (at the sampling temperature and filters; temperature 1
-    when decoding greedily), p1 >= p2 the top two, x the draft token.
-
-    strict: keep a draft only where the target agrees (greedy: its argmax; sampling: Leviathan
-    et al.'s test u < min(1, p(x) / q(x))). Lossless. Modes: all.
-
-    mars (Song et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): at a
-    position whose margin statistic exceeds ``theta`` accept a draft that is the target's
-    top-1 or top-2 token (with p > 0) outright; elsewhere strict. A rejection at such a
-    position draws the next token from p itself. Modes: all.
-
-    The four rules below relax per draft token: each has a condition ``relaxes_at`` on the
-    position's facts; a draft is accepted when the strict check accepts it OR the condition
-    holds (unless the loop guard or the budget forbids relaxing there). A rejection is always
-    judged by the strict check, so the next token comes from the strict residual. With a
-    deterministic drafter (one-hot q) the law of the token emitted at a position whose draft
-    is x is therefore: x itself when the condition holds, else exactly p (the strict law).
-
-    ratio (``rho`` = R in (0, 1]): relax where p(x) >= R * p1, x at any rank with p(x) > 0.
-    R = 1 is strict. When sampling, any R < 1 accepts a draft that is the target's top-1
-    outright (strict rejection sampling keeps it with probability p1 only), so the family
-    is strict only at R = 1 itself; topk with D > 0 likewise. (Speculative cascades' deferral rule, Narasimhan et al. 2024, and the
-    "relative probability" acceptance of several MLX engines.) Modes: all.
-
-    topk (``top_n`` = N >= 1, ``delta`` = D >= 0): relax where x is among the target's N most
-    likely tokens (rank = 1 + the number of tokens with a larger logit) and
-    p(x) >= p1 - D (TensorRT-LLM's relaxed acceptance for DeepSeek MTP: candidate set of the
-    top-N, probability within delta of the top-1). D = 0 (or N = 1) is strict. Modes: all.
-
-    typical (``epsilon`` = E in (0, 1], ``alpha`` = A > 0; A defaults to sqrt(E)): relax where
-    p(x) > min(E, A * exp(-H(p))), H the entropy of p in nats (Medusa's typical acceptance,
-    Cai et al. 2024, Section 2.3.1, once vLLM's TypicalAcceptanceSampler). The first position
-    that fails gets the target's token (greedy) or a draw whose law is p (sampling). With
-    E = 1 and A = +inf the threshold is 1 and nothing relaxes: strict. Modes: all.
-
-    regret (``budget`` = B >= 0; greedy only): accept the drafts of a step while the step's
-    summed regret sum_i (z1_i - z(x_i)) over the drafts so far stays <= B (approximate
-    speculative decoding's logit-gap budget; invariant to a constant shift of the logits).
-    A tree sums along the root path. B = 0 is strict. Modes: greedy.
-    """
-
-    name: str = STRICT
-    theta: float = math.inf
-    margin: str = LOGIT_RATIO
-    rho: float = 1.0
-    top_n: int = DEFAULT_TOP_N
-    delta: float = 0.0
-    epsilon: float = 1.0
-    alpha: float | None = None
-    budget: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.name not in RULES:
-            raise ValueError(f"unknown verification rule {self.name!r}; expected one of {RULES}")
-        if self.margin not in MARGINS:
-            raise ValueError(f"unknown margin statistic {self.margin!r}; expected one of {MARGINS}")
-        for knob in ("theta", "rho", "delta", "epsilon", "budget"):
-            if math.isnan(getattr(self, knob)):
-                raise ValueError(f"{knob} must be a number, got nan")
-        if not 0.0 < self.rho <= 1.0:
-            raise ValueError(f"--rho must be in (0, 1], got {self.rho}")
-        if self.top_n < 1:
-            raise ValueError(f"--top-n must be at least 1, got {self.top_n}")
-        if self.delta < 0.0:
-            raise ValueError(f"--delta must be at least 0, got {self.delta}")
-        if not 0.0 < self.epsilon <= 1.0:
-            raise ValueError(f"--epsilon must be in (0, 1], got {self.epsilon}")
-        if self.alpha is None:
-            object.__setattr__(self, "alpha", math.sqrt(self.epsilon))
-        elif not self.alpha > 0.0:  # also refuses nan
-            raise ValueError(f"--alpha must be positive, got {self.alpha}")
-        if self.budget < 0.0:
-            raise ValueError(f"--budget must be at least 0, got {self.budget}")
-
-    @classmethod
-    def from_theta(cls, theta: float, margin: str = LOGIT_RATIO) -> Rule:
-        """MARS at theta, or strict for theta = +inf (the older keyword interface)."""
-        return cls(STRICT if theta == math.inf else MARS, theta, margin)
-
-    @property
-    def relaxes(self) -> bool:
-        """Whether any position can be relaxed (never: strict, or a rule at its strict end)."""
-        if self.name == MARS:
-            return self.theta != math.inf
-        if self.name == RATIO:
-            return self.rho < 1.0
-        if self.name == TOPK:
-            return self.delta > 0.0 and self.top_n > 1
-        if self.name == TYPICAL:
-            return not (self.epsilon >= 1.0 and self.alpha == math.inf)
-        if self.name == REGRET:
-            return self.budget > 0.0
-        return False
-
-    @property
-    def modes(self) -> tuple[str, ...]:
-        """The decoding modes this rule defines (the jobs layer refuses the others)."""
-        return (GREEDY_MODE,) if self.name == REGRET else MODES
-
-    @property
-    def knob(self) -> tuple[str, float] | None:
-        """(name, value) of the main knob (the one calibrate fits); None for strict."""
-        return None if self.name == STRICT else (KNOBS[self.name][0], float(getattr(self, KNOBS[self.name][0])))
-
-    def with_knob(self, value: float) -> Rule:
-        """This rule with its main knob set to ``value``."""
-        from dataclasses import replace
-
-        return replace(self, **{KNOBS[self.name][0]: value})
-
-    @property
-    def needs(self) -> frozenset[str]:
-        """The PositionFacts fields beyond strict_ok (and guarded) that ``decide`` reads."""
-        return frozenset({
-            STRICT: (),
-            MARS: ("statistics", "in_top2"),
-            RATIO: ("p_draft", "p1"),
-            TOPK: ("p_draft", "p1", "rank"),
-            TYPICAL: ("p_draft", "entropy"),
-            REGRET: ("regret",),
-        }[self.name])
-
-    def knobs(self) -> dict[str, Any]:
-        """The rule's knobs as written in profiles, results' spec and reports."""
-        if self.name == MARS:
-            return {"theta": self.theta, "margin": self.margin}
-        if self.name == RATIO:
-            return {"rho": self.rho}
-        if self.name == TOPK:
-            return {"top_n": self.top_n, "delta": self.delta}
-        if self.name == TYPICAL:
-            return {"epsilon": self.epsilon, "alpha": self.alpha}
-        if self.name == REGRET:
-            return {"budget": self.budget}
-        return {}
-
-    def label(self) -> str:
-        """Short name: strict, mars@0.9, ratio@0.5, topk@3:0.1, typical@0.09:0.3, regret@2."""
-        if self.name == STRICT:
-            return STRICT
-        parts = {MARS: (self.theta,), RATIO: (self.rho,), TOPK: (self.top_n, self.delta),
-                 TYPICAL: (self.epsilon, self.alpha), REGRET: (self.budget,)}[self.name]
-        return f"{self.name}@" + ":".join(f"{v:g}" for v in parts)
-
-    def relaxable(self, stat: Any) -> Any:
-        """MARS, elementwise: the statistic exceeds theta (all False for a rule that never
-        relaxes this way: every rule but MARS).
-
-        Compared in float64: a float32 statistic against theta in float32 would round theta
-        (0.3 -> 0.30000001) and call a statistic of 0.30000001 not above 0.3; calibration's
-        replay, in float64, would disagree with the verifier."""
-        if isinstance(stat, torch.Tensor):
-            stat = stat.double()
-        return stat > (self.theta if self.relaxes and self.name == MARS else math.inf)
-
-    def relaxes_at(self, facts: PositionFacts) -> Any:
-        """Elementwise bool: the per-token rules' condition (ratio, topk, typical, regret),
-        before the guard. Compared in float64 (see ``relaxable``)."""
-        f = _float64
-        if self.name == RATIO:
-            px = f(facts.p_draft)
-            return (px >= self.rho * f(facts.p1)) & (px > 0)
-        if self.name == TOPK:
-            px = f(facts.p_draft)
-            return (facts.rank <= self.top_n) & (px >= f(facts.p1) - self.delta) & (px > 0)
-        if self.name == TYPICAL:
-            px, h = f(facts.p_draft), f(facts.entropy)
-            lib = torch if isinstance(h, torch.Tensor) else _np()
-            threshold = lib.minimum(lib.exp(-h) * self.alpha, lib.full_like(h, self.epsilon)) \
-                if self.alpha != math.inf else lib.full_like(h, self.epsilon)
-            return px > threshold
-        if self.name == REGRET:
-            return f(facts.regret) <= self.budget
-        raise ValueError(f"rule {self.name!r} has no per-token condition")
-
-    def statistic(self, facts: PositionFacts) -> Any:
-        """The number each position is judged by, for reports and provenance: MARS its
-        margin statistic; ratio p(x)/p1; topk p1 - p(x); typical p(x); regret the summed
-        regret so far; strict the margin statistic if known, else nothing."""
-        if self.name == RATIO:
-            return facts.p_draft / facts.p1
-        if self.name == TOPK:
-            return facts.p1 - facts.p_draft
-        if self.name == TYPICAL:
-            return facts.p_draft
-        if self.name == REGRET:
-            return facts.regret
-        return facts.statistics.get(self.margin)
-
-    def decide(self, facts: PositionFacts) -> Decision:
-        """Judge every position on its own (the caller keeps the accepted prefix or path).
-        A ``guarded`` position (the loop guard or the relaxation budget) is judged strictly."""
-        if not self.relaxes:  # no margin needed: all False, of the facts' own type and shape
-            return Decision(ok=facts.strict_ok, relaxable=facts.strict_ok & ~facts.strict_ok)
-        if self.name == MARS:
-            relaxable = self.relaxable(facts.statistics[self.margin])
-            if facts.guarded is not None:
-                relaxable = relaxable & ~facts.guarded
-            ok = (relaxable & facts.in_top2) | (~relaxable & facts.strict_ok)
-            return Decision(ok=ok, relaxable=relaxable)
-        relaxable = self.relaxes_at(facts)
-        if facts.guarded is not None:
-            relaxable = relaxable & ~facts.guarded
-        return Decision(ok=facts.strict_ok | relaxable, relaxable=relaxable)
-
-
-def _float64(x: Any) -> Any:
-    return x.double() if isinstance(x, torch.Tensor) else x.astype("float64")
-
-
-def _np():
-    import numpy
-
-    return numpy
-
-
-@dataclass
-class PositionFacts:
-    """What the target says at verified draft positions, as elementwise arrays of one shape:
-    torch tensors in the verifier, numpy arrays in calibration's replay. A rule reads only
-    the fields of its ``Rule.needs``; the others may stay None."""
-
-    statistics: Mapping[str, Any]  # margin name -> statistic (MARS: at least its margin)
-    in_top2: Any  # bool: the draft is the target's top-1 or top-2 token and p(draft) > 0
-    strict_ok: Any  # bool: the strict check accepts the draft there on its own
-    #: bool or None: never relax here (the loop guard: the draft would extend a repeated
-    #: n-gram of the recent output; or the record's relaxation budget is spent)
-    guarded: Any = None
-    p_draft: Any = None  # p(x): the target's probability of the draft token
-    p1: Any = None  # the target's top probability
-    rank: Any = None  # long: 1 + the number of tokens with a larger logit than the draft's
-    entropy: Any = None  # H(p) in nats
-    #: The step's summed regret z1 - z(x) over the drafts up to and including this one
-    #: (a tree: along the root path); +inf past a draft of p(x) = 0.
-    regret: Any = None
-
-
-@dataclass
-class Decision:
-    ok: Any  # bool: the rule accepts the draft at this position (judged on its own)
-    relaxable: Any  # bool: the check was relaxed here (a rejection draws from p, not a residual)
-
-
-def over_budget(wants: Any, relax_left: Any) -> Any:
-    """Elementwise [..., K]: the record's relaxation budget is spent by the time position i
-    is reached: at least ``relax_left`` [...] would-be relaxations (``wants``: accepted only
-    if relaxed) lie ahead of it in its step. Such a position is judged strictly. Torch
-    tensors in the verifier, numpy arrays in calibration's replay."""
-    w = wants.long() if isinstance(wants, torch.Tensor) else wants.astype("int64")
-    ahead = w.cumsum(-1) - w
-    return ahead >= relax_left[..., None]
-
-
-def relaxed_positions(accepted: Any, relaxable: Any, strict_ok: Any) -> Any:
-    """Elementwise: accepted only because the rule relaxed the check."""
-    return accepted & relaxable & ~strict_ok
+from marscli.rules import (  # noqa: F401 - the rulebook's names, re-exported
+    DEFAULT_TOP_N,
+    GREEDY_MODE,
+    KNOBS,
+    LOGIT_RATIO,
+    MARGINS,
+    MARS,
+    MODES,
+    NOT_RELAXABLE,
+    PROB_RATIO,
+    RATIO,
+    REGRET,
+    RULES,
+    SAMPLING_MODE,
+    SAMPLING_Q_MODE,
+    STRICT,
+    TOPK,
+    TYPICAL,
+    Decision,
+    PositionFacts,
+    Rule,
+    draft_facts,
+    margin_statistic,
+    over_budget,
+    relaxed_positions,
+    top2,
+)
 
 
 def step_uniforms(generator: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,44 +89,6 @@ def step_uniforms(generator: torch.Generator, n: int) -> tuple[torch.Tensor, tor
     u_accept = torch.rand(n, generator=generator)  # [n]
     u_sample = torch.rand(1, generator=generator)  # [1]
     return u_accept, u_sample
-
-
-# ----------------------------------------------------------------------------- margins
-
-
-def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-1 and top-2 logits and token ids along the last dim.
-
-    Ties resolve to the lowest token id, as torch.argmax (and so transformers' greedy
-    search) does: top-1 is argmax; top-2 is argmax with the top-1 entry removed.
-    Returns (z1, z2, t1, t2), each shaped like ``logits[..., 0]``.
-    """
-    x = logits.float()
-    t1 = x.argmax(dim=-1)
-    z1 = x.gather(-1, t1.unsqueeze(-1)).squeeze(-1)
-    masked = x.scatter(-1, t1.unsqueeze(-1), -math.inf)
-    t2 = masked.argmax(dim=-1)
-    z2 = masked.gather(-1, t2.unsqueeze(-1)).squeeze(-1)
-    return z1, z2, t1, t2
-
-
-def margin_statistic(z1: torch.Tensor, z2: torch.Tensor, margin: str) -> torch.Tensor:
-    """The margin statistic from top-1/top-2 raw logits (higher = closer call).
-
-    logit-ratio: z2 / z1 where z1 > 0, else NOT_RELAXABLE (the ratio has no meaning there).
-    prob-ratio: exp(z2 - z1) in [0, 1]; 0 when z2 = -inf.
-    """
-    z1 = z1.float()
-    z2 = z2.float()
-    if margin == LOGIT_RATIO:
-        ratio = z2 / torch.where(z1 > 0, z1, torch.ones_like(z1))
-        stat = torch.where(z1 > 0, ratio, torch.full_like(z1, NOT_RELAXABLE))
-    elif margin == PROB_RATIO:
-        stat = torch.exp(z2 - z1)
-        stat = torch.where(torch.isfinite(z1), stat, torch.zeros_like(stat))
-    else:
-        raise ValueError(f"unknown margin statistic {margin!r}; expected one of {MARGINS}")
-    return torch.nan_to_num(stat, nan=NOT_RELAXABLE, neginf=NOT_RELAXABLE)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -480,36 +171,6 @@ def strict_sampling_accepts(
     # certain draft.
     ok = u_accept.double() < (p_x.double() / q_x.double().clamp(min=1e-30)).clamp(max=1.0)
     return ok & (p_x > 0)
-
-
-# ----------------------------------------------------------------------------- token facts
-
-
-def draft_facts(
-    logits: torch.Tensor,  # [..., V] raw target logits at the rows that judge the drafts
-    drafts: torch.Tensor,  # [...] long
-    probs: torch.Tensor,  # [..., V] target probabilities there (sampling law; T = 1 if greedy)
-    needs: frozenset[str],
-) -> dict[str, torch.Tensor]:
-    """The per-token facts a rule ``needs`` (PositionFacts fields), each shaped like
-    ``drafts``: p_draft, p1, rank, entropy, and ``regret`` as each draft's own regret
-    z1 - z(x) (the walk sums it over the step or the path)."""
-    out: dict[str, torch.Tensor] = {}
-    idx = drafts.unsqueeze(-1)
-    if needs & {"p_draft", "p1"}:
-        out["p_draft"] = probs.gather(-1, idx).squeeze(-1)
-        out["p1"] = probs.max(dim=-1).values
-    if "rank" in needs:
-        z = logits.float()
-        zx = z.gather(-1, idx)
-        out["rank"] = 1 + (z > zx).sum(dim=-1)
-    if "entropy" in needs:
-        logp = torch.log(probs.double().clamp(min=1e-300))
-        out["entropy"] = -(probs.double() * torch.where(probs > 0, logp, torch.zeros_like(logp))).sum(-1)
-    if "regret" in needs:
-        z = logits.float()
-        out["regret"] = (z.max(dim=-1).values - z.gather(-1, idx).squeeze(-1)).double()
-    return out
 
 
 def chain_facts(rule: Rule, logits_k: torch.Tensor, drafts: torch.Tensor, probs_k: torch.Tensor,
