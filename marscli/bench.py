@@ -12,6 +12,11 @@ Methods, all on the same target, drafter, prompts, max tokens, temperature and s
 - ``ratio@R``, ``topk@N:D``, ``typical@E:A`` (or ``typical@E``: A = sqrt(E)), ``regret@B``:
   marscli with another relaxed rule of the rulebook (marscli.verify.Rule) at these knobs,
   guarded like ``mars``; labelled by ``Rule.label()``. ``mars@THETA`` spells one MARS method.
+- With ``--match-relax-rate S`` (marscli.jobs.bench_match) the knobs written are only the
+  rule's template: every relaxed method's main knob (theta, rho, delta, epsilon, budget) is
+  fitted on a calibration split so that all relax the same share S of verified positions,
+  and the spellings may leave that knob out: ``mars``, ``ratio``, ``topk`` / ``topk@N``,
+  ``typical`` / ``typical@E:A`` (an explicit A stays fixed), ``regret``.
 - ``strict-tree`` and ``mars-tree@THETA`` (EAGLE-3 drafters only): the same with the head
   drafting an EAGLE-2 dynamic tree (the --tree-* settings, else EAGLE-3's defaults) instead of
   a chain, so chain and tree compare side by side. ``strict``/``mars`` then draft chains.
@@ -96,6 +101,10 @@ TREE_METHODS = (STRICT_TREE, MARS_TREE)
 #: Methods measured at several batch sizes by --batch-size (transformers refuses assisted
 #: generation at batch size > 1, and draft trees run one record at a time).
 BATCHED_METHODS = (HF_GENERATE, AR, STRICT, MARS, MARS_NOGUARD, *RULE_METHODS)
+#: Methods whose main knob --match-relax-rate fits (one method each, whatever --theta says).
+MATCHED_METHODS = (MARS, MARS_NOGUARD, *RULE_METHODS)
+#: --calibration-records' default: calibration prompts taken after the measured ones.
+DEFAULT_CALIBRATION_RECORDS = 20
 #: Reference for quality comparisons, in order of preference.
 REFERENCE_METHODS = (HF_GENERATE, AR)
 
@@ -164,6 +173,10 @@ class BenchConfig:
     #: Strict spans of every method (marscli.spans; they change only relaxed ones).
     spans: SpanConfig = SPANS_OFF
     task: str | None = None  # humaneval, gsm8k, sum: task scores and the paired comparison (marscli.scoring)
+    #: --match-relax-rate S: fit every MATCHED_METHODS knob to relax a share S (jobs/bench_match).
+    match_relax_rate: float | None = None
+    calibrate_on: str | None = None  # the calibration prompts' file (None: the input's, after --limit)
+    calibration_records: int = DEFAULT_CALIBRATION_RECORDS
 
     @property
     def greedy(self) -> bool:
@@ -173,9 +186,12 @@ class BenchConfig:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens, seed=seed)
 
 
-def parse_methods(text: str, thetas: Sequence[float]) -> tuple[MethodSpec, ...]:
+def parse_methods(text: str, thetas: Sequence[float], match: bool = False) -> tuple[MethodSpec, ...]:
     """'hf-generate,ar,mars,ratio@0.5' + thetas -> method specs; `mars` becomes one method per
-    theta, `mars@THETA` one at that theta; a rule method NAME@KNOBS one at its knobs."""
+    theta, `mars@THETA` one at that theta; a rule method NAME@KNOBS one at its knobs.
+
+    ``match`` (--match-relax-rate): MATCHED_METHODS are templates whose main knob will be
+    fitted: one method each (named as written until then), the main knob may be left out."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise UsageError("--methods is empty; choose from " + ", ".join(ALL_METHODS))
@@ -185,7 +201,10 @@ def parse_methods(text: str, thetas: Sequence[float]) -> tuple[MethodSpec, ...]:
         if kind not in ALL_METHODS:
             raise UsageError(f"unknown method {name!r} in --methods; choose from {', '.join(ALL_METHODS)}")
         if kind in RULE_METHODS:
-            specs = [rule_method(name)]
+            specs = [rule_method(name, match)]
+        elif match and kind in (MARS, MARS_NOGUARD):
+            theta = _method_number(name, knobs, f"{kind}@THETA") if at else DEFAULT_THETAS[0]
+            specs = [MethodSpec(name, kind, theta)]
         elif kind in MARS_METHODS and at:
             theta = _method_number(name, knobs, f"{kind}@THETA")
             specs = [MethodSpec(f"{kind}@{theta:g}", kind, theta)]
@@ -199,17 +218,20 @@ def parse_methods(text: str, thetas: Sequence[float]) -> tuple[MethodSpec, ...]:
     return tuple(out)
 
 
-def rule_method(name: str) -> MethodSpec:
+def rule_method(name: str, match: bool = False) -> MethodSpec:
     """'ratio@0.5', 'topk@3:0.1', 'typical@0.1[:0.3]', 'regret@2' -> its method, labelled by
-    Rule.label(). A bad spelling or a knob out of range is a usage error naming the method."""
+    Rule.label(). A bad spelling or a knob out of range is a usage error naming the method.
+    ``match``: the main knob may be left out ('ratio', 'topk@3'; fitted later), and the
+    method keeps the name written until it is."""
     from marscli.verify import Rule
 
     kind, _, text = name.partition("@")
     spelling, fields = RULE_SPELLINGS[kind]
     parts = text.split(":") if text else []
-    least = len([f for f in fields if f not in OPTIONAL_KNOBS])
+    least = 0 if match else len([f for f in fields if f not in OPTIONAL_KNOBS])
     if not least <= len(parts) <= len(fields):
-        raise UsageError(f"method {name!r} in --methods: write {spelling}")
+        hint = " (or leave the knobs out with --match-relax-rate)" if len(parts) < least else ""
+        raise UsageError(f"method {name!r} in --methods: write {spelling}{hint}")
     knobs: dict[str, Any] = {}
     for field_, part in zip(fields, parts):
         value = _method_number(name, part, spelling)
@@ -222,7 +244,7 @@ def rule_method(name: str) -> MethodSpec:
         rule = Rule(kind, **knobs)
     except ValueError as e:
         raise UsageError(f"method {name!r} in --methods: {str(e).removeprefix('--')}") from None
-    return MethodSpec(rule.label(), kind, None, rule)
+    return MethodSpec(name if match else rule.label(), kind, None, rule)
 
 
 def _method_number(name: str, text: str, spelling: str) -> float:
@@ -312,18 +334,22 @@ class BenchPrompt:
     reference: str | None  # the prompt set's reference answer for the first turn
 
 
-def read_prompt_records(source: str, limit: int | None) -> tuple[list[tuple[Request, str | None]], list[dict], int]:
-    """The first `limit` records of a JSONL input -> ([(request, reference text)], skipped,
-    number of records whose per-record sampling overrides are ignored)."""
+def read_prompt_records(source: str, limit: int | None,
+                        start: int = 0) -> tuple[list[tuple[Request, str | None]], list[dict], int]:
+    """The first `limit` records of a JSONL input (after its first `start` ones: bench
+    --match-relax-rate's calibration split) -> ([(request, reference text)], skipped,
+    number of records whose per-record sampling overrides are ignored). Records count as
+    --limit counts them: every input record, unparsable ones included."""
     from marscli.io.records import find_duplicate_ids, read_requests
 
     data = _read_bytes(source)
     lines = data.split(b"\n")
     items: list[Request | RecordError] = []
-    for item in read_requests(io.BytesIO(data)):
+    for n, item in enumerate(read_requests(io.BytesIO(data))):
         if limit is not None and len(items) >= limit:
             break
-        items.append(item)
+        if n >= start:
+            items.append(item)
     dup = find_duplicate_ids(items)
     if dup is not None:
         raise InputError(f"{source}: duplicate id {dup[0]!r} on lines {dup[1]} and {dup[2]}")

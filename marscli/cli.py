@@ -448,6 +448,8 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
         "--methods hf-generate,hf-assisted,ar,strict,mars --theta 0.85,0.9,0.95 --report bench.json\n\n"
         "  marscli bench prompts.jsonl --methods ar,strict,mars@0.9,ratio@0.5,topk@3:0.1,typical@0.1,regret@2\n\n"
         "  marscli bench prompts.jsonl --profile smollm2-135m-instruct.ngram.float32 --plot bench.png\n\n"
+        "  marscli bench ../shared/data/prompts/humaneval.jsonl --limit 20 --max-tokens 128 "
+        "--methods strict,mars,ratio,topk,typical,regret --match-relax-rate 0.03 --task humaneval\n\n"
         "  marscli bench prompts.jsonl --target ./Llama-3.1-8B-Instruct --draft ./Llama-3.2-1B-Instruct "
         "--temperature 1.0 --seeds 0,1,2\n\n"
         "  marscli bench prompts.jsonl --report - | jq .methods\n\n"
@@ -474,6 +476,9 @@ def bench(
     report: Annotated[Optional[str], typer.Option(help="Write the full JSON report here ('-': stdout).", rich_help_panel=PANEL_OUTPUT)] = None,
     plot: Annotated[Optional[str], typer.Option(help="Write a PNG of speedup against quality per method and theta (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr (correctness failures still show).", rich_help_panel=PANEL_OUTPUT)] = False,
+    match_relax_rate: Annotated[Optional[float], typer.Option("--match-relax-rate", help="Fit every relaxed method's main knob (mars's theta, ratio's R, topk's D, typical's E, regret's B) so that each relaxes this share (0 < S < 1) of verified draft positions on a calibration split of the prompts, before timing; methods are then named by their fitted knobs, the knobs written are only templates and may be left out (mars, ratio, topk or topk@N, typical, regret).", rich_help_panel=PANEL_VERIFY)] = None,
+    calibrate_on: Annotated[Optional[str], typer.Option("--calibrate-on", help="With --match-relax-rate: the calibration prompts (JSONL, any format bench reads). Default: the input's records after the measured ones (after --limit).", rich_help_panel=PANEL_VERIFY)] = None,
+    calibration_records: Annotated[Optional[int], typer.Option("--calibration-records", help="With --match-relax-rate: at most this many calibration records. Default: 20.", rich_help_panel=PANEL_VERIFY)] = None,
     task: Annotated[Optional[str], typer.Option(help="Also score every method's outputs for a task (humaneval, gsm8k, sum; the input is its prompt set) and compare each method with strict on the same records: difference with its paired bootstrap CI, flips, recovery, length ratio, truncation, loops.", rich_help_panel=PANEL_OUTPUT)] = None,
 ) -> None:
     """Measure speed and quality of every method side by side on the same prompts, in one run.
@@ -492,7 +497,9 @@ def bench(
     def job() -> int:
         cfg = bench_config(input, methods=methods, theta=theta, profile=profile, temperature=temperature,
                            seeds=seeds, max_tokens=max_tokens, limit=limit, batch_size=batch_size,
-                           report=report, plot=plot, task=task, note=log.info, **vars(model), **vars(drafting),
+                           report=report, plot=plot, task=task, match_relax_rate=match_relax_rate,
+                           calibrate_on=calibrate_on, calibration_records=calibration_records,
+                           note=log.info, **vars(model), **vars(drafting),
                            **vars(guard), **vars(spans))
         return run_bench(cfg, log)
 

@@ -57,10 +57,12 @@ from marscli.config import (
     VerifyRequest,
 )
 from marscli.errors import EXIT_OK, InputError, UsageError
+from marscli.jobs.bench_match import check_match, fit_methods, match_section, read_calibration
 from marscli.jobs.console import UNIT_RUNS, Progress
 from marscli.jobs.console import Log as Narration
 from marscli.jobs.measure import ForwardCounter, forward_times, peak_rss_mib, quiet_transformers
 from marscli.jobs.setup import (
+    chain_or_tree,
     check_choices,
     draft_config,
     guard_request,
@@ -456,9 +458,15 @@ def run_bench(cfg: BenchConfig, log: Narration) -> int:
     records, skipped, overridden = read_prompt_records(cfg.input, cfg.limit)
     if not records:
         raise InputError(f"{cfg.input}: no usable records to benchmark")
+    calibration = read_calibration(cfg) if cfg.match_relax_rate is not None else None
     target, draft = load_models(cfg.target, cfg.draft_model, log.info, kind=cfg.draft.kind)
+    match = None
+    if calibration is not None:  # before anything is timed
+        cfg, match = fit_methods(cfg, calibration, records, target, draft, log.info)
     bench = Bench(cfg, target, draft, log=log.info)
     report = bench_report(bench, records, skipped, overridden, log=log)
+    if match is not None:
+        report["match_relax_rate"] = match_section(match, report["methods"], log.info)
     failures = report["correctness_failures"]
     from rich.console import Console
 
@@ -597,21 +605,6 @@ def _task_section(bench: Bench, runs: Sequence[Run]) -> dict[str, Any]:
                        bench.cfg.max_tokens)
 
 
-def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
-    """The drafter of a chain method (no tree) or of a tree method (the --tree-* settings,
-    else EAGLE-3's defaults)."""
-    from dataclasses import replace
-
-    if not tree:
-        return replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
-    if draft.tree:
-        return draft
-    from marscli.drafters.eagle3 import DEFAULT_TREE
-
-    return replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
-                   tree_tokens=DEFAULT_TREE.tokens)
-
-
 def _tree_settings(cfg: BenchConfig) -> dict[str, Any]:
     if not any(m.kind in TREE_METHODS for m in cfg.methods):
         return {}
@@ -655,9 +648,11 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
                  repeat_guard: int | None = None, repeat_window: int | None = None,
                  max_relaxed_share: float | None = None, no_guard: bool = False,
                  strict_in: str | None = None, strict_regex: str | None = None,
-                 task: str | None = None, note: Callable[[str], None] = lambda _: None) -> BenchConfig:
+                 task: str | None = None, match_relax_rate: float | None = None, calibrate_on: str | None = None,
+                 calibration_records: int | None = None, note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
-    defaults (target, drafter, margin; the profile's theta joins --theta's)."""
+    defaults (target, drafter, margin; the profile's theta joins --theta's, except under
+    --match-relax-rate, which fits it)."""
     from marscli.distributed import launch_from_env
 
     if launch_from_env() is not None:
@@ -680,7 +675,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
             methods = f"{methods},{prule.label()}"  # the profile's rule at its knobs
     cfg = BenchConfig(
         input=input,
-        methods=parse_methods(methods, thetas or (PAPER_THETA,)),
+        methods=parse_methods(methods, thetas or (PAPER_THETA,), match=match_relax_rate is not None),
         target=ModelConfig(target_source(target, prof), dtype, device, offline=offline),
         draft=dcfg,
         draft_model=ModelConfig(dcfg.model, dtype, device, offline=offline) if dcfg.model else None,
@@ -695,7 +690,10 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
         guard=resolved.guard,
         task=task,
         spans=span_config(strict_in, strict_regex),
+        match_relax_rate=match_relax_rate, calibrate_on=calibrate_on,
+        **({"calibration_records": calibration_records} if calibration_records is not None else {}),
     )
+    check_match(cfg, theta is not None, calibration_records is not None)
     if prof is not None:
         note(f"using profile {prof.describe()}: {prule.label()}")
     return cfg

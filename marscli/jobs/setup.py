@@ -564,3 +564,18 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
     spans = span_config(strict_in, strict_regex)
     return ModelSetup(tcfg, dcfg, dmcfg, request,
                       str(prof.path) if prof is not None else None, not no_profile, batch_size, spans)
+
+
+def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
+    """The drafter of a chain method (no tree) or of a tree method (the --tree-* settings,
+    else EAGLE-3's defaults)."""
+    from dataclasses import replace
+
+    if not tree:
+        return replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
+    if draft.tree:
+        return draft
+    from marscli.drafters.eagle3 import DEFAULT_TREE
+
+    return replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
+                   tree_tokens=DEFAULT_TREE.tokens)
