@@ -170,21 +170,42 @@ def pick_knob(data: MarginData, family: RuleFamily, policy: str, value: float) -
     return knob
 
 
-def match_relax_rate(data: MarginData, rules: list[Rule], share: float) -> list[Rule]:
+#: What match_relax_rate holds equal across rules. RELAX_RATE: the relax rate (each position
+#: judged on its own). RELAXED: relaxed drafts the replay accepts per verified position (what
+#: the rule actually does on the strict trajectory; bench --match-relax-rate matches this).
+#: The two differ by rule: a relaxation judged on its own past a step's first rejection
+#: counts in the relax rate but is never reached, and rules differ in how many such
+#: positions they have (regret's summed budget has none: its relaxations are a prefix).
+RELAX_RATE = "relax-rate"
+RELAXED = "relaxed"
+
+
+def relaxed_per_position(data: MarginData, replay: Replay) -> float:
+    """Relaxed drafts the replay accepts per verified draft position."""
+    return replay.relaxed / data.positions if data.positions else 0.0
+
+
+def match_relax_rate(data: MarginData, rules: list[Rule], share: float,
+                     by: str = RELAX_RATE) -> list[Rule]:
     """Each rule with its main knob set so that it relaxes at most a share ``share`` of the
-    verified draft positions of ``data`` (its relax rate), as close to it as the data allow:
-    the fair setting to compare rules (bench --match-relax-rate). Strict stays strict; a
-    typical rule whose alpha is sqrt(epsilon) keeps it tied. No rounding: the knobs are the
-    exact values the walk found."""
+    verified draft positions of ``data`` (``by``: RELAX_RATE, its relax rate, or RELAXED, the
+    relaxed drafts its replay accepts), as close to it as the data allow: the fair setting to
+    compare rules (bench --match-relax-rate). Strict stays strict; a typical rule whose alpha
+    is sqrt(epsilon) keeps it tied. No rounding: the knobs are the exact values the walk
+    found."""
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"the relax rate must be in [0, 1], got {share}")
+    if by not in (RELAX_RATE, RELAXED):
+        raise ValueError(f"match by {RELAX_RATE!r} or {RELAXED!r}, not {by!r}")
+    keeps = ((lambda r: r.relax_rate <= share) if by == RELAX_RATE
+             else (lambda r: relaxed_per_position(data, r) <= share))
     out = []
     for rule in rules:
         if rule.name == STRICT:
             out.append(rule)
             continue
         family = RuleFamily.of(rule)
-        out.append(family.at(walk(data, family, lambda r: r.relax_rate <= share)))
+        out.append(family.at(walk(data, family, keeps)))
     return out
 
 

@@ -50,7 +50,7 @@ def independent_fit(path, start, target_dir):
     """A strict collection over records [start, ...) of ``path`` by the calibrate job's own
     collect_margins, and match_relax_rate on it (guarded, and unguarded for mars-noguard)."""
     from marscli.calibrate import MarginCollector
-    from marscli.calibrate_rules import match_relax_rate
+    from marscli.calibrate_rules import RELAXED, match_relax_rate
     from marscli.config import DraftConfig, GuardConfig, SamplingParams
     from marscli.jobs.calibrate import collect_margins
     from marscli.jobs.setup import load_models, make_engine
@@ -74,8 +74,8 @@ def independent_fit(path, start, target_dir):
     data = merged.data(records=len(records), guard=guard)
     templates = [Rule("mars", 0.9), Rule("ratio"), Rule("topk", top_n=3), Rule("typical"),
                  Rule("typical", epsilon=0.5, alpha=0.2), Rule("regret")]
-    fitted = match_relax_rate(data, templates, SHARE)
-    noguard = match_relax_rate(replace(data, guard=GUARD_OFF), [Rule("mars", 0.9)], SHARE)[0]
+    fitted = match_relax_rate(data, templates, SHARE, by=RELAXED)
+    noguard = match_relax_rate(replace(data, guard=GUARD_OFF), [Rule("mars", 0.9)], SHARE, by=RELAXED)[0]
     return data, fitted, noguard
 
 
@@ -105,11 +105,14 @@ def test_match_fits_every_relaxed_method_on_the_records_after_the_measured_ones(
         for k, v in rule.knobs().items():
             assert got["knobs"][k] == (pytest.approx(v, rel=1e-5) if isinstance(v, float) else v), (label, k)
         on = replace(data, guard=GUARD_OFF) if label.startswith("mars-noguard") else data
-        rate = on.replay(rule).relax_rate
-        assert got["relax_rate_calibration"] == pytest.approx(rate, rel=1e-5)
-        assert got["within_share"] == (rate <= SHARE)
+        rep_on = on.replay(rule)
+        assert got["relax_rate_calibration"] == pytest.approx(rep_on.relax_rate, rel=1e-5)
+        relaxed = rep_on.relaxed / on.positions  # what is matched: relaxed drafts the replay accepts
+        assert got["relaxed_per_position_calibration"] == pytest.approx(relaxed, rel=1e-5)
+        assert got["within_share"] == (relaxed <= SHARE)
+        assert relaxed <= rep_on.relax_rate + 1e-12  # a relaxation reached is one judged on its own
         if rule.name != "typical":  # typical at epsilon 1 may still relax more than the share
-            assert rate <= SHARE and rule.relaxes, label
+            assert relaxed <= SHARE and rule.relaxes, label
         assert 0 <= got["relaxed_per_position_measured"] <= 1
         a = rep["methods"][label]
         assert got["relaxed_per_position_measured"] == pytest.approx(a["relaxed"] / a["drafted"], rel=1e-5)

@@ -527,3 +527,28 @@ def test_generate_applies_a_profiles_rule_and_the_command_line_wins(tiny_model_d
     bad = runner.invoke(app, ["generate", str(calib_prompts), "--target", str(tiny_model_dir),
                               "--profile", str(prof), "--delta", "0.1"])
     assert bad.exit_code == 2 and "--delta belongs to --verify topk, not --verify ratio" in bad.stderr
+
+
+@pytest.mark.parametrize("name", [MARS, RATIO, TOPK, REGRET])
+def test_match_by_relaxed_holds_the_replayed_relaxations_to_the_share(collected, name):
+    """bench's matching (by=RELAXED): the relaxed drafts the replay accepts per verified
+    position stay within the share, and one more critical value would break it."""
+    from marscli.calibrate_rules import RELAXED
+
+    _, data = collected
+    P = data.positions
+    template = {MARS: Rule(MARS, 0.9), RATIO: Rule(RATIO, rho=0.5), TOPK: Rule(TOPK, top_n=3, delta=0.1),
+                REGRET: Rule(REGRET, budget=1.0)}[name]
+    family = RuleFamily.of(template)
+    vals = [float(v) for v in critical_values(data, family)]
+    most = data.replay(family.at(vals[-1])).relaxed if vals else 0
+    share = min(0.05, 0.5 * most / P)
+    assert share > 0  # the data leave something to match
+    (rule,) = match_relax_rate(data, [template], share, by=RELAXED)
+    assert data.replay(rule).relaxed / P <= share
+    knob = rule.knob[1]
+    later = [v for v in vals if family.toward_strict(knob, v) and v != knob]
+    if later:  # the next, more relaxing critical value relaxes more than the share
+        assert data.replay(family.at(later[0])).relaxed / P > share
+    with pytest.raises(ValueError, match="match by"):
+        match_relax_rate(data, [template], share, by="tokens")

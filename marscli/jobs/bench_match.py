@@ -28,8 +28,9 @@ Log = Callable[[str], None]
 #: How the measured run's relaxed share is counted (the report's notes say it too).
 MEASURED_DEFINITION = ("relaxed_per_position: relaxed draft tokens accepted / draft positions verified "
                        "(the engine's relaxed / drafted); the calibration replay's figure counts the same way. "
-                       "relax_rate (what is matched) also counts positions a step never reaches after its "
-                       "first rejection, judged on their own, so on the same steps it is at least as large. "
+                       "That is what is matched (relaxed_per_position_calibration <= share). relax_rate, "
+                       "reported beside it, also counts positions a step never reaches after its first "
+                       "rejection, judged on their own, so on the same steps it is at least as large. "
                        "within_share false: even the knob's strict end relaxes more than the share "
                        "(typical at epsilon 1 still relaxes where p(draft) > alpha e^-H)")
 
@@ -137,7 +138,7 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
                 log: Log) -> tuple[BenchConfig, Match]:
     """The bench config with every MATCHED_METHODS method at its fitted knob (renamed to its
     label), and what was matched."""
-    from marscli.calibrate_rules import match_relax_rate
+    from marscli.calibrate_rules import RELAXED, match_relax_rate, relaxed_per_position
     from marscli.engine.sequence import RecordFailure
     from marscli.jobs.setup import chain_or_tree, make_engine
     from marscli.verify import MARS, Rule
@@ -184,7 +185,7 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
         on = unguarded if m.kind == MARS_NOGUARD else data
         template = m.rule if m.rule is not None else Rule(MARS, m.theta, cfg.margin)
         try:
-            rule = match_relax_rate(on, [template], s)[0]
+            rule = match_relax_rate(on, [template], s, by=RELAXED)[0]
         except ValueError as e:  # a rule the data cannot replay
             raise UsageError(f"--match-relax-rate, method {m.name}: {e}") from None
         if m.rule is not None:
@@ -196,12 +197,13 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
             continue
         methods.append(spec)
         at = on.replay(rule)
+        relaxed = relaxed_per_position(on, at)
         fitted[spec.name] = {"template": m.name, "rule": rule.name, "knobs": rule.knobs(),
-                             "relax_rate_calibration": at.relax_rate, "within_share": at.relax_rate <= s,
-                             "relaxed_per_position_calibration": at.relaxed / on.positions}
-        log(f"--match-relax-rate {s:g}: {m.name} -> {spec.name} (relax rate {at.relax_rate:.4f} on "
-            f"{on.positions} calibration positions)" + ("" if at.relax_rate <= s else
-                                                        ": NOT matched, it relaxes more even at its strict end"))
+                             "relax_rate_calibration": at.relax_rate, "within_share": relaxed <= s,
+                             "relaxed_per_position_calibration": relaxed}
+        log(f"--match-relax-rate {s:g}: {m.name} -> {spec.name} ({relaxed:.4f} relaxed per position, relax "
+            f"rate {at.relax_rate:.4f}, on {on.positions} calibration positions)" + (
+                "" if relaxed <= s else ": NOT matched, it relaxes more even at its strict end"))
     notes = ["strict spans: the calibration replay relaxes inside them too, the measured run does not"
              ] if cfg.spans.active else []
     match = Match(s, source, data.records, data.positions, data.tokens, dropped, skipped + failed, notes=notes,
