@@ -111,9 +111,10 @@ def verify_tree(
         relaxable = relaxable & ~row_guarded
     budget = math.inf if relax_left is None else relax_left
     per_token = rule.name not in (STRICT, MARS) and rule.relaxes
+    # the target's sampling law, once: the sampling walk and a per-token rule's facts read it
+    p = None if temperature == 0.0 else sampling_probs(logits, temperature, top_k, top_p)  # [N+1, V]
     if per_token:
-        probs = (torch.softmax(logits.float(), dim=-1) if temperature == 0.0
-                 else sampling_probs(logits, temperature, top_k, top_p))  # [N+1, V]
+        probs = torch.softmax(logits.float(), dim=-1) if p is None else p  # [N+1, V]
         node_facts = _per_token_facts(tree, logits, probs, rule)
         relax_node = rule.decide(node_facts).relaxable
         if guard is not None:
@@ -134,7 +135,6 @@ def verify_tree(
         assert u_accept.shape == (n,), f"u_accept must be [N] = [{n}], got {tuple(u_accept.shape)}"
         assert u_sample.numel() == 1, f"u_sample must be [] or [1], got {tuple(u_sample.shape)}"
         u_accept, u_sample = u_accept.to(logits.device), u_sample.to(logits.device)
-        p = sampling_probs(logits, temperature, top_k, top_p)  # [N+1, V]
         path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule,
                                             u_accept, u_sample.reshape(1), budget,
                                             node_facts, guard)
