@@ -426,3 +426,51 @@ def test_out_of_memory_in_a_prefill_halves_the_batch(target, monkeypatch):
     got, _, engine = batched(target, factory, STRICT, dcfg, PROMPTS, samplings, 4)
     assert engine.oom_retries == 1 and engine.batch_size == 2
     assert_same(ref, got)
+
+
+def test_drained_queue_is_known_before_the_first_step(target):
+    """A full batch reads one record ahead: with every record in the batch, the first step
+    already knows the queue is drained (and the draft lengths aim at the job's end); strict
+    greedy results stay those of batch size 1."""
+    prompts = PROMPTS[:3]
+    samplings = [sampling_for(i) for i in range(3)]
+    dcfg = ngram_cfg(4, adaptive=True)
+    factory = lambda: build_drafter(dcfg, target)  # noqa: E731
+    engine = engine_of(target, factory, STRICT, dcfg, 3)
+    seen = []
+    step = engine._step
+
+    def spy():
+        seen.append(engine.drained)
+        return step()
+
+    engine._step = spy
+    got = {i: r for i, r in engine.run(range(3), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i]))}
+    assert seen and all(seen)
+    ref = singles(target, factory, STRICT, dcfg, prompts, samplings)
+    assert [got[i].token_ids for i in range(3)] == [r.token_ids for r in ref]
+    # With more records than rows the queue drains only once the last one has joined.
+    engine = engine_of(target, factory, STRICT, dcfg, 2)
+    seen.clear()
+    engine._step = spy
+    list(engine.run(range(3), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
+    assert not seen[0] and seen[-1]
+
+
+def test_batch_size_one_never_reads_ahead(target):
+    """At batch size 1 the next record is read only after the current one's result is out
+    (a caller may write the next request after reading a result)."""
+    prompts = PROMPTS[:2]
+    dcfg = ngram_cfg(4, adaptive=True)
+    engine = engine_of(target, lambda: build_drafter(dcfg, target), STRICT, dcfg, 1)
+    done = []
+
+    def items():
+        yield 0
+        assert done == [0], "record 1 was read before record 0's result was out"
+        yield 1
+
+    for i, res in engine.run(items(), lambda i: (target.tokenizer(prompts[i]).input_ids, sampling_for(i))):
+        assert not isinstance(res, Exception), res
+        done.append(i)
+    assert done == [0, 1]

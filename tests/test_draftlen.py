@@ -95,6 +95,29 @@ def test_a_stale_estimate_probes_with_one_draft():
     assert choose_draft_lengths([DraftOffer(0, 0.0, probe=True)], steep) == [0]
 
 
+def test_drained_queue_aims_at_the_last_row():
+    """No record waits: only the rows that may finish last count, by their least progress."""
+    eager, poor, none = DraftOffer(8, 0.9), DraftOffer(8, 0.02), DraftOffer(0)
+    cheap = lambda L: 1.0 + 0.1 * L  # noqa: E731 - drafting pays for one eager row alone
+    assert choose_draft_lengths([eager, none], cheap) != [0, 0]  # goodput: the eager row drafts
+    # Both rows may finish last and one of them has nothing to draft: drafting cannot bring
+    # the end of the job closer, so the batch decodes plainly.
+    assert choose_draft_lengths([eager, none], cheap, critical=[True, True]) == [0, 0]
+    # Only the row with nothing to draft may finish last: the same.
+    assert choose_draft_lengths([eager, none], cheap, critical=[False, True]) == [0, 0]
+    # The eager row is the last one: it drafts, and the others draft up to its length.
+    ks = choose_draft_lengths([eager, poor], cheap, critical=[True, False])
+    assert ks[0] >= 1 and ks[1] == ks[0]
+    # A poor critical row outweighs an eager one (the least progress counts, not the sum).
+    assert choose_draft_lengths([eager, poor], cheap, critical=[True, True]) == [0, 0]
+    # The critical rows' own drafts bound the length, not a non-critical row's longer ones.
+    ks = choose_draft_lengths([DraftOffer(2, 0.99), DraftOffer(8, 0.99)], flat, critical=[True, False])
+    assert ks == [2, 2]
+    # Stale estimates do not probe once the queue is drained.
+    stale = DraftOffer(8, 0.01, probe=True)
+    assert choose_draft_lengths([stale, stale], steep, critical=[True, True]) == [0, 0]
+
+
 def test_tracker_goes_stale_when_it_drafts_nothing():
     t = AcceptanceTracker()
     for _ in range(PROBE_AFTER_STEPS - 1):

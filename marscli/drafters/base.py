@@ -87,7 +87,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def choose_draft_lengths(offers: Sequence[DraftOffer], step_seconds: Callable[[int], float],
-                         adaptive: bool = True) -> list[int]:
+                         adaptive: bool = True, critical: Sequence[bool] | None = None) -> list[int]:
     """Every row's draft length k_b for one step, maximising the batch's expected goodput.
 
     step_seconds(L): the step's seconds when its longest row drafts L tokens (the target
@@ -98,20 +98,36 @@ def choose_draft_lengths(offers: Sequence[DraftOffer], step_seconds: Callable[[i
     L = 0 (every row decodes plainly) is always a candidate. Rows with a stale estimate
     (``probe``) that have something to draft make L at least 1.
 
+    critical (the job's queue is drained: no record waits for a free row): what the step
+    buys is no longer tokens but progress towards the end of the job, which is the end of
+    its last row. critical[b] marks the rows that may be last (the most tokens left to
+    generate); the value of L is then the least expected progress among them,
+    min_b expected_tokens(alpha_b, k_b), per step second. Tokens of the other rows finish
+    rows that would be done before the last one anyway; a critical row with nothing to draft
+    makes every L worth one token, so the batch decodes plainly (no probes either: there is
+    little left to learn for).
+
     adaptive=False: every row drafts all it has (a fixed K).
     """
     if not adaptive:
         return [max(o.available, 0) for o in offers]
-    longest = max((o.available for o in offers), default=0)
+    counted = list(offers)
+    if critical is not None:
+        counted = [o for o, c in zip(offers, critical) if c] or counted
+    longest = max((o.available for o in counted), default=0)
     if longest <= 0:
         return [0 for _ in offers]
-    best_L, best = 0, len(offers) / step_seconds(0)
+
+    def value(L: int) -> float:
+        tokens = [expected_tokens(o.alpha, min(L, o.available)) for o in counted]
+        return min(tokens) if critical is not None else sum(tokens)
+
+    best_L, best = 0, value(0) / step_seconds(0)
     for L in range(1, longest + 1):
-        tokens = sum(expected_tokens(o.alpha, min(L, o.available)) for o in offers)
-        rate = tokens / step_seconds(L)
+        rate = value(L) / step_seconds(L)
         if rate > best * (1.0 + MIN_GAIN):
             best_L, best = L, rate
-    if best_L == 0 and any(o.probe and o.available > 0 for o in offers):
+    if best_L == 0 and critical is None and any(o.probe and o.available > 0 for o in offers):
         best_L = 1
     return [min(best_L, max(o.available, 0)) for o in offers]
 

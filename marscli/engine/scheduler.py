@@ -106,6 +106,7 @@ class Engine:
         self.costs = costs
         self.adaptive = draft_cfg.adaptive
         self.solo_lengths = False  # True: rows choose draft lengths as if alone (calibration)
+        self.drained = False  # no record waits for a row: draft lengths aim at the job's end
         self.prompts = PromptEncoder(target.tokenizer, target.context_length)
         k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
         self.tree = drafters.tree
@@ -204,6 +205,8 @@ class Engine:
     def _loop(self, items, prepare, observer_for) -> Iterator[tuple[Any, GenerationResult | Exception]]:
         source = iter(items)
         retry: deque[tuple[Any, list[int], SamplingParams]] = deque()
+        ahead: deque[Any] = deque()  # at most one record read early, to know whether any is left
+        exhausted = False
         self._reset()
         with torch.inference_mode():
             while True:
@@ -212,10 +215,14 @@ class Engine:
                     if retry:
                         item, ids, sampling = retry.popleft()
                     else:
-                        try:
-                            item = next(source)
-                        except StopIteration:
-                            break
+                        if ahead:
+                            item = ahead.popleft()
+                        else:
+                            try:
+                                item = next(source)
+                            except StopIteration:
+                                exhausted = True
+                                break
                         try:
                             ids, sampling = prepare(item)
                         except Exception as e:  # noqa: BLE001 - a RecordFailure or a tokenizer fault: this record only
@@ -241,6 +248,15 @@ class Engine:
                         yield item, self._result(seq, [] if sampling.logprobs else None)
                 if not self.rows:
                     return
+                # A full batch looks one record ahead (never at batch size 1, where a caller
+                # may feed the next record only after reading this one's result): when none
+                # is left, the draft lengths aim at the end of the job (draft_lengths).
+                if self.batch_size > 1 and not exhausted and not ahead and not retry:
+                    try:
+                        ahead.append(next(source))
+                    except StopIteration:
+                        exhausted = True
+                self.drained = exhausted and not retry and not ahead
                 try:
                     finished = self._step()
                 except oom_errors() as e:
@@ -267,7 +283,8 @@ class Engine:
         self.rows: list[_Row] = []
         # The target's cache, one row per record: masked with holes when rows share it,
         # rolled back in place at batch size 1.
-        self.kv = HoleCache(self.model, self.device, masked=self.batch_size > 1)
+        self.kv = HoleCache(self.model, self.device, masked=self.batch_size > 1,
+                            batch_capacity=self.batch_size)
         self.drafters.reset()
 
     def _keep(self, keep: list[int]) -> None:
@@ -368,7 +385,11 @@ class Engine:
             ks = [choose_draft_lengths([o], lambda L: self.costs.step(1, L), self.adaptive)[0]
                   for o in offers]
         else:
-            ks = choose_draft_lengths(offers, lambda L: self.costs.step(B, L), self.adaptive)
+            critical = None
+            if self.drained and B > 1:  # the rows that may finish last: the most tokens left
+                left = [r.seq.max_new - len(r.seq.out) for r in self.rows]
+                critical = [n == max(left) for n in left]
+            ks = choose_draft_lengths(offers, lambda L: self.costs.step(B, L), self.adaptive, critical)
         return [max(min(k, cap), 0) for k, cap in zip(ks, caps)]
 
     def _chain_step(self, proposals: list[Proposal], caps: list[int]) -> list[int]:
