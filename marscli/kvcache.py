@@ -23,14 +23,34 @@ class GrowingLayer(DynamicLayer):
     batch) still ends inside the buffer, so the next update writes after its end in place.
     Anything else that replaces keys/values (index_select, padding, gather) simply gets a new
     buffer at the next update: the class never needs to know who changed what.
+
+    The buffer may also hold more batch rows than the view (``batch_capacity``: a batched
+    cache that a finished row left and a new row will join): the view is then its first
+    rows, and HoleCache moves, drops and adds rows inside the buffer instead of copying the
+    whole cache twice (once to select rows, once more to regrow at the next append).
     """
+
+    #: Batch rows a new buffer is allocated for (at least the rows it must hold).
+    batch_capacity = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys, self._kbuf = _append(self.keys, getattr(self, "_kbuf", None), key_states)
-        self.values, self._vbuf = _append(self.values, getattr(self, "_vbuf", None), value_states)
+        rows = self.batch_capacity
+        self.keys, self._kbuf = _append(self.keys, getattr(self, "_kbuf", None), key_states, rows)
+        self.values, self._vbuf = _append(self.values, getattr(self, "_vbuf", None), value_states, rows)
         return self.keys, self.values
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(key buffer, value buffer, first slot) when keys and values are views of the first
+        rows of this layer's buffers at the same slots; None otherwise."""
+        kbuf, vbuf = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
+        if self.keys is None or self.values is None or self.keys.numel() == 0:
+            return None
+        ks, vs = _start_in(kbuf, self.keys), _start_in(vbuf, self.values)
+        if ks is None or ks != vs or self.keys.shape != self.values.shape:
+            return None
+        return kbuf, vbuf, ks
 
     def reset(self) -> None:
         self._kbuf = self._vbuf = None
@@ -38,35 +58,37 @@ class GrowingLayer(DynamicLayer):
 
 
 def _start_in(buf: torch.Tensor | None, cur: torch.Tensor) -> int | None:
-    """The slot where view `cur` [B, H, T, D] begins inside `buf` [B, H, cap, D], or None if
-    `cur` is not such a view (another batch size, a copy, a different layout)."""
-    if buf is None or cur.dim() != 4 or cur.shape[0] != buf.shape[0] or cur.shape[1] != buf.shape[1] \
+    """The slot where view `cur` [B', H, T, D] begins inside `buf` [B, H, cap, D] (its first
+    B' <= B rows), or None if `cur` is not such a view (a copy, a different layout, rows
+    that do not start at the buffer's first)."""
+    if buf is None or cur.dim() != 4 or cur.shape[0] > buf.shape[0] or cur.shape[1] != buf.shape[1] \
             or cur.shape[3] != buf.shape[3] or cur.stride() != buf.stride() or cur.dtype != buf.dtype:
         return None
     if cur.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
         return None
     offset = cur.storage_offset() - buf.storage_offset()
     step = buf.stride(2)
-    if offset < 0 or offset % step:
+    if offset < 0 or offset % step or offset >= buf.stride(1):
         return None
     start = offset // step
     return start if start + cur.shape[2] <= buf.shape[2] else None
 
 
-def _append(cur: torch.Tensor | None, buf: torch.Tensor | None, new: torch.Tensor):
-    """(cur followed by new, as a view of a buffer; that buffer)."""
-    S = new.shape[2]
+def _append(cur: torch.Tensor | None, buf: torch.Tensor | None, new: torch.Tensor, rows: int = 0):
+    """(cur followed by new, as a view of a buffer; that buffer). A new buffer has room for
+    at least `rows` batch rows."""
+    B, S = new.shape[0], new.shape[2]
     T = 0 if cur is None or cur.numel() == 0 else cur.shape[2]
     start = _start_in(buf, cur) if T else None
     if start is not None and start + T + S <= buf.shape[2]:
-        buf[:, :, start + T: start + T + S] = new
-        return buf[:, :, start: start + T + S], buf
+        buf[:B, :, start + T: start + T + S] = new
+        return buf[:B, :, start: start + T + S], buf
     cap = max(T + S + GROW_MIN, int((T + S) * GROW))
-    fresh = new.new_empty(new.shape[0], new.shape[1], cap, new.shape[3])
+    fresh = new.new_empty(max(B, rows), new.shape[1], cap, new.shape[3])
     if T:
-        fresh[:, :, :T] = cur
-    fresh[:, :, T: T + S] = new
-    return fresh[:, :, : T + S], fresh
+        fresh[:B, :, :T] = cur
+    fresh[:B, :, T: T + S] = new
+    return fresh[:B, :, : T + S], fresh
 
 
 def new_cache(model) -> DynamicCache:
@@ -171,14 +193,18 @@ class HoleCache:
     layers, which record their past only to be cropped, exact at batch size 1.
     """
 
-    def __init__(self, model, device, *, masked: bool):
+    def __init__(self, model, device, *, masked: bool, batch_capacity: int = 0):
         self.model = model
         self.device = device
         self.masked = masked
+        self.batch_capacity = batch_capacity if masked else 0
         self.reset()
 
     def reset(self) -> None:
         self.cache = new_cache(self.model)
+        for layer in self.cache.layers:
+            if isinstance(layer, GrowingLayer):  # room for the whole batch: rows join in place
+                layer.batch_capacity = self.batch_capacity
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, T]
 
     @property
@@ -315,8 +341,9 @@ class HoleCache:
                 layer.keys, layer.values = k, v
         else:
             for layer, (k, v) in zip(self.cache.layers, kv):
-                layer.keys = torch.cat([layer.keys, left_pad(k, new_t)], 0)
-                layer.values = torch.cat([layer.values, left_pad(v, new_t)], 0)
+                if not _join_in_place(layer, k, v, B):
+                    layer.keys = torch.cat([layer.keys, left_pad(k, new_t)], 0)
+                    layer.values = torch.cat([layer.values, left_pad(v, new_t)], 0)
 
     def keep_rows(self, keep: list[int]) -> None:
         """Keep only these rows (in this order)."""
@@ -328,9 +355,14 @@ class HoleCache:
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.mask = self.mask.index_select(0, idx)
+        # In place when every kept row either stays or comes from a row past the new end
+        # (never one that an earlier move overwrote): rows move inside the layer's buffer.
+        n = len(keep)
+        movable = all(src == i or src >= n for i, src in enumerate(keep)) or keep == sorted(keep)
         for layer in self.layers():
-            layer.keys = layer.keys.index_select(0, idx)
-            layer.values = layer.values.index_select(0, idx)
+            if not (movable and _keep_in_place(layer, keep)):
+                layer.keys = layer.keys.index_select(0, idx)
+                layer.values = layer.values.index_select(0, idx)
         self.trim()
 
     def trim(self) -> None:
@@ -366,6 +398,56 @@ class HoleCache:
             layer.keys = layer.keys.gather(2, gi)
             layer.values = layer.values.gather(2, index[:, None, :, None].expand(
                 B, layer.values.shape[1], new_t, layer.values.shape[3]))
+
+
+def _keep_in_place(layer, keep: list[int]) -> bool:
+    """Keep rows `keep` of a growing layer by moving them inside its buffers (row i gets row
+    keep[i]; the caller checked that no source is overwritten before it is read); False
+    when the layer's keys are not views of its buffers."""
+    got = layer.views() if isinstance(layer, GrowingLayer) else None
+    if got is None or len(set(keep)) != len(keep) or max(keep) >= layer.keys.shape[0]:
+        return False
+    kbuf, vbuf, start = got
+    T = layer.keys.shape[2]
+    for i, src in enumerate(keep):
+        if src != i:
+            kbuf[i, :, start: start + T] = kbuf[src, :, start: start + T]
+            vbuf[i, :, start: start + T] = vbuf[src, :, start: start + T]
+    n = len(keep)
+    layer.keys, layer.values = kbuf[:n, :, start: start + T], vbuf[:n, :, start: start + T]
+    return True
+
+
+def _join_in_place(layer, k: torch.Tensor, v: torch.Tensor, B: int) -> bool:
+    """Write a new row (k, v: [1, H, L, D], L at most the batch's length) after the B rows
+    of a growing layer, inside its buffer, left-padded with zeros (a buffer for the layer's
+    batch capacity is made first when it has none with a spare row); False when the row
+    cannot join in place (a longer row, a layer without room for one more)."""
+    if not isinstance(layer, GrowingLayer) or layer.keys is None or layer.keys.shape[0] != B:
+        return False
+    T, L = layer.keys.shape[2], k.shape[2]
+    if L > T or k.shape[1] != layer.keys.shape[1] or k.shape[3] != layer.keys.shape[3] \
+            or k.dtype != layer.keys.dtype or k.device != layer.keys.device:
+        return False
+    got = layer.views()
+    if got is None or got[0].shape[0] <= B:
+        if layer.batch_capacity <= B:
+            return False
+        # No buffer with a spare row yet (the batch is filling up): one for the whole batch,
+        # so the rows after this one join without copying the others again.
+        cap = max(T + GROW_MIN, int(T * GROW))
+        kbuf = layer.keys.new_empty(layer.batch_capacity, layer.keys.shape[1], cap, layer.keys.shape[3])
+        vbuf = layer.values.new_empty(layer.batch_capacity, layer.values.shape[1], cap, layer.values.shape[3])
+        kbuf[:B, :, :T] = layer.keys
+        vbuf[:B, :, :T] = layer.values
+        layer._kbuf, layer._vbuf, start = kbuf, vbuf, 0
+    else:
+        kbuf, vbuf, start = got
+    for buf, x in ((kbuf, k), (vbuf, v)):
+        buf[B, :, start: start + T - L] = 0  # masked out, but never garbage (0 x NaN is NaN)
+        buf[B, :, start + T - L: start + T] = x[0]
+    layer.keys, layer.values = kbuf[:B + 1, :, start: start + T], vbuf[:B + 1, :, start: start + T]
+    return True
 
 
 def left_pad(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -70,3 +70,77 @@ def test_replaced_keys_get_a_new_buffer_and_stay_right():
         a = model(input_ids=nxt, past_key_values=ours, use_cache=True).logits
         b = model(input_ids=nxt, past_key_values=plain, use_cache=True).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _hole_cache_walk(capacity: int):
+    """Rows join (prompts of different lengths), decode a few chunks with rejected drafts,
+    leave in several orders and are replaced: every row's logits at every step, and the
+    key buffers each step wrote into (the batched cache of marscli.kvcache.HoleCache)."""
+    from marscli.kvcache import HoleCache
+
+    model = _model()
+    gen = torch.Generator().manual_seed(3)
+    kv = HoleCache(model, "cpu", masked=True, batch_capacity=capacity)
+    seqs: list[list[int]] = []
+    logits, buffers = [], []
+
+    def join(n):
+        ids = torch.randint(0, 50, (n,), generator=gen).tolist()
+        kv.add_prefilled(ids[:-1])
+        seqs.append(ids)
+
+    def step():
+        B = len(seqs)
+        chunks = [torch.randint(0, 50, (1 + (b + len(logits)) % 3,), generator=gen).tolist() for b in range(B)]
+        K = max(len(c) for c in chunks)
+        ids = torch.zeros(B, K, dtype=torch.long)
+        new_mask = torch.zeros(B, K, dtype=torch.long)
+        for b, c in enumerate(chunks):
+            ids[b, : len(c)] = torch.tensor([seqs[b][-1]] + c[1:])
+            new_mask[b, : len(c)] = 1
+        npos = kv.mask.sum(1)
+        pos = npos[:, None] + torch.arange(K)[None, :]
+        out = kv.forward(ids, new_mask, pos).logits
+        for b, c in enumerate(chunks):  # each row kept 1 + some of its new slots
+            fed = [seqs[b][-1]] + c[1:]
+            logits.append(out[b, : len(c)].clone())
+            ref = model(input_ids=torch.tensor([seqs[b][:-1] + fed])).logits[0, len(seqs[b]) - 1:]
+            torch.testing.assert_close(out[b, : len(c)], ref, rtol=1e-4, atol=1e-4)
+            keep = 1 + (b + len(logits)) % len(c)
+            new_mask[b, keep:] = 0
+            seqs[b] = seqs[b][:-1] + fed[:keep] + [int(out[b, keep - 1].argmax())]
+        kv.commit(new_mask)
+        kv.trim()
+        buffers.append(kv.cache.layers[0]._kbuf.data_ptr())
+
+    def keep(rows):
+        kv.keep_rows(rows)
+        seqs[:] = [seqs[b] for b in rows]
+
+    with torch.inference_mode():
+        for n in (7, 3, 9):
+            join(n)
+        for _ in range(3):
+            step()
+        keep([0, 2])  # the middle row leaves (order kept)
+        join(4)
+        step()
+        keep([2, 1])  # the first row leaves, the last takes its place
+        join(6)
+        join(2)
+        step()
+        step()
+    return logits, buffers
+
+
+def test_batch_rows_join_and_leave_in_place():
+    """With room for the whole batch, rows leave and join inside the layer's buffer (no
+    copy of the cache), and every row's logits equal a plain forward of its own sequence,
+    as they do when every change copies the cache."""
+    in_place, bufs = _hole_cache_walk(capacity=4)
+    copied, copied_bufs = _hole_cache_walk(capacity=0)
+    assert len(in_place) == len(copied)
+    for a, b in zip(in_place, copied):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(set(bufs)) == 1, "rows leaving and joining must stay in the one buffer"
+    assert len(set(copied_bufs)) > 1  # without room for the batch, a joining row copies it
