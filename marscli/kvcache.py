@@ -3,9 +3,22 @@ batched cache with holes (HoleCache)."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+def cache_kw(model, cache) -> dict:
+    """The keyword that hands `cache` to `model`'s forward: ``cache`` from transformers 5.24
+    (which deprecates ``past_key_values`` with a warning on every run), ``past_key_values``
+    before."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {"past_key_values": cache}
+    return {"cache": cache} if "cache" in params and "past_key_values" not in params else {"past_key_values": cache}
+
 
 #: Spare capacity of a growing layer: room for GROW x the positions it holds, at least
 #: GROW_MIN more.
@@ -225,10 +238,10 @@ class HoleCache:
         [B, S]) over the cache; the new slots stay in the cache until commit()."""
         if not self.masked:
             assert ids.shape[0] == 1 and bool(new_mask.all()), "a contiguous cache runs one unpadded row"
-            return self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **kw)
+            return self.model(input_ids=ids, **cache_kw(self.model, self.cache), use_cache=True, **kw)
         attn = torch.cat([self.mask, new_mask], 1)  # [B, T + S]
         return self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                          past_key_values=self.cache, use_cache=True, **kw)
+                          **cache_kw(self.model, self.cache), use_cache=True, **kw)
 
     def commit(self, new_mask: torch.Tensor) -> None:
         """Record which of the last forward's new slots each row keeps ([B, S])."""
@@ -268,7 +281,7 @@ class HoleCache:
             assert self.rows == 0, "a contiguous cache holds one row"
             if ids:
                 x = torch.tensor([ids], dtype=torch.long, device=self.device)
-                run(lambda: self.model(input_ids=x, past_key_values=self.cache, use_cache=True,
+                run(lambda: self.model(input_ids=x, **cache_kw(self.model, self.cache), use_cache=True,
                                        logits_to_keep=1))
             self.mask = torch.ones(1, len(ids), dtype=torch.long, device=self.device)
             if not keep or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in self.cache.layers):
@@ -280,7 +293,7 @@ class HoleCache:
         if ids:
             c = new_cache(self.model)
             x = torch.tensor([ids], dtype=torch.long, device=self.device)
-            run(lambda: self.model(input_ids=x, past_key_values=c, use_cache=True, logits_to_keep=1))
+            run(lambda: self.model(input_ids=x, **cache_kw(self.model, c), use_cache=True, logits_to_keep=1))
             kv = [(layer.keys, layer.values) for layer in c.layers]
         self.add_row(kv, len(ids))
         # add_row copies kv into the batch (concatenation) or, into an empty batch, takes the

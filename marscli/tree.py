@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from marscli.kvcache import check_plain_layers
+from marscli.kvcache import cache_kw, check_plain_layers
 
 #: Parent index of the root's children.
 ROOT = -1
@@ -231,7 +231,7 @@ def tree_forward(
         input_ids=ids,
         position_ids=pos,
         attention_mask=mask,
-        past_key_values=cache,
+        **cache_kw(model, cache),
         use_cache=True,
         output_hidden_states=output_hidden_states,
     )

@@ -6,7 +6,7 @@ import torch
 
 from marscli.config import SamplingParams
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
-from marscli.kvcache import HoleCache, new_cache, rollback
+from marscli.kvcache import HoleCache, cache_kw, new_cache, rollback
 from marscli.verify import sample_from, sampling_probs
 
 
@@ -83,7 +83,7 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=x, **cache_kw(self.model, self.cache), use_cache=True, logits_to_keep=1)
         self.cached.extend(ids)
         return out.logits[0, -1]  # [V_draft]
 

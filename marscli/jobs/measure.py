@@ -47,13 +47,13 @@ def forward_times(model, device, ids: list[int], max_n: int) -> list[float]:
     """Median seconds of one forward pass over n = 1..max_n new tokens after `ids` (cached)."""
     import torch
 
-    from marscli.kvcache import new_cache, rollback
+    from marscli.kvcache import cache_kw, new_cache, rollback
 
     cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in range(max_n)]
     with torch.inference_mode():
         cache = new_cache(model)
-        model(input_ids=torch.tensor([ids[:-1] or ids], device=device), past_key_values=cache,
+        model(input_ids=torch.tensor([ids[:-1] or ids], device=device), **cache_kw(model, cache),
               use_cache=True, logits_to_keep=1)
         base = cache.get_seq_length()
         filler = (ids * (max_n // max(len(ids), 1) + 1))[:max_n]  # any tokens: only time matters
@@ -63,7 +63,7 @@ def forward_times(model, device, ids: list[int], max_n: int) -> list[float]:
                 if cuda:  # pragma: no cover - needs a GPU
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                model(input_ids=x, past_key_values=cache, use_cache=True)
+                model(input_ids=x, **cache_kw(model, cache), use_cache=True)
                 if cuda:  # pragma: no cover
                     torch.cuda.synchronize()
                 if rep:
