@@ -3,21 +3,29 @@ batched cache with holes (HoleCache)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(forward) -> str:
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
 def cache_kw(model, cache) -> dict:
     """The keyword that hands `cache` to `model`'s forward: ``cache`` from transformers 5.24
     (which deprecates ``past_key_values`` with a warning on every run), ``past_key_values``
-    before."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {"past_key_values": cache}
-    return {"cache": cache} if "cache" in params and "past_key_values" not in params else {"past_key_values": cache}
+    before. Read once per forward function, not on every forward pass."""
+    forward = model.forward
+    return {_cache_keyword(getattr(forward, "__func__", forward)): cache}
 
 
 #: Spare capacity of a growing layer: room for GROW x the positions it holds, at least

@@ -388,7 +388,8 @@ class Engine:
             critical = None
             if self.drained and B > 1:  # the rows that may finish last: the most tokens left
                 left = [r.seq.max_new - len(r.seq.out) for r in self.rows]
-                critical = [n == max(left) for n in left]
+                most = max(left)
+                critical = [n == most for n in left]
             ks = choose_draft_lengths(offers, lambda L: self.costs.step(B, L), self.adaptive, critical)
         return [max(min(k, cap), 0) for k, cap in zip(ks, caps)]
 
