@@ -12,6 +12,9 @@
 #   MAX_TOKENS  (default: humaneval 384, gsm8k 320, sum 128)
 #   PROMPTS_DIR (default ../shared/data/prompts, relative to the repository root)
 #   PYTHON      (default python)
+#   SKIP        leave out the first SKIP records, i.e. measure records SKIP+1 .. SKIP+N (default 0),
+#               so that a long table can be measured in chunks, one per session, and merged with
+#               scripts/merge_bench_reports.py; the report is then bench-TASK-SKIP+N.json
 #
 # Prints the background job's pid. OUTDIR (default bench-qwen/) gets
 #   bench-TASK-N.json  the report (its "task" section: per-method score, CI, paired diff, flips, recovery)
@@ -38,8 +41,16 @@ esac
 prompts="${PROMPTS_DIR:-../shared/data/prompts}/$task.jsonl"
 [ -f "$prompts" ] || { echo "prompt set $prompts not found" >&2; exit 2; }
 mkdir -p "$out"
-report="$out/bench-$task-$n.json"
-log="$out/bench-$task-$n.log"
+skip=${SKIP:-0}
+tag=$([ "$skip" = 0 ] && echo "$n" || echo "$skip+$n")
+report="$out/bench-$task-$tag.json"
+log="$out/bench-$task-$tag.log"
+if [ "$skip" != 0 ]; then
+  # records keep their question_id, which is what the task scorer matches on
+  slice="$out/prompts-$task-$tag.jsonl"
+  sed -n "$((skip + 1)),$((skip + n))p" "$prompts" > "$slice"
+  prompts="$slice"
+fi
 args=(bench "$prompts" --limit "$n" --task "$task"
       --target qwen2.5-coder-1.5b-instruct --draft "${DRAFT:-qwen2.5-coder-0.5b-instruct}"
       --methods "${METHODS:-ar,strict,mars}" --theta "${THETAS:-0.9}"
