@@ -56,7 +56,7 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
          no_guard: bool = False, rho: float | None = None, top_n: int | None = None,
          delta: float | None = None, epsilon: float | None = None, alpha: float | None = None,
          budget: float | None = None, strict_in: str | None = None,
-         strict_regex: str | None = None, quiet: bool = True) -> LLM:
+         strict_regex: str | None = None, job_corpus: bool | None = None, quiet: bool = True) -> LLM:
     """Load a target (default: the embedded model) and a drafter (default: the profile's, else
     'ngram'; 'none', a draft model, or 'eagle3:PATH'), choose the profile and build the engine.
 
@@ -67,7 +67,9 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
     rules"), with its knobs: theta (mars), rho (ratio), top_n and delta (topk), epsilon and
     alpha (typical), budget (regret), e.g. load(verify="ratio", rho=0.5). strict_in ("code",
     "answer" or "code,answer") and strict_regex: strict spans (marscli.spans), verified
-    strictly whatever the rule.
+    strictly whatever the rule. job_corpus=False: under strict verification the n-gram drafter
+    keeps to each record's own text (by default it also drafts from the call's finished
+    records; outputs are the same either way).
     """
     from marscli.jobs.console import Log
 
@@ -81,7 +83,7 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
         repeat_guard=repeat_guard, repeat_window=repeat_window,
         max_relaxed_share=max_relaxed_share, no_guard=no_guard, rho=rho, top_n=top_n, delta=delta,
         epsilon=epsilon, alpha=alpha, budget=budget, strict_in=strict_in,
-        strict_regex=strict_regex)
+        strict_regex=strict_regex, job_corpus=job_corpus)
     log = Log(quiet)
     return LLM(build_generator(setup, log.info), setup)
 
@@ -212,7 +214,7 @@ class LLM:
                               batch_size=self.setup.batch_size, guard=gen.verify.guard,
                               rule=template, alpha_given=alpha_given)
         engine = make_engine(gen.target, gen.draft_loaded, VerifyConfig(guard=gen.verify.guard), gen.draft,
-                             self.setup.batch_size, solo_lengths=True)
+                             self.setup.batch_size, solo_lengths=True, job_corpus=False)
         per_record: dict[int, MarginCollector] = {}
         failed = 0
 

@@ -113,6 +113,7 @@ def _draft_group(
     tree_depth: Annotated[Optional[int], typer.Option("--tree-depth", min=0, max=32, help="EAGLE-3 tree drafting: expansions after the first top-k (EAGLE's depth; paths hold up to depth+1 drafts). Any --tree-* option turns tree drafting on (default depth 7).", rich_help_panel=PANEL_DRAFT)] = None,
     tree_top_k: Annotated[Optional[int], typer.Option("--tree-top-k", min=1, max=64, help="EAGLE-3 tree drafting: children per expanded node and nodes expanded per level (default 10).", rich_help_panel=PANEL_DRAFT)] = None,
     tree_tokens: Annotated[Optional[int], typer.Option("--tree-tokens", min=2, max=1024, help="EAGLE-3 tree drafting: tokens per tree counting the root, i.e. tokens-1 draft nodes (EAGLE's total_token; default 60).", rich_help_panel=PANEL_DRAFT)] = None,
+    job_corpus: Annotated[Optional[bool], typer.Option("--job-corpus/--no-job-corpus", help="Strict greedy records: the n-gram drafter also drafts from the job's finished records (default on; outputs are the same either way, the drafts' statistics are not). Sampled records, relaxed rules and calibrate never draft from it.", rich_help_panel=PANEL_DRAFT, show_default=False)] = None,
     margin: Annotated[Optional[str], typer.Option(help="Margin statistic: 'logit-ratio' (z2/z1, the paper's; default) or 'prob-ratio' (p2/p1).", rich_help_panel=PANEL_VERIFY)] = None,
 ): ...
 

@@ -206,6 +206,8 @@ class DraftConfig:
     measured step costs (marscli.drafters.base.choose_draft_lengths, marscli.costs).
     tree_depth / tree_top_k / tree_tokens (eagle3 only): draft an EAGLE-2 dynamic tree instead
     of a chain (see marscli.drafters.eagle3.TreeShape); all three or none.
+    job_corpus (ngram only): under strict verification, fall back on the job's finished
+    records when a record's own text has no long match (marscli.drafters.ngram.JobCorpus).
     """
 
     kind: Literal["none", "ngram", "model", "eagle3"] = "ngram"
@@ -217,6 +219,7 @@ class DraftConfig:
     tree_depth: int | None = None
     tree_top_k: int | None = None
     tree_tokens: int | None = None
+    job_corpus: bool = True
 
     @property
     def tree(self) -> bool:

@@ -70,11 +70,11 @@ def test_generate_returns_the_lines_the_cli_writes(runner, tiny_model_dir, tmp_p
 
 def test_strings_are_prompt_records_and_stream_keeps_input_order(runner, tiny_model_dir, tmp_path):
     prompts = ["the cat sat on the mat", "one two three"]
-    # A fixed K: the CLI at batch size 1 and the API at 2 then write the same statistics too
-    # (adaptive draft lengths follow the batch).
+    # A fixed K and no job corpus: the CLI at batch size 1 and the API at 2 then write the same
+    # statistics too (adaptive draft lengths follow the batch; the corpus, what finished before).
     written = cli_bytes(runner, tmp_path, [{"prompt": p} for p in prompts], "--target", tiny_model_dir,
-                        "--max-tokens", 8, "--no-profile", "--fixed-k")
-    llm = marscli.load(str(tiny_model_dir), auto_profile=False, batch_size=2, adaptive=False)
+                        "--max-tokens", 8, "--no-profile", "--fixed-k", "--no-job-corpus")
+    llm = marscli.load(str(tiny_model_dir), auto_profile=False, batch_size=2, adaptive=False, job_corpus=False)
     streamed = list(llm.stream(prompts, max_tokens=8, timing=False))
     assert [r["id"] for r in streamed] == ["0", "1"]
     assert as_bytes(streamed) == written

@@ -325,8 +325,10 @@ def _gen(*args):
 
 
 def test_cli_batch_size_gives_the_same_bytes(tiny_model_dir, tmp_path):
-    """With a fixed K every byte is the batch size's neither; with the default (draft
-    lengths chosen per batch) greedy records keep their tokens, statistics may differ."""
+    """With a fixed K and no job corpus every byte is the batch size's neither; with the
+    defaults (draft lengths chosen per batch, strict's n-gram drafter drafting from the
+    records finished before: which ones depends on the batch) greedy records keep their
+    tokens, statistics may differ."""
     import json
 
     from marscli.errors import EXIT_RECORDS_FAILED
@@ -334,7 +336,7 @@ def test_cli_batch_size_gives_the_same_bytes(tiny_model_dir, tmp_path):
     src = _cli_records(tmp_path)
     outs = {}
     for bs in (1, 4):
-        for extra in (["--fixed-k"], []):
+        for extra in (["--fixed-k", "--no-job-corpus"], []):
             out = tmp_path / f"out{bs}{len(extra)}.jsonl"
             r = _gen(src, "--target", tiny_model_dir, "-o", out, "--batch-size", bs, *CLI_RUN, *extra)
             assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr  # the broken line and the long prompt
@@ -354,10 +356,11 @@ def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkey
 
     from marscli.errors import EXIT_RECORDS_FAILED, EXIT_TERMINATED
 
-    # A fixed K: with adaptive draft lengths a record's statistics follow its batch.
+    # A fixed K and no job corpus: with adaptive draft lengths a record's statistics follow its
+    # batch, and with the job corpus the records that finished before it.
     src = _cli_records(tmp_path)
     ref = tmp_path / "ref.jsonl"
-    _gen(src, "--target", tiny_model_dir, "-o", ref, *CLI_RUN, "--fixed-k")
+    _gen(src, "--target", tiny_model_dir, "-o", ref, *CLI_RUN, "--fixed-k", "--no-job-corpus")
     real = Engine._step
     calls = {"n": 0}
 
@@ -369,17 +372,17 @@ def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkey
 
     monkeypatch.setattr(Engine, "_step", step)
     out = tmp_path / "out.jsonl"
-    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--batch-size", 3, *CLI_RUN, "--fixed-k")
+    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--batch-size", 3, *CLI_RUN, "--fixed-k", "--no-job-corpus")
     assert r.exit_code == EXIT_TERMINATED, r.stderr
     partial = out.read_bytes()
     assert ref.read_bytes().startswith(partial) and len(partial) < len(ref.read_bytes())
     monkeypatch.setattr(Engine, "_step", real)
     # Resume with another batch size: the results do not depend on it.
-    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--resume", "--batch-size", 2, *CLI_RUN, "--fixed-k")
+    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--resume", "--batch-size", 2, *CLI_RUN, "--fixed-k", "--no-job-corpus")
     assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
     assert out.read_bytes() == ref.read_bytes()
 
-    r = _gen(src, "--target", tiny_model_dir, "--batch-size", 4, "--fail-fast", *CLI_RUN, "--fixed-k")
+    r = _gen(src, "--target", tiny_model_dir, "--batch-size", 4, "--fail-fast", *CLI_RUN, "--fixed-k", "--no-job-corpus")
     assert r.exit_code == EXIT_RECORDS_FAILED
     assert "stopped at the first failed record (--fail-fast)" in r.stderr
 

@@ -58,8 +58,9 @@ def independent_fit(path, start, target_dir):
     records, _, _ = read_prompt_records(str(path), None, start=start)
     target, _ = load_models(ModelConfig(str(target_dir)), None, kind="ngram")
     guard = GuardConfig()  # bench's default loop guard
+    # as calibrate collects: strict, without the job corpus the relaxed rules never get
     engine = make_engine(target, None, VerifyConfig(guard=guard), DraftConfig(kind="ngram"), 1,
-                         solo_lengths=True)
+                         solo_lengths=True, job_corpus=False)
     per = {}
 
     def observer_for(item):

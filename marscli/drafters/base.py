@@ -228,13 +228,23 @@ class RowDrafters:
     a draft model with sliding-window layers, any drafter at batch size 1)."""
 
     def __init__(self, factory: Callable[[], Drafter], *, feature_layers: tuple[int, ...] = (),
-                 tree: Any = None):
+                 tree: Any = None, corpus: Any = None):
         self.factory = factory
         self.feature_layers = tuple(feature_layers)
         self.tree = tree
+        #: The job's corpus (marscli.drafters.ngram.JobCorpus) the rows' drafters share, if any:
+        #: a row's drafter hands it its record when the row leaves (``finish``).
+        self.corpus = corpus
         self.rows: list[Drafter] = []
 
+    def _finish(self, rows: list[Drafter]) -> None:
+        for d in rows:
+            finish = getattr(d, "finish", None)
+            if finish is not None:
+                finish()
+
     def reset(self) -> None:
+        self._finish(self.rows)
         self.rows = []
 
     def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
@@ -244,6 +254,8 @@ class RowDrafters:
         self.rows.append(d)
 
     def keep(self, rows: list[int]) -> None:
+        kept = set(rows)
+        self._finish([d for b, d in enumerate(self.rows) if b not in kept])
         self.rows = [self.rows[b] for b in rows]
 
     def offers(self, seqs: list[list[int]], k_caps: list[int]) -> list[DraftOffer]:

@@ -15,9 +15,9 @@ def _tree_shape(draft_cfg: DraftConfig):
     return TreeShape(draft_cfg.tree_depth, draft_cfg.tree_top_k, draft_cfg.tree_tokens)
 
 
-def build_drafter(draft_cfg: DraftConfig, target, draft_model=None) -> Drafter:
+def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None) -> Drafter:
     """One record's drafter for draft_cfg (draft_model: a LoadedModel for kind "model", an
-    EAGLE-3 head for kind "eagle3")."""
+    EAGLE-3 head for kind "eagle3"; corpus: the job's JobCorpus, for kind "ngram")."""
     from marscli.drafters.model import ModelDrafter
     from marscli.drafters.ngram import NgramDrafter, NoDrafter
 
@@ -33,7 +33,7 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None) -> Drafter:
         return NoDrafter()
     if draft_cfg.kind == "ngram":
         return NgramDrafter(draft_cfg.num_draft_tokens, ngram_max=draft_cfg.ngram_max,
-                            ngram_min=draft_cfg.ngram_min)
+                            ngram_min=draft_cfg.ngram_min, corpus=corpus)
     if draft_model is None:
         raise ValueError("a model drafter needs a loaded draft model")
     if draft_model.device.type == "cpu":
@@ -43,11 +43,12 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None) -> Drafter:
     return ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, vocab_size=vocab)
 
 
-def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_size: int = 1) -> BatchedDrafter:
+def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_size: int = 1,
+                   job_corpus: bool = False) -> BatchedDrafter:
     """The BatchedDrafter for an engine: at batch size > 1 a draft model (without
     sliding-window layers) or an EAGLE-3 head drafting chains drafts for all rows in one pass
     per position; everything else (and every drafter at batch size 1) runs one drafter per
-    row."""
+    row. job_corpus: n-gram drafters share a JobCorpus of the job's finished records."""
     one = build_drafter(draft_cfg, target, draft_model)
     if batch_size > 1 and draft_cfg.kind == "eagle3" and not draft_cfg.tree:
         from marscli.drafters.eagle3 import BatchedEagle3Drafter
@@ -58,5 +59,10 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
         from marscli.drafters.model import BatchedModelDrafter
 
         return BatchedModelDrafter(one.model, one.k_max, vocab_size=one.vocab_size)
-    return RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model),
-                       feature_layers=one.feature_layers, tree=_tree_shape(draft_cfg))
+    corpus = None
+    if job_corpus and draft_cfg.kind == "ngram":
+        from marscli.drafters.ngram import JobCorpus
+
+        corpus = JobCorpus(draft_cfg.ngram_max, draft_cfg.ngram_min)
+    return RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model, corpus),
+                       feature_layers=one.feature_layers, tree=_tree_shape(draft_cfg), corpus=corpus)

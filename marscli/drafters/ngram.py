@@ -5,7 +5,86 @@ that copies its input."""
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
+
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
+
+#: Tokens (prompts and outputs) of the job's earlier records a JobCorpus keeps indexed; the
+#: oldest records leave first. About 3 index entries a token: ~30 MB of Python dicts.
+CORPUS_TOKENS = 65_536
+
+
+class JobCorpus:
+    """The finished records of a job (prompt and output tokens), indexed by n-gram, for the
+    n-gram drafter to fall back on when a record's own text has no long match: offline jobs
+    repeat themselves across records (the same instructions, answer formats, code idioms),
+    the observation behind SuffixDecoding (Oliaro et al. 2024). One corpus per engine, shared
+    by its rows; the engine only builds one under strict verification, and only greedy records
+    draft from it: there drafts cannot change an output (docs/engine.md, "Drafters").
+
+    Each n-gram maps to the position after its latest occurrence in the most recent record
+    that has it; records beyond ``max_tokens`` tokens in all leave oldest first."""
+
+    def __init__(self, ngram_max: int, ngram_min: int = 1, *, max_tokens: int = CORPUS_TOKENS):
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+        self.max_tokens = max_tokens
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every record (bench calls it after its warm-up)."""
+        self._docs: dict[int, tuple[int, ...]] = {}
+        self._order: deque[int] = deque()
+        self._next = 0
+        self.tokens = 0
+        self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {
+            n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
+
+    @property
+    def records(self) -> int:
+        return len(self._docs)
+
+    def _ngrams(self, doc: tuple[int, ...]):
+        # n-grams with at least one token after them
+        for stop in range(1, len(doc)):
+            for n, table in self._index.items():
+                if stop - n >= 0:
+                    yield table, doc[stop - n:stop], stop
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """A finished record's prompt and output."""
+        doc = tuple(tokens)
+        if len(doc) < 2 or len(doc) > self.max_tokens:
+            return
+        did = self._next
+        self._next += 1
+        self._docs[did] = doc
+        self._order.append(did)
+        self.tokens += len(doc)
+        for table, key, stop in self._ngrams(doc):
+            table[key] = (did, stop)
+        while self.tokens > self.max_tokens:
+            self._evict(self._order.popleft())
+
+    def _evict(self, did: int) -> None:
+        doc = self._docs.pop(did)
+        self.tokens -= len(doc)
+        for table, key, _ in self._ngrams(doc):
+            hit = table.get(key)
+            if hit is not None and hit[0] == did:
+                del table[key]
+
+    def lookup(self, seq: Sequence[int], lo: int, hi: int) -> tuple[int, tuple[int, ...], int] | None:
+        """(n, record, position after the n-gram) of the longest suffix of seq, n from hi
+        down to lo, found in the corpus."""
+        for n in range(min(hi, self.ngram_max), max(lo, self.ngram_min) - 1, -1):
+            if len(seq) < n:
+                continue
+            hit = self._index[n].get(tuple(seq[-n:]))
+            if hit is not None:
+                return n, self._docs[hit[0]], hit[1]
+        return None
 
 
 class NgramDrafter(DrafterBase):
@@ -20,23 +99,36 @@ class NgramDrafter(DrafterBase):
     token is checked against the token the step emitted (a shadow draft of one). Under strict
     verification that is exactly the chance a one-token draft would have passed (greedy: it
     equals the target's argmax; sampling: it equals the target's draw, probability p(d)).
+
+    With a ``corpus`` (a JobCorpus shared by the job's rows), a greedy record whose own text
+    matches no suffix of ngram_max tokens looks for a longer match in the job's earlier
+    records; every record hands its prompt and output to the corpus when it leaves
+    (``finish``). Matches in the corpus keep their own acceptance estimates per n.
     """
 
     name = "ngram"
 
-    def __init__(self, k_max: int, *, ngram_max: int = 3, ngram_min: int = 1):
+    def __init__(self, k_max: int, *, ngram_max: int = 3, ngram_min: int = 1, corpus: JobCorpus | None = None):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.k_max = k_max
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
+        self.corpus = corpus
         self.start([])
 
     def start(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
+        # Only a greedy record drafts from the corpus: a sampled record's draws, and so its
+        # output for a given seed, follow its drafts (the law does not). Every record joins it.
+        self._from_corpus = self.corpus is not None and (sampling is None or sampling.greedy)
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
         self._indexed = 0  # n-grams ending before this position are indexed
-        self._trackers = {n: AcceptanceTracker() for n in range(self.ngram_min, self.ngram_max + 1)}
-        self._match: tuple[int, int, int] | None = None  # (len(seq), n, pos) of the last offer
+        ns = range(self.ngram_min, self.ngram_max + 1)
+        self._trackers = {n: AcceptanceTracker() for n in ns}
+        self._corpus_trackers = {n: AcceptanceTracker() for n in ns}
+        # (len(seq), tracker, source, pos) of the last offer: the draft is source[pos:pos + k]
+        self._match: tuple[int, AcceptanceTracker, Sequence[int], int] | None = None
+        self._seq: list[int] | None = None  # the committed sequence, for finish()
 
     def _extend_index(self, seq: list[int]) -> None:
         # Index every n-gram that ends strictly before the last token, so the suffix itself
@@ -66,10 +158,16 @@ class NgramDrafter(DrafterBase):
         if k_max <= 0:
             return DraftOffer.none()
         found = self._lookup(seq)
+        if self._from_corpus and (found is None or found[0] < self.ngram_max):
+            shared = self.corpus.lookup(seq, found[0] + 1 if found else self.ngram_min, self.ngram_max)
+            if shared is not None:
+                n, doc, pos = shared
+                self._match = (len(seq), self._corpus_trackers[n], doc, pos)
+                return DraftOffer(min(len(doc) - pos, k_max), self._corpus_trackers[n].alpha)
         if found is None:
             return DraftOffer.none()
         n, pos = found
-        self._match = (len(seq), n, pos)
+        self._match = (len(seq), self._trackers[n], seq, pos)
         return DraftOffer(min(len(seq) - pos, k_max), self._trackers[n].alpha)
 
     def propose(self, seq: list[int], k: int) -> Proposal:
@@ -77,20 +175,27 @@ class NgramDrafter(DrafterBase):
             self.offer(seq, k)
         if k <= 0 or self._match is None:
             return Proposal([])
-        _, _, pos = self._match
-        return Proposal(seq[pos:pos + k])
+        _, _, source, pos = self._match
+        return Proposal(list(source[pos:pos + k]))
 
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
+        self._seq = seq
         if self._match is None:
             return
-        length, n, pos = self._match
+        length, tracker, source, pos = self._match
         self._match = None
         if proposed:
-            self._trackers[n].update(proposed, accepted)
-        elif len(seq) > length and pos < length:
+            tracker.update(proposed, accepted)
+        elif len(seq) > length and pos < min(length, len(source)):
             # Drafted nothing: the shadow check of the match's first token.
-            hit = seq[length] == seq[pos]
-            self._trackers[n].update(1, int(hit))
+            hit = seq[length] == source[pos]
+            tracker.update(1, int(hit))
+
+    def finish(self) -> None:
+        """The record left the batch: its prompt and output join the job's corpus."""
+        if self.corpus is not None and self._seq is not None:
+            self.corpus.add(self._seq)
+        self._seq = None
 
 
 class NoDrafter(DrafterBase):

@@ -15,20 +15,31 @@ from marscli.config import DraftConfig, VerifyConfig
 
 
 def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: DraftConfig,
-                 batch_size: int = 1, note=None, solo_lengths: bool = False, spans=None):
+                 batch_size: int = 1, note=None, solo_lengths: bool = False, spans=None,
+                 job_corpus: bool | None = None):
     """An Engine for target with the drafter draft_cfg asks for (draft_model: the loaded draft
     model or EAGLE-3 head; None for ngram/none), verify_cfg's rule and batch_size rows.
     Its draft lengths follow the target's measured step costs (marscli.costs.step_costs:
     cached per model, device and dtype; measured here the first time, narrated to note);
     solo_lengths: every row chooses its own as if alone (rows stay batch-invariant).
     spans: a config.SpanConfig (strict spans, marscli.spans) or None.
+    Under strict verification an n-gram drafter also drafts from the job's earlier records for
+    greedy records (drafters.ngram.JobCorpus): drafts cannot change their outputs, only their
+    speed. Relaxed rules keep to each record's own text, so that one record's output never
+    leans on another's. job_corpus: None follows draft_cfg.job_corpus (--no-job-corpus) and the
+    rule; False turns it off (calibration collects margins under strict verification with
+    the drafts the relaxed rule will get), True turns it on whatever the rule.
     Raises UsageError for what the engine cannot run (trees or sliding-window models at
     batch size > 1)."""
     from marscli.drafters.factory import build_drafters
     from marscli.engine.scheduler import Engine
     from marscli.errors import UsageError
 
-    drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size)
+    from marscli.rules import STRICT
+
+    drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,
+                              job_corpus=(draft_cfg.job_corpus and verify_cfg.rule.name == STRICT)
+                              if job_corpus is None else job_corpus)
     try:
         engine = Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size, guard=verify_cfg.guard,
                         spans=spans)

@@ -170,9 +170,10 @@ class Engine:
 
     def generate_ids(self, prompt_ids: list[int], sampling: SamplingParams,
                      observer: Observer | None = None) -> GenerationResult:
-        """One record alone; its failure raises."""
+        """One record alone; its failure raises. Consecutive calls are one job: the job corpus
+        (``forget_earlier_records``) keeps the records of earlier calls."""
         for _, res in self.run([None], lambda _: (prompt_ids, sampling),
-                               observer_for=(lambda _: observer) if observer else None):
+                               observer_for=(lambda _: observer) if observer else None, continue_job=True):
             if isinstance(res, BaseException):
                 raise res
             return res
@@ -183,7 +184,7 @@ class Engine:
     def run(self, items: Iterable[Any],
             prepare: Callable[[Any], tuple[list[int], SamplingParams]],
             observer_for: Callable[[Any], Observer | None] | None = None,
-            prefill_key: PrefillKey | None = None,
+            prefill_key: PrefillKey | None = None, *, continue_job: bool = False,
             ) -> Iterator[tuple[Any, GenerationResult | Exception]]:
         """Generate every item; yield (item, result) as rows finish.
 
@@ -194,7 +195,10 @@ class Engine:
         error restarts the record, so a fresh observer can drop the aborted steps.
         prefill_key(item) -> (key, last) or None: items of one key share the prompt's prefill
         (PrefillKey); they must come one after another.
+        A run is one job: the n-gram drafter's job corpus starts empty, unless continue_job.
         """
+        if not continue_job:
+            self.forget_earlier_records()
         self._prefill_key = prefill_key
         self._prefills.clear()
         try:
@@ -286,6 +290,14 @@ class Engine:
         self.kv = HoleCache(self.model, self.device, masked=self.batch_size > 1,
                             batch_capacity=self.batch_size)
         self.drafters.reset()
+
+    def forget_earlier_records(self) -> None:
+        """Empty the job corpus the n-gram drafter falls back on (drafters.ngram.JobCorpus),
+        so that what ran before (bench's warm-up, another seed's pass) cannot draft for what
+        comes next. A no-op without one."""
+        corpus = getattr(self.drafters, "corpus", None)
+        if corpus is not None:
+            corpus.clear()
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only these batch rows (a finished row leaves at once)."""

@@ -281,6 +281,10 @@ class Bench:
         cuda_peak: dict[str, float] = {}
         for seed in self.cfg.seeds:
             sampling = self.cfg.sampling(seed)
+            # Each seed's pass is one job: strict's n-gram drafter may draft from the pass's
+            # earlier prompts, never from the warm-up or another seed's output of this prompt.
+            for engine in self.engines.values():
+                engine.forget_earlier_records()
             for i, prompt in enumerate(prompts):
                 order = names[i % len(names):] + names[: i % len(names)]
                 out: dict[str, Run] = {}
@@ -649,7 +653,8 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
                  max_relaxed_share: float | None = None, no_guard: bool = False,
                  strict_in: str | None = None, strict_regex: str | None = None,
                  task: str | None = None, match_relax_rate: float | None = None, calibrate_on: str | None = None,
-                 calibration_records: int | None = None, note: Callable[[str], None] = lambda _: None) -> BenchConfig:
+                 calibration_records: int | None = None, job_corpus: bool | None = None,
+                 note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's, except under
     --match-relax-rate, which fits it)."""
@@ -668,7 +673,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
     if prule is not None and prule.name == "mars" and prule.theta not in thetas:
         thetas = (*thetas, prule.theta)
     dcfg = draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min, prof,
-                        tree=(tree_depth, tree_top_k, tree_tokens))
+                        tree=(tree_depth, tree_top_k, tree_tokens), job_corpus=job_corpus)
     if methods is None:
         methods = DEFAULT_EAGLE3_METHODS if dcfg.kind == "eagle3" else DEFAULT_METHODS
         if prule is not None and prule.name not in ("mars", "strict"):

@@ -143,8 +143,9 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
     from marscli.jobs.setup import chain_or_tree, make_engine
     from marscli.verify import MARS, Rule
 
+    # No job corpus: the relaxed methods whose knobs this fits draft from their own text only.
     engine = make_engine(target, draft, VerifyConfig(guard=cfg.guard), chain_or_tree(cfg.draft, False), 1,
-                         log, solo_lengths=True)
+                         log, solo_lengths=True, job_corpus=False)
     seen = set()
     for req, _ in measured:
         try:

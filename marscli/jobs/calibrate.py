@@ -198,9 +198,10 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
         target, draft_loaded = load_models(cfg.target, cfg.draft_model, log.info, group, cfg.draft.kind)
         # Strict, with the guard: the engine records the guard's verdicts for the replay. Rows
         # choose their draft lengths as if alone: the profile is the batch size's neither
-        # through the lengths nor through the speed prediction (at batch size 1).
+        # through the lengths nor through the speed prediction (at batch size 1). No job corpus:
+        # the n-gram drafter drafts what it will draft for the relaxed rule, which gets none.
         engine = make_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size,
-                             log.info, solo_lengths=True)
+                             log.info, solo_lengths=True, job_corpus=False)
         s.value = (identity_for_profile(target.identity),
                    identity_for_profile(draft_loaded.identity) if draft_loaded else None)
     if group is not None and any(v != s.values[0] for v in s.values):

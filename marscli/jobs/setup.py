@@ -116,9 +116,11 @@ def target_source(target: str | None, profile) -> str | None:
 
 def draft_config(draft: str | None, k: int | None = None, adaptive: bool | None = None,
                  ngram_max: int | None = None, ngram_min: int | None = None, profile=None,
-                 tree: tuple[int | None, int | None, int | None] = (None, None, None)) -> DraftConfig:
+                 tree: tuple[int | None, int | None, int | None] = (None, None, None),
+                 job_corpus: bool | None = None) -> DraftConfig:
     """Command line > profile > defaults for the drafter. tree: --tree-depth, --tree-top-k,
-    --tree-tokens as given (any of them turns EAGLE-3 tree drafting on)."""
+    --tree-tokens as given (any of them turns EAGLE-3 tree drafting on). job_corpus:
+    --job-corpus/--no-job-corpus (default on; profiles do not carry it)."""
     pd = profile.data["drafter"] if profile is not None else {}
     if draft is None and pd:
         if pd["kind"] == DRAFT_MODEL:
@@ -153,6 +155,7 @@ def draft_config(draft: str | None, k: int | None = None, adaptive: bool | None 
         pick(ngram_min, "ngram_min", DEFAULT_NGRAM_MIN),
         pick(adaptive, "adaptive", True),
         depth, top_k, tokens,
+        job_corpus is not False,
     )
 
 
@@ -414,12 +417,13 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
 
 
 def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, batch_size: int = 1,
-                note: Note = _silent, solo_lengths: bool = False, spans: SpanConfig = SPANS_OFF):
+                note: Note = _silent, solo_lengths: bool = False, spans: SpanConfig = SPANS_OFF,
+                job_corpus: bool | None = None):
     """The engine of a job: marscli.engine.build_engine, the one constructor."""
     from marscli.engine import build_engine
 
     return build_engine(target, draft_loaded, verify, draft, batch_size=batch_size, note=note,
-                        solo_lengths=solo_lengths, spans=spans)
+                        solo_lengths=solo_lengths, spans=spans, job_corpus=job_corpus)
 
 
 def choice_options(sampling: SamplingParams, n: int = 1, logprobs: bool = False,
@@ -543,7 +547,7 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
                      rho: float | None = None, top_n: int | None = None, delta: float | None = None,
                      epsilon: float | None = None, alpha: float | None = None,
                      budget: float | None = None, strict_in: str | None = None,
-                     strict_regex: str | None = None) -> ModelSetup:
+                     strict_regex: str | None = None, job_corpus: bool | None = None) -> ModelSetup:
     """Options of `marscli generate` (and of marscli.load) -> ModelSetup, checked before
     anything is loaded. Command line > profile > defaults: a --profile supplies the target
     and the drafter's settings that are not given."""
@@ -553,7 +557,7 @@ def generation_setup(*, target: str | None = None, draft: str | None = None, ver
         raise UsageError("--profile and --no-profile exclude each other")
     prof = named_profile(profile)
     dcfg = draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min, prof,
-                        tree=(tree_depth, tree_top_k, tree_tokens))
+                        tree=(tree_depth, tree_top_k, tree_tokens), job_corpus=job_corpus)
     check_batch(dcfg, batch_size)
     tcfg, dmcfg = model_configs(target_source(target, prof), dcfg, dtype, device, device_map, load_in_8bit,
                                 load_in_4bit, max_memory, bnb_compute_dtype, offline)

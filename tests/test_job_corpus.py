@@ -1,0 +1,148 @@
+"""The job corpus: the n-gram drafter's fallback on the job's earlier records.
+
+Strict outputs stay equal to transformers' greedy generate() with the corpus on (it only
+changes drafts); the corpus is built for strict verification only; a record joins it when its
+row leaves; bench forgets the warm-up; old records leave within the token budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.drafters.base import RowDrafters
+from marscli.drafters.ngram import JobCorpus, NgramDrafter
+from marscli.engine import build_engine
+from marscli.models import load_model
+
+
+def test_a_record_without_its_own_match_drafts_from_the_corpus():
+    corpus = JobCorpus(3)
+    corpus.add([1, 2, 3, 4, 5, 6, 7])
+    d = NgramDrafter(8, ngram_max=3, corpus=corpus)
+    d.start([9, 2, 3])
+    seq = [9, 2, 3, 4]
+    offer = d.offer(seq, 8)
+    assert offer.available == 3  # 5, 6, 7 follow "2 3 4" in the earlier record
+    assert d.propose(seq, 3).tokens == [5, 6, 7]
+    # without the corpus the same record has nothing to draft
+    alone = NgramDrafter(8, ngram_max=3)
+    alone.start([9, 2, 3])
+    assert alone.offer(seq, 8).available == 0
+
+
+def test_a_full_length_match_of_its_own_wins_over_the_corpus():
+    corpus = JobCorpus(2)
+    corpus.add([1, 2, 50, 51])
+    d = NgramDrafter(8, ngram_max=2, corpus=corpus)
+    seq = [1, 2, 60, 61, 1, 2]
+    d.start(seq)
+    d.offer(seq, 8)
+    assert d.propose(seq, 2).tokens == [60, 61]
+
+
+def test_a_longer_corpus_match_beats_a_shorter_own_one():
+    corpus = JobCorpus(3)
+    corpus.add([7, 8, 9, 40, 41])
+    d = NgramDrafter(8, ngram_max=3, corpus=corpus)
+    seq = [9, 30, 7, 8, 9]  # own: "9" (n = 1) -> 30; corpus: "7 8 9" (n = 3) -> 40 41
+    d.start(seq)
+    d.offer(seq, 8)
+    assert d.propose(seq, 2).tokens == [40, 41]
+
+
+def test_a_sampled_record_does_not_draft_from_the_corpus():
+    """A seed's sample follows its drafts: drafting from other records would make it depend
+    on them. It still joins the corpus when it leaves."""
+    corpus = JobCorpus(3)
+    corpus.add([1, 2, 3, 4, 5, 6, 7])
+    d = NgramDrafter(8, ngram_max=3, corpus=corpus)
+    d.start([9, 2, 3], SamplingParams(temperature=0.8))
+    assert d.offer([9, 2, 3, 4], 8).available == 0
+    d.accepted(0, 0, [9, 2, 3, 4, 8])
+    d.finish()
+    assert corpus.records == 2
+
+
+def test_corpus_matches_learn_their_own_acceptance():
+    corpus = JobCorpus(2)
+    corpus.add([1, 2, 3, 4])
+    d = NgramDrafter(8, ngram_max=2, corpus=corpus)
+    d.start([5, 1, 2])
+    before_own = d._trackers[2].alpha
+    before = d._corpus_trackers[2].alpha
+    d.offer([5, 1, 2], 8)
+    d.propose([5, 1, 2], 2)
+    d.accepted(2, 0, [5, 1, 2, 9])  # both corpus drafts rejected
+    assert d._corpus_trackers[2].alpha < before
+    assert d._trackers[2].alpha == before_own
+
+
+def test_old_records_leave_within_the_token_budget():
+    corpus = JobCorpus(2, max_tokens=10)
+    corpus.add([1, 2, 3, 4, 5, 6])
+    corpus.add([1, 2, 9, 9])  # "1 2" now points here
+    assert corpus.records == 2 and corpus.tokens == 10
+    corpus.add([20, 21, 22])  # 13 tokens: the first record leaves
+    assert corpus.records == 2 and corpus.tokens == 7
+    assert corpus.lookup([3, 4], 1, 2) is None  # only the evicted record had "3 4"
+    n, doc, pos = corpus.lookup([1, 2], 1, 2)
+    assert (n, doc[pos:]) == (2, (9, 9))  # the newer record's entry survived the eviction
+    corpus.clear()
+    assert corpus.records == 0 and corpus.lookup([1, 2], 1, 2) is None
+
+
+def test_a_record_joins_the_corpus_when_its_row_leaves():
+    corpus = JobCorpus(2)
+    rows = RowDrafters(lambda: NgramDrafter(4, ngram_max=2, corpus=corpus), corpus=corpus)
+    rows.add_row([1, 2, 3], SamplingParams(), None)
+    rows.add_row([4, 5, 6], SamplingParams(), None)
+    rows.offers([[1, 2, 3], [4, 5, 6]], [4, 4])
+    rows.accepted(0, 0, 0, [1, 2, 3, 10])
+    rows.accepted(1, 0, 0, [4, 5, 6, 11])
+    assert corpus.records == 0  # nothing yet: both rows are running
+    rows.keep([1])  # row 0 finished
+    assert corpus.records == 1 and corpus.lookup([2, 3], 1, 2)[1] == (1, 2, 3, 10)
+    rows.reset()
+    assert corpus.records == 2
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
+
+
+def _engine(target, verify=VerifyConfig(), **kw):
+    return build_engine(target, None, verify, DraftConfig(kind="ngram", num_draft_tokens=4, adaptive=False), **kw)
+
+
+def test_only_strict_verification_gets_a_corpus(target):
+    assert _engine(target).drafters.corpus is not None
+    assert _engine(target, VerifyConfig("mars", 0.9)).drafters.corpus is None
+    assert _engine(target, job_corpus=False).drafters.corpus is None
+    off = DraftConfig(kind="ngram", num_draft_tokens=4, adaptive=False, job_corpus=False)  # --no-job-corpus
+    assert build_engine(target, None, VerifyConfig(), off).drafters.corpus is None
+
+
+def test_strict_output_is_unchanged_by_the_corpus(target, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    oracle = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    engine = _engine(target)
+    texts = ["one two three four five six seven eight", "one two three four five six seven eight nine",
+             "the cat sat on the mat", "the cat sat on the mat and"]
+    drafted_from_corpus = False
+    for text in texts:
+        ids = target.tokenizer(text).input_ids
+        before = engine.drafters.corpus.records
+        res = engine.generate_ids(ids, SamplingParams(max_tokens=24))
+        want = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               do_sample=False, max_new_tokens=24,
+                               pad_token_id=oracle.generation_config.pad_token_id)[0, len(ids):].tolist()
+        assert res.token_ids == want, text
+        assert engine.drafters.corpus.records == before + 1
+        drafted_from_corpus |= res.stats.drafted > 0
+    assert drafted_from_corpus
+    engine.forget_earlier_records()
+    assert engine.drafters.corpus.records == 0
