@@ -322,3 +322,16 @@ def test_output_lock_on_a_filesystem_without_locks_goes_on_unlocked(tmp_path, mo
     lock = OutputLock.acquire(tmp_path / "out.jsonl")
     assert not lock.held
     lock.release()
+
+
+def test_probing_a_new_output_leaves_no_trace(tmp_path):
+    """The writability probe must not create (and then remove) the output itself: a watcher
+    polling for the output's first line would see a file appear and vanish."""
+    from marscli.io.resume import _probe_writable
+
+    out = tmp_path / "out.jsonl"
+    _probe_writable(str(out))
+    assert list(tmp_path.iterdir()) == []
+    out.write_text("kept\n")
+    _probe_writable(str(out))
+    assert out.read_text() == "kept\n" and list(tmp_path.iterdir()) == [out]

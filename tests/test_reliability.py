@@ -498,8 +498,11 @@ def _wait_for_lines(proc: subprocess.Popen, out: Path, n: int, timeout: float = 
     """Poll until `out` holds n complete lines or the process ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if out.exists() and out.read_bytes().count(b"\n") >= n:
-            return
+        try:
+            if out.read_bytes().count(b"\n") >= n:
+                return
+        except FileNotFoundError:
+            pass
         time.sleep(0.005)
     if proc.poll() is None:
         proc.kill()

@@ -357,10 +357,21 @@ def _check_output_path(path: str, input_path: str | None) -> None:
 
 def _probe_writable(path: str) -> None:
     """Fail now, not after loading models, if results could not be written to `path`."""
-    existed = os.path.exists(path)
+    if os.path.exists(path):
+        try:
+            open(path, "ab").close()  # append mode: nothing is truncated yet
+        except OSError as e:
+            raise UsageError(f"cannot write output file {path}: {e.strerror or e}") from None
+        return
+    # A new output is probed by a temporary file beside it, never by creating and removing
+    # the output itself: a watcher (tail -F, a test polling for the first line) must not see
+    # a file appear and vanish before the run has written anything.
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
     try:
-        open(path, "ab").close()  # append mode: nothing is truncated yet
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".marscli-",
+                                         suffix=".probe"):
+            pass
     except OSError as e:
         raise UsageError(f"cannot write output file {path}: {e.strerror or e}") from None
-    if not existed:
-        os.unlink(path)
