@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfi
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_TERMINATED
 from marscli.io.records import read_requests
 
-ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((Path(__file__).parent / "openai_batch_output.schema.json").read_text())
 PROMPTS = ["the quick brown fox", "hello world, hello", "one two three four five six"]
 
@@ -396,29 +394,15 @@ def test_resume_after_sigterm_in_the_middle_of_a_requests_samples(runner, n_reco
     assert out.read_bytes() == reference
 
 
-def _subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
 def test_sigkill_mid_samples_then_resume_is_byte_identical(runner, n_records, tiny_model_dir, tmp_path,
                                                            n_reference):
-    import time
+    from tests.test_reliability import _start, _wait_for_lines
 
     fmt, reference = n_reference
     out = tmp_path / "out.jsonl"
     args = [str(n_records), "--target", str(tiny_model_dir), "-o", str(out), "--output-format", fmt, *RUN]
-    proc = subprocess.Popen([sys.executable, "-m", "marscli", "generate", *args], env=_subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if out.read_bytes().count(b"\n") >= 1:
-                break
-        except FileNotFoundError:
-            pass
-        time.sleep(0.005)
+    proc = _start(args, stdout=subprocess.DEVNULL)
+    _wait_for_lines(proc, out, 1)
     proc.send_signal(signal.SIGKILL)  # the next request's samples are under way
     proc.communicate(timeout=120)
     assert proc.returncode in (-signal.SIGKILL, EXIT_OK)

@@ -356,22 +356,18 @@ def _check_output_path(path: str, input_path: str | None) -> None:
 
 
 def _probe_writable(path: str) -> None:
-    """Fail now, not after loading models, if results could not be written to `path`."""
-    if os.path.exists(path):
-        try:
-            open(path, "ab").close()  # append mode: nothing is truncated yet
-        except OSError as e:
-            raise UsageError(f"cannot write output file {path}: {e.strerror or e}") from None
-        return
-    # A new output is probed by a temporary file beside it, never by creating and removing
-    # the output itself: a watcher (tail -F, a test polling for the first line) must not see
-    # a file appear and vanish before the run has written anything.
-    import tempfile
+    """Fail now, not after loading models, if results could not be written to `path`.
 
-    folder = os.path.dirname(os.path.abspath(path))
+    An existing output is opened for appending (nothing is truncated yet); a new one is probed
+    by a temporary file beside it, never by creating and removing the output itself: a watcher
+    (tail -F, a test polling for the first line) must not see a file appear and vanish before
+    the run has written anything."""
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".marscli-",
-                                         suffix=".probe"):
-            pass
+        if os.path.exists(path):
+            open(path, "ab").close()
+        else:
+            with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)),
+                                             prefix=".marscli-", suffix=".probe"):
+                pass
     except OSError as e:
         raise UsageError(f"cannot write output file {path}: {e.strerror or e}") from None
