@@ -201,6 +201,12 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
     return out
 
 
+def cpu_fastpath_signature() -> dict:
+    from marscli.fastpath import signature
+
+    return signature()
+
+
 def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identity: dict | None,
              context: int = MEASURE_CONTEXT) -> dict[str, Any]:
     """What a measurement depends on: the weights, device, dtype, software and threads."""
@@ -214,6 +220,9 @@ def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identi
         "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        # The engine patches CPU float32 linear layers (marscli.fastpath): their kernels are
+        # part of what was timed.
+        "cpu_fastpath": cpu_fastpath_signature() if target.device.type == "cpu" else None,
         "context": context,
         "batch_sizes": list(batch_sizes),
         "new_tokens": list(MEASURE_NEW_TOKENS),

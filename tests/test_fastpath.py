@@ -33,6 +33,9 @@ def test_fastpath_matches_linear_for_every_row_count():
         torch.testing.assert_close(h, nn.functional.linear(x, *ref["body"]), rtol=1e-5, atol=1e-5)
         y = m.head(h)
         torch.testing.assert_close(y, nn.functional.linear(h, ref["head"][0]), rtol=1e-5, atol=1e-5)
+        # Contiguous like F.linear's: a transposed q/k/v projection sends SDPA to its math
+        # kernel, which copies the KV cache per layer.
+        assert h.is_contiguous() and y.is_contiguous(), rows
     assert BODY_ROWS[0] >= 2 and HEAD_ROWS[0] >= 2  # 1-row decode keeps torch's own kernel
 
 
@@ -80,3 +83,26 @@ def test_gqa_attention_leaves_plain_multi_head_models_alone():
     m.set_attn_implementation("sdpa")
     assert not install_gqa_attention(m)
     assert m.config._attn_implementation == "sdpa"
+
+
+def test_patched_projections_keep_attention_on_the_fused_kernel():
+    """A 2-token forward of a GQA model with the fast path calls SDPA with a query whose last
+    dimension is contiguous (the fused CPU kernel's condition), so the attention never
+    expands the cached keys and values (no copy of the cache's size)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
+    m = LlamaForCausalLM(cfg).eval()
+    m.set_attn_implementation("sdpa")
+    install_cpu_fastpath(m)
+    with torch.inference_mode():
+        c = DynamicCache(config=m.config)
+        m(input_ids=torch.randint(0, 64, (1, 40)), past_key_values=c, use_cache=True)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            m(input_ids=torch.randint(0, 64, (1, 2)), past_key_values=c, use_cache=True)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::bmm" not in ops  # the math kernel's batched products
