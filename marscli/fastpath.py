@@ -7,12 +7,15 @@ Written as `W @ x.T` the same product reads the weights once. The result is made
 layer's attention to SDPA's math kernel, which copies the whole KV cache per layer to
 repeat the shared heads (6-18 ms a forward at 256 cached tokens, and what made a 2-token
 verification cost 1.2x a 1-token forward). Measured on this project's 2-core AVX2 CPU with
-the embedded SmolLM2-135M (float32, 256-token context, ms per forward, fastest of 12
-interleaved rounds; the machine's memory bandwidth varies by +-20% from minute to minute):
+the embedded SmolLM2-135M (float32, 256-token context, ms per forward, fastest of 16
+interleaved rounds of `python scripts/fastpath_costs.py --rounds 16`):
 
-| new tokens                              | 1  | 2  | 3  | 4  | 5  | 6  | 9   |
-| rows 2-3 patched, transposed (before)   | 65 | 71 | 77 | 99 | 85 | 91 | 104 |
-| rows 2-9 patched, contiguous (now)      | 64 | 52 | 64 | 56 | 64 | 72 | 98  |
+| new tokens                              | 1  | 2  | 3   | 4   | 5   | 6   | 9   |
+| rows 2-3 patched, transposed (before)   | 74 | 78 | 101 | 113 | 103 | 108 | 118 |
+| rows 2-9 patched, contiguous (now)      | 76 | 58 | 67  | 60  | 72  | 98  | 105 |
+
+Qwen2.5-Coder-1.5B (the pair's target), 8 rounds: 419/612/797/1148/1147/1353/1281 ms before,
+411/425/544/469/556/618/775 ms now.
 
 The patch applies to float32 nn.Linear modules on the CPU only: the lm_head for 2-32 rows
 (its 49152 x 576 matrix dominates), other layers for 2-9 rows (a batched step counts all
