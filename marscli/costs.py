@@ -201,16 +201,12 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
     return out
 
 
-def cpu_fastpath_signature() -> dict:
-    from marscli.fastpath import signature
-
-    return signature()
-
-
 def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identity: dict | None,
              context: int = MEASURE_CONTEXT) -> dict[str, Any]:
     """What a measurement depends on: the weights, device, dtype, software and threads."""
     import torch
+
+    from marscli.fastpath import signature as fastpath_signature
 
     ident = target.identity
     return {
@@ -222,7 +218,7 @@ def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identi
         "threads": torch.get_num_threads(),
         # The engine patches CPU float32 linear layers (marscli.fastpath): their kernels are
         # part of what was timed.
-        "cpu_fastpath": cpu_fastpath_signature() if target.device.type == "cpu" else None,
+        "cpu_fastpath": fastpath_signature() if target.device.type == "cpu" else None,
         "context": context,
         "batch_sizes": list(batch_sizes),
         "new_tokens": list(MEASURE_NEW_TOKENS),
