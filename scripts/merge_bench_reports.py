@@ -15,6 +15,12 @@ and against the baseline the paired bootstrap CI of the difference, flips, recov
 ratio, truncated share and loop share, with the same functions bench uses
 (marscli.scoring.stats). The table goes to stdout as Markdown.
 
+--quality-only merges chunks whose method lists differ (say, later chunks leave out ar or a
+theta to save time) or that were timed with different kernels: it keeps the methods every chunk
+ran, requires the other settings to match as before, and reports no speed (tok/s, speed-up):
+summed seconds from different method lists or kernels are not one measurement. tau and the
+relaxed share are still counted over the merged runs.
+
 Two figures are approximations, said in the output: an output counts as truncated when its
 completion tokens reach max tokens (bench itself also checks the end-of-sequence token), and
 the speed-up is the ratio of summed tokens over summed seconds, each chunk having been timed
@@ -33,6 +39,7 @@ from marscli.scoring import stats
 from marscli.scoring.tasks import BINARY_TASKS
 
 SAME = ("methods", "max_tokens", "temperature", "seeds", "margin", "thetas", "guard", "drafter")
+QUALITY_ONLY_FREE = ("methods", "thetas")  # may differ between chunks under --quality-only
 COUNTERS = ("completion_tokens", "seconds", "target_forwards", "steps", "drafted", "accepted", "relaxed")
 
 
@@ -41,7 +48,7 @@ def fail(msg: str) -> None:
     raise SystemExit(2)
 
 
-def load(paths: list[str]) -> list[dict[str, Any]]:
+def load(paths: list[str], quality_only: bool = False) -> list[dict[str, Any]]:
     reports = []
     for p in paths:
         with open(p, encoding="utf-8") as f:
@@ -52,6 +59,8 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     first = reports[0]
     for p, r in zip(paths[1:], reports[1:]):
         for key in SAME:
+            if quality_only and key in QUALITY_ONLY_FREE:
+                continue
             if r["settings"].get(key) != first["settings"].get(key):
                 fail(f"{p}: settings.{key} differs from {paths[0]}: {r['settings'].get(key)!r} "
                      f"vs {first['settings'].get(key)!r}")
@@ -61,6 +70,8 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
                 fail(f"{p}: {key} differs from {paths[0]}")
         if r["task"]["task"] != first["task"]["task"]:
             fail(f"{p}: task {r['task']['task']} differs from {first['task']['task']}")
+        if r["task"]["baseline"] != first["task"]["baseline"]:
+            fail(f"{p}: baseline {r['task']['baseline']} differs from {first['task']['baseline']}")
     seen: dict[str, str] = {}
     for p, r in zip(paths, reports):
         for rid in {run["id"] for run in r["runs"]}:
@@ -70,12 +81,26 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     return reports
 
 
-def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    settings = reports[0]["settings"]
+def common_methods(reports: list[dict[str, Any]]) -> list[str]:
+    """The methods every report ran, in the first report's order; the baseline must be one."""
+    names = [n for n in reports[0]["methods"] if all(n in r["methods"] for r in reports)]
+    base = reports[0]["task"]["baseline"]
+    if base not in names:
+        fail(f"the baseline {base} is not in every report")
+    return names
+
+
+def merge(reports: list[dict[str, Any]], quality_only: bool = False) -> dict[str, Any]:
+    settings = dict(reports[0]["settings"])
     max_tokens = settings["max_tokens"]
     task = reports[0]["task"]["task"]
     base = reports[0]["task"]["baseline"]
-    names = list(reports[0]["methods"])
+    names = common_methods(reports)
+    if quality_only:
+        settings["methods"] = names
+        settings["thetas"] = sorted({reports[0]["methods"][n]["theta"] for n in names
+                                     if reports[0]["methods"][n].get("theta") is not None})
+    runs = [run for r in reports for run in r["runs"] if run["method"] in names]
     runs = [run for r in reports for run in r["runs"]]
     by_method: dict[str, dict[tuple[str, int], dict[str, Any]]] = defaultdict(dict)
     for run in runs:
@@ -90,7 +115,8 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         kind = reports[0]["methods"][name]["kind"]
         m: dict[str, Any] = {"kind": kind, "theta": reports[0]["methods"][name].get("theta"),
                              "runs": sum(r["methods"][name]["runs"] for r in reports), **summed}
-        m["tokens_per_s"] = summed["completion_tokens"] / summed["seconds"] if summed["seconds"] else None
+        timed = summed["seconds"] and not quality_only
+        m["tokens_per_s"] = summed["completion_tokens"] / summed["seconds"] if timed else None
         m["acceptance_length"] = (summed["completion_tokens"] / summed["steps"]) if summed["steps"] else None
         m["relaxed_share"] = (summed["relaxed"] / summed["completion_tokens"]) if summed["steps"] else None
         methods[name] = m
@@ -114,11 +140,16 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
             comp["length_ratio"] = sum(mruns[k]["completion_tokens"] for k in paired) / base_len if base_len else None
             comp["verdict"] = stats.verdict(comp)
             m["task"]["vs_baseline"] = comp
+    notes = ["truncated: completion tokens reached max tokens (the EOS check of bench is not redone)"]
+    if quality_only:
+        dropped = sorted({n for r in reports for n in r["methods"]} - set(names))
+        notes.append("quality only: no speed figures (the chunks' method lists or kernels may differ)"
+                     + (f"; left out, not run in every chunk: {', '.join(dropped)}" if dropped else ""))
+    else:
+        notes.append("speed-up over ar: summed tokens / summed seconds per method, each chunk timed idle")
     return {"merged_from": len(reports), "task": task, "score_name": reports[0]["task"]["score_name"],
             "baseline": base, "settings": settings, "records": len({run["id"] for run in runs}),
-            "methods": methods,
-            "notes": ["truncated: completion tokens reached max tokens (the EOS check of bench is not redone)",
-                      "speed-up over ar: summed tokens / summed seconds per method, each chunk timed idle"]}
+            "quality_only": quality_only, "methods": methods, "notes": notes}
 
 
 def _f(v: Any, spec: str) -> str:
@@ -154,6 +185,7 @@ def markdown(merged: dict[str, Any]) -> str:
         c = m["task"].get("vs_baseline")
         if c is not None:
             lines.append(f"- {mname} vs {base}: {c['verdict']}")
+    lines += [f"- note: {n}" for n in merged["notes"]]
     return "\n".join(lines)
 
 
@@ -161,8 +193,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("reports", nargs="+")
     ap.add_argument("--report", help="also write the merged figures as JSON here")
+    ap.add_argument("--quality-only", action="store_true",
+                    help="merge task scores of chunks whose method lists or kernels differ; no speed figures")
     a = ap.parse_args()
-    merged = merge(load(a.reports))
+    merged = merge(load(a.reports, a.quality_only), a.quality_only)
     if a.report:
         with open(a.report, "w", encoding="utf-8") as f:
             json.dump(merged, f, indent=1)
