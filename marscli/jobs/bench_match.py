@@ -133,15 +133,22 @@ def collect_split(engine, prompts: Sequence[list[int]], sampling) -> tuple[Any, 
     return merged, failed
 
 
-def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | None]],
-                measured: Sequence[tuple[Request, str | None]], target, draft,
-                log: Log) -> tuple[BenchConfig, Match]:
-    """The bench config with every MATCHED_METHODS method at its fitted knob (renamed to its
-    label), and what was matched."""
-    from marscli.calibrate_rules import RELAXED, match_relax_rate, relaxed_per_position
+@dataclass
+class Split:
+    """The calibration split decoded strictly: every rule's facts at its verified positions."""
+
+    data: Any  # marscli.calibrate.MarginData
+    source: str
+    dropped: int  # prompts equal to a measured one
+    skipped: int  # unusable records and failed decodes
+
+
+def collect_calibration(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | None]],
+                        measured: Sequence[tuple[Request, str | None]], target, draft, log: Log) -> Split:
+    """Strict decoding of the calibration split by the bench's target and drafter (batch size
+    1, solo draft lengths, no job corpus), prompts equal to a measured one left out."""
     from marscli.engine.sequence import RecordFailure
     from marscli.jobs.setup import chain_or_tree, make_engine
-    from marscli.verify import MARS, Rule
 
     # No job corpus: the relaxed methods whose knobs this fits draft from their own text only.
     engine = make_engine(target, draft, VerifyConfig(guard=cfg.guard), chain_or_tree(cfg.draft, False), 1,
@@ -168,13 +175,26 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
     if not prompts:
         raise UsageError(f"--match-relax-rate: no calibration prompt of {source} is left apart from the measured "
                          "ones; pass --calibrate-on FILE")
-    s = cfg.match_relax_rate
-    log(f"--match-relax-rate {s:g}: strict decoding of {len(prompts)} calibration prompts from {source}")
+    share = "" if cfg.match_relax_rate is None else f" {cfg.match_relax_rate:g}"
+    log(f"--match-relax-rate{share}: strict decoding of {len(prompts)} calibration prompts from {source}")
     collector, failed = collect_split(engine, prompts, cfg.sampling(cfg.seeds[0]))
     data = collector.data(records=len(prompts) - failed, failed=failed, guard=cfg.guard)
     if data.positions == 0:
         raise InputError(f"{source}: the drafter proposed no tokens on the calibration prompts: nothing to "
                          "match (more or longer prompts, or another drafter)")
+    return Split(data, source, dropped, skipped + failed)
+
+
+def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | None]],
+                measured: Sequence[tuple[Request, str | None]], target, draft,
+                log: Log) -> tuple[BenchConfig, Match]:
+    """The bench config with every MATCHED_METHODS method at its fitted knob (renamed to its
+    label), and what was matched."""
+    from marscli.calibrate_rules import RELAXED, match_relax_rate, relaxed_per_position
+    from marscli.verify import MARS, Rule
+
+    split = collect_calibration(cfg, calibration, measured, target, draft, log)
+    data, s = split.data, cfg.match_relax_rate
     unguarded = dataclasses.replace(data, guard=GUARD_OFF)
     methods: list[MethodSpec] = []
     fitted: dict[str, dict[str, Any]] = {}
@@ -207,8 +227,8 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
                 "" if relaxed <= s else ": NOT matched, it relaxes more even at its strict end"))
     notes = ["strict spans: the calibration replay relaxes inside them too, the measured run does not"
              ] if cfg.spans.active else []
-    match = Match(s, source, data.records, data.positions, data.tokens, dropped, skipped + failed, notes=notes,
-                  methods=fitted)
+    match = Match(s, split.source, data.records, data.positions, data.tokens, split.dropped, split.skipped,
+                  notes=notes, methods=fitted)
     return dataclasses.replace(cfg, methods=tuple(methods)), match
 
 
