@@ -46,11 +46,10 @@ def args(prompts, target, *extra):
     return ["bench", str(prompts), "--target", str(target), "--max-tokens", str(MAX_TOKENS), "-q", *extra]
 
 
-def independent_fit(path, start, target_dir):
+def independent_collection(path, start, target_dir):
     """A strict collection over records [start, ...) of ``path`` by the calibrate job's own
-    collect_margins, and match_relax_rate on it (guarded, and unguarded for mars-noguard)."""
+    collect_margins, with bench's default loop guard."""
     from marscli.calibrate import MarginCollector
-    from marscli.calibrate_rules import RELAXED, match_relax_rate
     from marscli.config import DraftConfig, GuardConfig, SamplingParams
     from marscli.jobs.calibrate import collect_margins
     from marscli.jobs.setup import load_models, make_engine
@@ -72,7 +71,15 @@ def independent_fit(path, start, target_dir):
     merged = MarginCollector()
     for i in sorted(per):
         merged.extend(per[i])
-    data = merged.data(records=len(records), guard=guard)
+    return merged.data(records=len(records), guard=guard)
+
+
+def independent_fit(path, start, target_dir):
+    """independent_collection and match_relax_rate on it (guarded, and unguarded for
+    mars-noguard)."""
+    from marscli.calibrate_rules import RELAXED, match_relax_rate
+
+    data = independent_collection(path, start, target_dir)
     templates = [Rule("mars", 0.9), Rule("ratio"), Rule("topk", top_n=3), Rule("typical"),
                  Rule("typical", epsilon=0.5, alpha=0.2), Rule("regret")]
     fitted = match_relax_rate(data, templates, SHARE, by=RELAXED)
@@ -125,6 +132,47 @@ def test_match_fits_every_relaxed_method_on_the_records_after_the_measured_ones(
     assert "relaxed / drafted" in m["definition"]
     # Greedy strict still equals ar: matching changed nothing but the relaxed methods.
     assert rep["correctness"]["failures"] == 0
+
+
+def test_fit_script_matches_every_rule_to_the_reference_methods_share(prompts, tiny_model_dir, tmp_path):
+    """scripts/fit_matched_knobs.py: the share is what the reference (kept as it is) relaxes
+    on an independent collection of the split, each rule's knob is match_relax_rate's at that
+    share, and the methods line it prints is one bench parses back to those rules."""
+    import importlib.util
+    from pathlib import Path
+
+    from marscli.calibrate_rules import RELAXED, match_relax_rate, relaxed_per_position
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fit_matched_knobs.py"
+    spec = importlib.util.spec_from_file_location("fit_matched_knobs", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "knobs.json"
+    assert mod.main(["--calibrate-on", str(prompts), "--reference", "mars@0.9", "--rules", "ratio,topk@3,typical,regret",
+                     "--target", str(tiny_model_dir), "--max-tokens", str(MAX_TOKENS), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    data = independent_collection(prompts, 0, tiny_model_dir)
+    reference = Rule("mars", 0.9)
+    share = relaxed_per_position(data, data.replay(reference))
+    assert data.positions > 0 and share > 0
+    assert doc["share"] == pytest.approx(share, rel=1e-9)
+    assert doc["calibration"]["records"] == len(TEXTS) and doc["calibration"]["positions"] == data.positions
+    templates = [Rule("ratio"), Rule("topk", top_n=3), Rule("typical"), Rule("regret")]
+    fitted = match_relax_rate(data, templates, share, by=RELAXED)
+    assert list(doc["rules"]) == [r.label() for r in fitted]
+    for rule, got in zip(fitted, doc["rules"].values()):
+        for k, v in rule.knobs().items():
+            assert got["knobs"][k] == (pytest.approx(v, rel=1e-9) if isinstance(v, float) else v), (rule.name, k)
+        assert got["relaxed_per_position"] == pytest.approx(relaxed_per_position(data, data.replay(rule)))
+        if rule.name != "typical":  # typical at epsilon 1 may still relax more than the share
+            assert got["within_share"] and got["relaxed_per_position"] <= share + 1e-12
+    specs = parse_methods(doc["methods"], ())
+    assert [m.name for m in specs] == ["mars@0.9", *doc["rules"]]
+    for m, rule in zip(specs[1:], fitted):  # the labels round the knobs to 6 digits
+        assert m.rule.name == rule.name
+        for k, v in rule.knobs().items():
+            if isinstance(v, float):
+                assert getattr(m.rule, k) == pytest.approx(v, rel=1e-5), (rule.name, k)
 
 
 def test_calibrate_on_drops_prompts_equal_to_measured_ones(runner, prompts, tiny_model_dir, tmp_path):

@@ -20,7 +20,7 @@ from marscli.costs import (
 )
 from marscli.engine import build_engine
 from marscli.errors import UsageError
-from marscli.fastpath import BODY_ROWS, HEAD_ROWS
+from marscli.fastpath import BODY_ROWS, HEAD_ROWS, ONE_ROW
 from marscli.models import load_model
 
 
@@ -136,7 +136,8 @@ def test_cost_key_names_what_was_measured(target):
     key = cost_key(target, (1, 2), "ngram", None)
     assert key["device"] == "cpu" and key["batch_sizes"] == [1, 2]
     assert key["target"]["name"] == target.identity["name"] and key["draft"] is None
-    assert key["cpu_fastpath"] == {"head_rows": list(HEAD_ROWS), "body_rows": list(BODY_ROWS), "contiguous": True}
+    assert key["cpu_fastpath"] == {"head_rows": list(HEAD_ROWS), "body_rows": list(BODY_ROWS), "contiguous": True,
+                                   "one_row": ONE_ROW}
 
 
 def test_a_changed_fast_path_is_measured_again(target, monkeypatch):

@@ -36,7 +36,24 @@ def test_fastpath_matches_linear_for_every_row_count():
         # Contiguous like F.linear's: a transposed q/k/v projection sends SDPA to its math
         # kernel, which copies the KV cache per layer.
         assert h.is_contiguous() and y.is_contiguous(), rows
-    assert BODY_ROWS[0] >= 2 and HEAD_ROWS[0] >= 2  # 1-row decode keeps torch's own kernel
+    assert BODY_ROWS[0] == 1 and HEAD_ROWS[0] == 1  # 1-row decode is patched too
+
+
+def test_one_row_runs_as_a_two_column_matrix_product():
+    """A 1-row input never reaches torch's matrix-vector path: its one product has a second
+    (copied) column, which is what makes a 1-token forward as cheap as a 2-token one on CPUs
+    whose matrix-vector kernel streams the weights slowly (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    m = Toy()
+    install_cpu_fastpath(m)
+    x = torch.randn(1, 1, 16)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+        m.body(x)
+    shapes = [e.input_shapes for e in p.key_averages(group_by_input_shape=True)
+              if e.key in ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv")]
+    assert shapes == [[[24, 16], [16, 2]]], shapes
 
 
 def test_gqa_attention_matches_sdpa_with_holes_and_cache():
