@@ -26,8 +26,9 @@ argmax), and a 2-token forward was cheaper than a 1-token one (252 ms). That mad
 decoding, and every draft-model token, pay for a slow kernel, and speculative decoding look
 faster than it is (a step of one draft and a 2-token verification cost about one plain
 step). The second column is a copy of the first and is dropped: twice the arithmetic on
-data that is read once. On the Intel host of earlier sessions a 2-token forward cost 1.03x
-a 1-token one, so padding there costs a few percent at most.
+data that is read once. On the host of earlier sessions (CPU model not recorded) a 2-token
+forward cost 1.03x a 1-token one, so padding there should cost a few percent at most (not
+measured there).
 
 The patch applies to float32 nn.Linear modules on the CPU only: the lm_head for 1-32 rows
 (its 49152 x 576 matrix dominates), other layers for 1-9 rows (a batched step counts all
