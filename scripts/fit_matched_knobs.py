@@ -8,8 +8,9 @@ be measured in chunks (one per session) with the same knobs and merged
 advance; this fits the other rules to the share that the reference (e.g. MARS at a profile's
 theta) relaxes on the same split, and keeps the reference as it is. The collection is bench's
 own (marscli.jobs.bench_match.collect_calibration: strict decoding, batch size 1, solo draft
-lengths, the bench's loop guard), and so is the fit (calibrate_rules.match_relax_rate, by the
-relaxed drafts the replay accepts per verified draft position).
+lengths, the bench's loop guard), and so is the fit (bench_match.fit_to_share, which bench
+--match-relax-rate calls too: by the relaxed drafts the replay accepts per verified draft
+position); each rule's entry has the keys of the bench report's match_relax_rate.methods.
 
     python scripts/fit_matched_knobs.py --calibrate-on CALIB.jsonl --reference mars@0.8604 \\
         --rules ratio,topk,typical,regret --target qwen2.5-coder-1.5b-instruct \\
@@ -46,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from marscli.bench import parse_methods, read_prompt_records
-    from marscli.calibrate_rules import RELAXED, match_relax_rate, relaxed_per_position
+    from marscli.calibrate_rules import relaxed_per_position
     from marscli.jobs.bench import bench_config
-    from marscli.jobs.bench_match import collect_calibration
+    from marscli.jobs.bench_match import collect_calibration, fit_to_share
     from marscli.jobs.setup import load_models
 
     def log(msg: str) -> None:
@@ -70,19 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     split = collect_calibration(dataclasses.replace(cfg, match_relax_rate=None), calibration, measured, target,
                                 draft, log)
     data = split.data
-    share = relaxed_per_position(data, data.replay(ref_rule))
+    at_reference = data.replay(ref_rule)
+    share = relaxed_per_position(data, at_reference)
     log(f"{reference.name}: {share:.4f} relaxed drafts per verified position on {data.positions} positions "
         f"({data.records} records, {data.tokens} tokens)")
     fitted = {}
     for m in cfg.methods:
-        rule = match_relax_rate(data, [m.rule], share, by=RELAXED)[0]
-        at = data.replay(rule)
-        got = relaxed_per_position(data, at)
-        fitted[rule.label()] = {"template": m.name, "rule": rule.name, "knobs": rule.knobs(),
-                                "relaxed_per_position": got, "relax_rate": at.relax_rate,
-                                "within_share": got <= share}
-        log(f"{m.name} -> {rule.label()}: {got:.4f} relaxed per position (relax rate {at.relax_rate:.4f})")
-    doc = {"reference": reference.name, "share": share, "relax_rate_reference": data.replay(ref_rule).relax_rate,
+        rule, fit = fit_to_share(data, m.rule, share, m.name)
+        fitted[rule.label()] = fit
+        log(f"{m.name} -> {rule.label()}: {fit['relaxed_per_position_calibration']:.4f} relaxed per position "
+            f"(relax rate {fit['relax_rate_calibration']:.4f})")
+    doc = {"reference": reference.name, "share": share, "relax_rate_reference": at_reference.relax_rate,
            "calibration": {"file": split.source, "records": data.records, "positions": data.positions,
                            "tokens": data.tokens, "dropped_overlap": split.dropped, "skipped": split.skipped},
            "max_tokens": args.max_tokens, "target": args.target, "draft": args.draft,

@@ -163,9 +163,9 @@ def test_fit_script_matches_every_rule_to_the_reference_methods_share(prompts, t
     for rule, got in zip(fitted, doc["rules"].values()):
         for k, v in rule.knobs().items():
             assert got["knobs"][k] == (pytest.approx(v, rel=1e-9) if isinstance(v, float) else v), (rule.name, k)
-        assert got["relaxed_per_position"] == pytest.approx(relaxed_per_position(data, data.replay(rule)))
+        assert got["relaxed_per_position_calibration"] == pytest.approx(relaxed_per_position(data, data.replay(rule)))
         if rule.name != "typical":  # typical at epsilon 1 may still relax more than the share
-            assert got["within_share"] and got["relaxed_per_position"] <= share + 1e-12
+            assert got["within_share"] and got["relaxed_per_position_calibration"] <= share + 1e-12
     specs = parse_methods(doc["methods"], ())
     assert [m.name for m in specs] == ["mars@0.9", *doc["rules"]]
     for m, rule in zip(specs[1:], fitted):  # the labels round the knobs to 6 digits

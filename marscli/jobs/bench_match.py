@@ -185,12 +185,25 @@ def collect_calibration(cfg: BenchConfig, calibration: Sequence[tuple[Request, s
     return Split(data, source, dropped, skipped + failed)
 
 
+def fit_to_share(data, template, share: float, name: str) -> tuple[Any, dict[str, Any]]:
+    """``template`` (a marscli.verify.Rule) with its main knob fitted to relax at most ``share``
+    of ``data``'s verified draft positions (by the relaxed drafts its replay accepts), and what
+    the fit found on the calibration data (the report's entry; ``name``: the method as written)."""
+    from marscli.calibrate_rules import RELAXED, match_relax_rate, relaxed_per_position
+
+    rule = match_relax_rate(data, [template], share, by=RELAXED)[0]
+    at = data.replay(rule)
+    relaxed = relaxed_per_position(data, at)
+    return rule, {"template": name, "rule": rule.name, "knobs": rule.knobs(),
+                  "relax_rate_calibration": at.relax_rate, "within_share": relaxed <= share,
+                  "relaxed_per_position_calibration": relaxed}
+
+
 def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | None]],
                 measured: Sequence[tuple[Request, str | None]], target, draft,
                 log: Log) -> tuple[BenchConfig, Match]:
     """The bench config with every MATCHED_METHODS method at its fitted knob (renamed to its
     label), and what was matched."""
-    from marscli.calibrate_rules import RELAXED, match_relax_rate, relaxed_per_position
     from marscli.verify import MARS, Rule
 
     split = collect_calibration(cfg, calibration, measured, target, draft, log)
@@ -206,7 +219,7 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
         on = unguarded if m.kind == MARS_NOGUARD else data
         template = m.rule if m.rule is not None else Rule(MARS, m.theta, cfg.margin)
         try:
-            rule = match_relax_rate(on, [template], s, by=RELAXED)[0]
+            rule, fit = fit_to_share(on, template, s, m.name)
         except ValueError as e:  # a rule the data cannot replay
             raise UsageError(f"--match-relax-rate, method {m.name}: {e}") from None
         if m.rule is not None:
@@ -217,13 +230,10 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
             log(f"--match-relax-rate: {m.name} fits to {spec.name}, already in --methods: measured once")
             continue
         methods.append(spec)
-        at = on.replay(rule)
-        relaxed = relaxed_per_position(on, at)
-        fitted[spec.name] = {"template": m.name, "rule": rule.name, "knobs": rule.knobs(),
-                             "relax_rate_calibration": at.relax_rate, "within_share": relaxed <= s,
-                             "relaxed_per_position_calibration": relaxed}
+        fitted[spec.name] = fit
+        relaxed = fit["relaxed_per_position_calibration"]
         log(f"--match-relax-rate {s:g}: {m.name} -> {spec.name} ({relaxed:.4f} relaxed per position, relax "
-            f"rate {at.relax_rate:.4f}, on {on.positions} calibration positions)" + (
+            f"rate {fit['relax_rate_calibration']:.4f}, on {on.positions} calibration positions)" + (
                 "" if relaxed <= s else ": NOT matched, it relaxes more even at its strict end"))
     notes = ["strict spans: the calibration replay relaxes inside them too, the measured run does not"
              ] if cfg.spans.active else []
