@@ -48,23 +48,51 @@ HEAD_ROWS = (1, 32)
 BODY_ROWS = (1, 9)
 #: One row is computed as two equal columns (see the module docstring).
 ONE_ROW = "padded to 2"
+#: Rows from PACKED_FROM on (any count: verification, batched steps, prefill) go to oneDNN's
+#: matrix product on a copy of the weights reordered once into its blocked layout.
+PACKED_FROM = 3
 _PATCHED = "_marscli_fastpath"
+_PACKED = "_marscli_packed"
+
+
+def packed_available() -> bool:
+    """Whether this torch build has oneDNN's reordered-weight linear (x86 builds do)."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise"))
+
+
+def packed_enabled() -> bool:
+    """Packed weights are used where available unless the environment sets MARSCLI_CPU_PACKED=0."""
+    import os
+
+    return os.environ.get("MARSCLI_CPU_PACKED", "1") != "0" and packed_available()
 
 
 def signature() -> dict:
     """What the patch does, for keys of measurements that depend on it (marscli.costs)."""
-    return {"head_rows": list(HEAD_ROWS), "body_rows": list(BODY_ROWS), "contiguous": True, "one_row": ONE_ROW}
+    return {"head_rows": list(HEAD_ROWS), "body_rows": list(BODY_ROWS), "contiguous": True, "one_row": ONE_ROW,
+            "packed_from": PACKED_FROM if packed_enabled() else None}
 
 
-def _patch(linear: nn.Linear, lo: int, hi: int) -> None:
+def _patch(linear: nn.Linear, lo: int, hi: int, packed: bool) -> None:
     if getattr(linear, _PATCHED, False):
         return
     plain = linear.forward
+    if packed:
+        # A second copy of the weights, in oneDNN's layout; the dense one stays for 1-2 rows
+        # (faster there) and for anything else that reads `linear.weight`.
+        setattr(linear, _PACKED, torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        w = linear.weight
+        pw = getattr(linear, _PACKED, None)
+        if pw is not None and rows >= PACKED_FROM and not torch.is_grad_enabled():
+            b = None if linear.bias is None else linear.bias.detach()
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), pw, b, "none", [], "")
+            return y.reshape(*x.shape[:-1], w.shape[0])
         if lo <= rows <= hi:
-            w = linear.weight
             x2 = x.reshape(rows, x.shape[-1])
             # Contiguous, so that the attention that reads a projection takes SDPA's fused
             # kernel; one row as two columns, so that it gets the matrix-matrix kernel (see
@@ -130,9 +158,12 @@ def install_gqa_attention(model: nn.Module) -> bool:
     return True
 
 
-def install_cpu_fastpath(model: nn.Module) -> int:
+def install_cpu_fastpath(model: nn.Module, packed: bool | None = None) -> int:
     """Patch the float32 CPU linear layers of `model` and its GQA attention; returns how many
-    linear layers were patched."""
+    linear layers were patched. `packed` (default: where oneDNN has it, unless the environment
+    sets MARSCLI_CPU_PACKED=0) keeps a second, reordered copy of each weight for products of 3
+    rows or more: it doubles the memory of the linear weights."""
+    packed = packed_enabled() if packed is None else packed and packed_available()
     install_gqa_attention(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     n = 0
@@ -142,6 +173,6 @@ def install_cpu_fastpath(model: nn.Module) -> int:
         if mod.weight.device.type != "cpu" or mod.weight.dtype != torch.float32:
             continue
         lo, hi = HEAD_ROWS if mod is head else BODY_ROWS
-        _patch(mod, lo, hi)
+        _patch(mod, lo, hi, packed)
         n += 1
     return n

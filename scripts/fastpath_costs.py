@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """One target forward's cost by new tokens, with marscli's CPU fast path as it is and as it
-was (rows 2-3 of the body patched, transposed outputs), interleaved in random order so that
+was before oneDNN's packed weights (2026-11-25: dense products for 1-9 rows of the body and
+1-32 of the head, one row padded to two, contiguous outputs; F.linear beyond), interleaved in random order so that
 the machine's drifting memory bandwidth spoils both alike. Prints ms per forward (the
 fastest and the 25th percentile of ROUNDS rounds) and the ratio now/before.
 
@@ -41,10 +42,14 @@ def main() -> None:
             continue
         now = mod.forward  # the patched forward
 
-        def old(x, mod=mod, hi=HEAD_ROWS[1] if mod is head else 3):
+        def old(x, mod=mod, hi=HEAD_ROWS[1] if mod is head else BODY_ROWS[1]):
             rows = x.numel() // x.shape[-1]
-            if 2 <= rows <= hi:  # the earlier patch: rows 2-3 of the body, transposed result
-                return (mod.weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], mod.weight.shape[0])
+            if rows <= hi:  # the dense fast path, without packed weights
+                x2 = x.reshape(rows, x.shape[-1])
+                x2 = torch.cat((x2, x2)) if rows == 1 else x2
+                y = (mod.weight @ x2.T)[:, :rows].T.contiguous()
+                y = y if mod.bias is None else y + mod.bias
+                return y.reshape(*x.shape[:-1], mod.weight.shape[0])
             return F.linear(x, mod.weight, mod.bias)
 
         mod.forward = lambda x, now=now, old=old: old(x) if mode["old"] else now(x)

@@ -20,7 +20,7 @@ from marscli.costs import (
 )
 from marscli.engine import build_engine
 from marscli.errors import UsageError
-from marscli.fastpath import BODY_ROWS, HEAD_ROWS, ONE_ROW
+from marscli.fastpath import BODY_ROWS, HEAD_ROWS, ONE_ROW, PACKED_FROM, packed_enabled
 from marscli.models import load_model
 
 
@@ -137,7 +137,7 @@ def test_cost_key_names_what_was_measured(target):
     assert key["device"] == "cpu" and key["batch_sizes"] == [1, 2]
     assert key["target"]["name"] == target.identity["name"] and key["draft"] is None
     assert key["cpu_fastpath"] == {"head_rows": list(HEAD_ROWS), "body_rows": list(BODY_ROWS), "contiguous": True,
-                                   "one_row": ONE_ROW}
+                                   "one_row": ONE_ROW, "packed_from": PACKED_FROM if packed_enabled() else None}
 
 
 def test_a_changed_fast_path_is_measured_again(target, monkeypatch):

@@ -27,15 +27,20 @@ def test_fastpath_matches_linear_for_every_row_count():
     assert install_cpu_fastpath(m) == 2  # the bfloat16 layer is left alone
     assert install_cpu_fastpath(m) == 2  # idempotent: patching twice changes nothing
     for rows in range(1, 40):
-        x = torch.randn(1, rows, 16)
-        h = m.body(x)
-        assert h.shape == (1, rows, 24)
-        torch.testing.assert_close(h, nn.functional.linear(x, *ref["body"]), rtol=1e-5, atol=1e-5)
-        y = m.head(h)
-        torch.testing.assert_close(y, nn.functional.linear(h, ref["head"][0]), rtol=1e-5, atol=1e-5)
-        # Contiguous like F.linear's: a transposed q/k/v projection sends SDPA to its math
-        # kernel, which copies the KV cache per layer.
-        assert h.is_contiguous() and y.is_contiguous(), rows
+        # inference (the packed weights from 3 rows on) and autograd (dense products only)
+        for ctx in (torch.inference_mode, torch.enable_grad):
+            x = torch.randn(1, rows, 16)
+            with ctx():
+                h = m.body(x)
+                y = m.head(h)
+                want_h = nn.functional.linear(x, *ref["body"])
+                want_y = nn.functional.linear(h, ref["head"][0])
+            assert h.shape == (1, rows, 24)
+            torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+            # Contiguous like F.linear's: a transposed q/k/v projection sends SDPA to its math
+            # kernel, which copies the KV cache per layer.
+            assert h.is_contiguous() and y.is_contiguous(), rows
     assert BODY_ROWS[0] == 1 and HEAD_ROWS[0] == 1  # 1-row decode is patched too
 
 
@@ -54,6 +59,55 @@ def test_one_row_runs_as_a_two_column_matrix_product():
     shapes = [e.input_shapes for e in p.key_averages(group_by_input_shape=True)
               if e.key in ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv")]
     assert shapes == [[[24, 16], [16, 2]]], shapes
+
+
+def _products(m, rows):
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as p:
+        m.body(torch.randn(1, rows, 16))
+    return {e.key for e in p.key_averages()} & {"aten::mm", "aten::addmm", "aten::mv", "aten::addmv",
+                                                "mkldnn::_linear_pointwise"}
+
+
+def test_three_rows_and_more_run_on_the_packed_weights():
+    """From PACKED_FROM rows on (verification, batched steps, prefill) the product runs on
+    oneDNN's reordered copy of the weights; 1-2 rows keep the dense product (faster there).
+    x86 builds of torch have oneDNN, so there the packed path must be on."""
+    import platform
+
+    import pytest
+
+    from marscli.fastpath import PACKED_FROM, packed_available
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("oneDNN's packed linear is checked on x86 builds of torch")
+    assert packed_available()
+    torch.manual_seed(0)
+    m = Toy()
+    install_cpu_fastpath(m)
+    assert PACKED_FROM == 3
+    for rows in (1, 2):
+        assert _products(m, rows) == {"aten::mm"}, rows
+    for rows in (3, 9, 40):
+        assert _products(m, rows) == {"mkldnn::_linear_pointwise"}, rows
+
+
+def test_packed_weights_can_be_switched_off(monkeypatch):
+    """MARSCLI_CPU_PACKED=0 (or packed=False) keeps one copy of the weights: dense products
+    only, and the fast path's signature (a key of the measured costs) says so."""
+    from marscli.fastpath import signature
+
+    torch.manual_seed(0)
+    m = Toy()
+    install_cpu_fastpath(m, packed=False)
+    assert _products(m, 9) == {"aten::mm"}
+    monkeypatch.setenv("MARSCLI_CPU_PACKED", "0")
+    assert signature()["packed_from"] is None
+    m2 = Toy()
+    install_cpu_fastpath(m2)
+    assert _products(m2, 9) == {"aten::mm"}
+    assert not any(hasattr(mod, "_marscli_packed") for mod in m2.modules())
 
 
 def test_gqa_attention_matches_sdpa_with_holes_and_cache():
