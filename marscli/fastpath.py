@@ -30,9 +30,23 @@ data that is read once. On the host of earlier sessions (CPU model not recorded)
 forward cost 1.03x a 1-token one, so padding there should cost a few percent at most (not
 measured there).
 
+Three rows and more run on packed weights (2026-11-25, later still). Even as `W @ x.T`, MKL's
+product over 3-9 columns ran at a fraction of the 2-column product's bandwidth on that host
+(a forward of Qwen2.5-Coder-1.5B over 3/5/9 new tokens: 433/554/739 ms, against 243 ms for
+one). oneDNN's matrix product on a copy of the weights reordered once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`: what torch's own CPU
+compiler uses for frozen linear layers) reads them at full speed for any row count: 266/226/
+267 ms (`python scripts/fastpath_costs.py --target qwen2.5-coder-1.5b-instruct --rounds 6`,
+256 cached tokens, min). Verifying 8 drafts now costs about one plain step. For 1-2 rows the
+dense product stays (packed is 10-33% slower there, also with rows padded to 3), so plain
+decoding and the draft model's steps are unchanged. The price is memory: the linear weights
+are held twice (the pair: 16.8 GB RSS after loading, against ~10 GB), which
+MARSCLI_CPU_PACKED=0 avoids; autograd (the EAGLE-3 trainer) keeps the dense products.
+
 The patch applies to float32 nn.Linear modules on the CPU only: the lm_head for 1-32 rows
 (its 49152 x 576 matrix dominates), other layers for 1-9 rows (a batched step counts all
-its rows: batch 4 with one new token each is 4 rows). The patch changes summation order,
+its rows: batch 4 with one new token each is 4 rows), and from 3 rows on, at any count, to the
+packed copy. The patch changes summation order,
 not the math: results agree with F.linear to float32 rounding. Plain decoding therefore no
 longer runs transformers' own kernel bit for bit; `bench` runs transformers' generate() on
 the same patched model object, so its baseline and correctness checks see the same kernels.
