@@ -34,11 +34,13 @@ Three rows and more run on packed weights (2026-11-25, later still). Even as `W 
 product over 3-9 columns ran at a fraction of the 2-column product's bandwidth on that host
 (a forward of Qwen2.5-Coder-1.5B over 3/5/9 new tokens: 433/554/739 ms, against 243 ms for
 one). oneDNN's matrix product on a copy of the weights reordered once into its blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`: what torch's own CPU
-compiler uses for frozen linear layers) reads them at full speed for any row count: 266/226/
+(`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`, which torch's compiler uses
+for frozen bf16 linear layers; for float32 it picks MKL's packed GEMM, which was no faster
+than the dense product here: 93 against 42 ms for 3 rows of twelve 8960 x 1536 matrices) reads them at full speed for any row count: 266/226/
 267 ms (`python scripts/fastpath_costs.py --target qwen2.5-coder-1.5b-instruct --rounds 6`,
 256 cached tokens, min). Verifying 8 drafts now costs about one plain step. For 1-2 rows the
-dense product stays (packed is 10-33% slower there, also with rows padded to 3), so plain
+dense product stays (packed is as fast or up to 33% slower there, 10-33% slower with rows
+padded to 3), so plain
 decoding and the draft model's steps are unchanged. The price is memory: the linear weights
 are held twice (the pair: 16.8 GB RSS after loading, against ~10 GB), which
 MARSCLI_CPU_PACKED=0 avoids; autograd (the EAGLE-3 trainer) keeps the dense products.
