@@ -42,7 +42,7 @@ than the dense product here: 93 against 42 ms for 3 rows of twelve 8960 x 1536 m
 dense product stays (packed is as fast or up to 33% slower there, 10-33% slower with rows
 padded to 3), so plain
 decoding and the draft model's steps are unchanged. The price is memory: the linear weights
-are held twice (the pair: 16.8 GB RSS after loading, against ~10 GB), which
+are held twice (the pair: 16.8 GB RSS after loading; its float32 weights are 8.2 GB), which
 MARSCLI_CPU_PACKED=0 avoids; autograd (the EAGLE-3 trainer) keeps the dense products.
 
 The patch applies to float32 nn.Linear modules on the CPU only: the lm_head for 1-32 rows
