@@ -16,10 +16,9 @@ import time
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from marscli.config import ModelConfig
-from marscli.fastpath import BODY_ROWS, HEAD_ROWS, install_cpu_fastpath
+from marscli.fastpath import _PACKED, BODY_ROWS, HEAD_ROWS, install_cpu_fastpath
 from marscli.kvcache import cache_kw, new_cache, rollback
 from marscli.models import load_model
 
@@ -36,21 +35,18 @@ def main() -> None:
     m = load_model(ModelConfig(source=args.target)).model.eval()
     install_cpu_fastpath(m)
     mode = {"old": False}
-    head = m.get_output_embeddings()
     for mod in m.modules():
         if type(mod) is not nn.Linear:
             continue
         now = mod.forward  # the patched forward
 
-        def old(x, mod=mod, hi=HEAD_ROWS[1] if mod is head else BODY_ROWS[1]):
-            rows = x.numel() // x.shape[-1]
-            if rows <= hi:  # the dense fast path, without packed weights
-                x2 = x.reshape(rows, x.shape[-1])
-                x2 = torch.cat((x2, x2)) if rows == 1 else x2
-                y = (mod.weight @ x2.T)[:, :rows].T.contiguous()
-                y = y if mod.bias is None else y + mod.bias
-                return y.reshape(*x.shape[:-1], mod.weight.shape[0])
-            return F.linear(x, mod.weight, mod.bias)
+        def old(x, mod=mod, now=now):  # the same patched forward, its packed copy hidden
+            packed = getattr(mod, _PACKED, None)
+            setattr(mod, _PACKED, None)
+            try:
+                return now(x)
+            finally:
+                setattr(mod, _PACKED, packed)
 
         mod.forward = lambda x, now=now, old=old: old(x) if mode["old"] else now(x)
 
