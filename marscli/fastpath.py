@@ -36,22 +36,23 @@ product over 3-9 columns ran at a fraction of the 2-column product's bandwidth o
 one). oneDNN's matrix product on a copy of the weights reordered once into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`, which torch's compiler uses
 for frozen bf16 linear layers; for float32 it picks MKL's packed GEMM, which was no faster
-than the dense product here: 93 against 42 ms for 3 rows of twelve 8960 x 1536 matrices) reads them at full speed for any row count: 266/226/
-267 ms (`python scripts/fastpath_costs.py --target qwen2.5-coder-1.5b-instruct --rounds 6`,
-256 cached tokens, min). Verifying 8 drafts now costs about one plain step. For 1-2 rows the
-dense product stays (packed is as fast or up to 33% slower there, 10-33% slower with rows
-padded to 3), so plain
-decoding and the draft model's steps are unchanged. The price is memory: the linear weights
-are held twice (the pair: 16.8 GB RSS after loading; its float32 weights are 8.2 GB), which
-MARSCLI_CPU_PACKED=0 avoids; autograd (the EAGLE-3 trainer) keeps the dense products.
+than the dense product here: 93 against 42 ms for 3 rows of twelve 8960 x 1536 matrices)
+reads them at full speed for any row count: 266/226/267 ms (`python
+scripts/fastpath_costs.py --target qwen2.5-coder-1.5b-instruct --rounds 6`, 256 cached
+tokens, min). Verifying 8 drafts now costs about one plain step. For 1-2 rows the dense
+product stays (packed is as fast or up to 33% slower there, 10-33% slower with rows padded to
+3), so plain decoding and the draft model's steps are unchanged. The price is memory: the
+linear weights are held twice (the pair: 16.8 GB RSS after loading; its float32 weights are
+8.2 GB), which MARSCLI_CPU_PACKED=0 avoids; autograd (the EAGLE-3 trainer) keeps the dense
+products.
 
 The patch applies to float32 nn.Linear modules on the CPU only: the lm_head for 1-32 rows
-(its 49152 x 576 matrix dominates), other layers for 1-9 rows (a batched step counts all
-its rows: batch 4 with one new token each is 4 rows), and from 3 rows on, at any count, to the
-packed copy. The patch changes summation order,
-not the math: results agree with F.linear to float32 rounding. Plain decoding therefore no
-longer runs transformers' own kernel bit for bit; `bench` runs transformers' generate() on
-the same patched model object, so its baseline and correctness checks see the same kernels.
+(its 49152 x 576 matrix dominates), other layers for 1-9 rows (a batched step counts all its
+rows: batch 4 with one new token each is 4 rows), and from 3 rows on, at any count, to the
+packed copy. The patch changes summation order, not the math: results agree with F.linear to
+float32 rounding. Plain decoding therefore no longer runs transformers' own kernel bit for
+bit; `bench` runs transformers' generate() on the same patched model object, so its baseline
+and correctness checks see the same kernels.
 """
 
 from __future__ import annotations
