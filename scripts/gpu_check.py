@@ -101,7 +101,7 @@ def save_random_model(folder: Path, shape: dict, device: str) -> None:
 
 def load_path(folder: Path, path: str, device: str, max_memory: str | None):
     from marscli.config import ModelConfig
-    from marscli.models import load_model, parse_max_memory
+    from marscli.models.loading import load_model, parse_max_memory
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     kw = {}
@@ -119,7 +119,7 @@ def load_path(folder: Path, path: str, device: str, max_memory: str | None):
 
 def tiny_head(target):
     """A small random EAGLE-3 head for the target (its draft vocabulary: the first 4096 ids)."""
-    from marscli.eagle3 import LoadedHead, random_head
+    from marscli.drafters.eagle3_head import LoadedHead, random_head
 
     V = target.model.get_output_embeddings().weight.shape[0]
     head = random_head(target.model, draft_vocab=list(range(min(V, 4096))))

@@ -20,7 +20,7 @@ import sys
 import time
 
 from marscli.config import DEFAULT_GUARD_WINDOW
-from marscli.metrics import common_prefix_len
+from marscli.bench.metrics import common_prefix_len
 
 
 def parse_config(name: str) -> dict:

@@ -18,7 +18,7 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Draft lengths from a fixed cost curve, never a timing (marscli.costs), here too: fixtures of
+# Draft lengths from a fixed cost curve, never a timing (marscli.engine.costs), here too: fixtures of
 # module or session scope run before _isolate and must not measure (nor write the user's cache).
 os.environ["MARSCLI_COSTS"] = "static"
 
@@ -180,7 +180,7 @@ def embedded_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def embedded_model(embedded_cache_dir: Path):
     """The real embedded SmolLM2-135M-Instruct, converted and loaded once per session."""
     from marscli.config import ModelConfig
-    from marscli.models import load_model
+    from marscli.models.loading import load_model
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MARSCLI_CACHE", str(embedded_cache_dir))

@@ -118,7 +118,7 @@ def test_calibrate_returns_the_profile_the_cli_writes(runner, tiny_model_dir, tm
     r = runner.invoke(app, ["calibrate", str(src), "--target", str(tiny_model_dir), "--max-tokens", "24",
                             "--relax-rate", "0.2", "-o", str(out), "-q"])
     assert r.exit_code == EXIT_OK, r.stderr
-    from marscli.profiles import load_profile
+    from marscli.calibration.profiles import load_profile
 
     cli_prof = load_profile(out)
     prof = marscli.load(str(tiny_model_dir)).calibrate(records, relax_rate=0.2, max_tokens=24)

@@ -12,13 +12,13 @@ import torch
 import dataclasses
 
 import marscli.engine.scheduler as scheduler_mod
-import marscli.kvcache as kv_mod
+import marscli.models.kvcache as kv_mod
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import RowDrafters
 from marscli.drafters.factory import build_drafter, build_drafters
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import FINISH_STOP, RecordFailure
-from marscli.models import load_model
+from marscli.models.loading import load_model
 
 # Very different lengths: one token, a few, and a long repetitive one that ngram drafts well.
 PROMPTS = [

@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from marscli.bench import BenchConfig, parse_methods, read_prompt_records
+from marscli.bench.methods import BenchConfig, parse_methods, read_prompt_records
 from marscli.cli import app
 from marscli.config import GUARD_OFF, ModelConfig, VerifyConfig
 from marscli.errors import EXIT_OK, EXIT_USAGE, UsageError
 from marscli.jobs.bench_match import read_calibration
-from marscli.verify import Rule
+from marscli.verification.rules import Rule
 
 TEXTS = [
     "hello world, hello marscli; the cat sat on the mat. hello world, hello",
@@ -49,7 +49,7 @@ def args(prompts, target, *extra):
 def independent_collection(path, start, target_dir):
     """A strict collection over records [start, ...) of ``path`` by the calibrate job's own
     collect_margins, with bench's default loop guard."""
-    from marscli.calibrate import MarginCollector
+    from marscli.calibration.collect import MarginCollector
     from marscli.config import DraftConfig, GuardConfig, SamplingParams
     from marscli.jobs.calibrate import collect_margins
     from marscli.jobs.setup import load_models, make_engine
@@ -77,7 +77,7 @@ def independent_collection(path, start, target_dir):
 def independent_fit(path, start, target_dir):
     """independent_collection and match_relax_rate on it (guarded, and unguarded for
     mars-noguard)."""
-    from marscli.calibrate_rules import RELAXED, match_relax_rate
+    from marscli.calibration.policies import RELAXED, match_relax_rate
 
     data = independent_collection(path, start, target_dir)
     templates = [Rule("mars", 0.9), Rule("ratio"), Rule("topk", top_n=3), Rule("typical"),
@@ -141,7 +141,7 @@ def test_fit_script_matches_every_rule_to_the_reference_methods_share(prompts, t
     import importlib.util
     from pathlib import Path
 
-    from marscli.calibrate_rules import RELAXED, match_relax_rate, relaxed_per_position
+    from marscli.calibration.policies import RELAXED, match_relax_rate, relaxed_per_position
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "fit_matched_knobs.py"
     spec = importlib.util.spec_from_file_location("fit_matched_knobs", script)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from marscli.calibrate import (
+from marscli.calibration.collect import (
     MarginCollector,
     MarginData,
     choose_theta,
@@ -20,10 +20,10 @@ from marscli.calibrate import (
     pick_relax_rate,
     trade_off_curve,
 )
-from marscli.calibrate_report import histogram_text
+from marscli.calibration.report import histogram_text
 from marscli.config import SamplingParams
 from marscli.engine.sequence import StepObservation
-from marscli.verify import mars_greedy, speculative_sampling, strict_greedy
+from marscli.verification.chain import mars_greedy, speculative_sampling, strict_greedy
 
 V, K = 12, 5
 
@@ -207,7 +207,7 @@ def test_calibrate_writes_a_profile_generate_picks_up(tiny_model_dir, calib_prom
     from typer.testing import CliRunner
 
     from marscli.cli import app
-    from marscli.profiles import load_profile, user_profile_dir
+    from marscli.calibration.profiles import load_profile, user_profile_dir
 
     runner = CliRunner()
     plot = tmp_path / "c.png"
@@ -262,7 +262,7 @@ def test_profile_for_another_dtype_is_not_picked(tiny_model_dir, calib_prompts, 
     from typer.testing import CliRunner
 
     from marscli.cli import app
-    from marscli.profiles import load_profile, save_profile, user_profile_dir
+    from marscli.calibration.profiles import load_profile, save_profile, user_profile_dir
 
     runner = CliRunner()
     r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir), "--theta", "0.9"])
@@ -299,7 +299,7 @@ def test_calibrate_with_a_draft_model_and_sampling(tiny_model_dir, tiny_draft_di
     from typer.testing import CliRunner
 
     from marscli.cli import app
-    from marscli.profiles import load_profile
+    from marscli.calibration.profiles import load_profile
 
     runner = CliRunner()
     out = tmp_path / "p.yaml"
@@ -331,7 +331,7 @@ def test_batched_calibration_writes_the_same_profile(tiny_model_dir, calib_promp
     from typer.testing import CliRunner
 
     from marscli.cli import app
-    from marscli.profiles import load_profile
+    from marscli.calibration.profiles import load_profile
 
     with open(calib_prompts, "a") as f:
         f.write("{broken\n")  # a skipped record keeps its count

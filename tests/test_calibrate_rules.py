@@ -14,9 +14,9 @@ import torch
 from test_calibrate import _step
 from test_rules import RankDrafter
 
-from marscli.calibrate import MarginCollector, MarginData, analyse
-from marscli.calibrate_report import build_profile
-from marscli.calibrate_rules import (
+from marscli.calibration.collect import MarginCollector, MarginData, analyse
+from marscli.calibration.report import build_profile
+from marscli.calibration.policies import (
     RuleFamily,
     critical_values,
     curve_values,
@@ -30,8 +30,8 @@ from marscli.config import DraftConfig, GuardConfig, ModelConfig, SamplingParams
 from marscli.drafters.base import RowDrafters
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
-from marscli.models import load_model
-from marscli.profiles import (
+from marscli.models.loading import load_model
+from marscli.calibration.profiles import (
     ProfileError,
     default_profile_name,
     drafter_description,
@@ -40,7 +40,8 @@ from marscli.profiles import (
     save_profile,
     user_profile_dir,
 )
-from marscli.verify import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule, verify
+from marscli.verification.rules import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
+from marscli.verification.chain import verify
 
 K = 5
 
@@ -533,7 +534,7 @@ def test_generate_applies_a_profiles_rule_and_the_command_line_wins(tiny_model_d
 def test_match_by_relaxed_holds_the_replayed_relaxations_to_the_share(collected, name):
     """bench's matching (by=RELAXED): the relaxed drafts the replay accepts per verified
     position stay within the share, and one more critical value would break it."""
-    from marscli.calibrate_rules import RELAXED
+    from marscli.calibration.policies import RELAXED
 
     _, data = collected
     P = data.positions

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_calibrate import calib_prompts, synthetic  # noqa: F401 - a fixture
 
-from marscli.calibrate_speed import (
+from marscli.calibration.speed import (
     MIN_RELAXED_GAIN,
     fastest_within_budget,
     plain_step_units,
@@ -18,7 +18,7 @@ from marscli.calibrate_speed import (
     speed_curve,
     speed_section,
 )
-from marscli.costs import StepCosts
+from marscli.engine.costs import StepCosts
 
 
 def flat_costs() -> StepCosts:  # drafting is free: the speed-up is tau itself
@@ -76,7 +76,7 @@ def test_profile_records_speed_and_generate_follows_it(tiny_model_dir, calib_pro
     from typer.testing import CliRunner
 
     from marscli.cli import app
-    from marscli.profiles import load_profile
+    from marscli.calibration.profiles import load_profile
 
     runner = CliRunner()
     out = tmp_path / "p.yaml"
@@ -114,7 +114,7 @@ def test_profiles_without_speed_still_load(tiny_model_dir, calib_prompts, tmp_pa
     from typer.testing import CliRunner
 
     from marscli.cli import app
-    from marscli.profiles import ProfileError, load_profile
+    from marscli.calibration.profiles import ProfileError, load_profile
 
     out = tmp_path / "p.yaml"
     _calibrate(CliRunner(), app, calib_prompts, tiny_model_dir, out, "--relax-rate", "0.3")

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-import marscli.costs as costs_mod
+import marscli.engine.costs as costs_mod
 from marscli.config import DraftConfig, ModelConfig, VerifyConfig
-from marscli.costs import (
+from marscli.engine.costs import (
     COSTS_ENV,
     MEASURE_NEW_TOKENS,
     StepCosts,
@@ -20,8 +20,8 @@ from marscli.costs import (
 )
 from marscli.engine import build_engine
 from marscli.errors import UsageError
-from marscli.fastpath import BODY_ROWS, HEAD_ROWS, ONE_ROW, PACKED_FROM, packed_enabled
-from marscli.models import load_model
+from marscli.models.fastpath import BODY_ROWS, HEAD_ROWS, ONE_ROW, PACKED_FROM, packed_enabled
+from marscli.models.loading import load_model
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_cost_key_names_what_was_measured(target):
 
 def test_a_changed_fast_path_is_measured_again(target, monkeypatch):
     """Costs timed with other CPU kernels are another measurement: another file."""
-    from marscli import fastpath
+    from marscli.models import fastpath
 
     before = costs_path(cost_key(target, (1,), "ngram", None))
     monkeypatch.setattr(fastpath, "BODY_ROWS", (2, 3))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from marscli.costs import StepCosts, static_costs
+from marscli.engine.costs import StepCosts, static_costs
 from marscli.drafters.base import (
     PROBE_AFTER_STEPS,
     AcceptanceTracker,

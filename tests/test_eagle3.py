@@ -1,6 +1,6 @@
 """EAGLE-3 drafting: checkpoint format and checks, chain and tree drafting, strict and MARS.
 
-Heads are written in the published format (marscli.eagle3.save_head) and loaded back through
+Heads are written in the published format (marscli.drafters.eagle3_head.save_head) and loaded back through
 the same loader a user's checkpoint goes through. Two heads: a random one (accepts almost
 nothing) and one fitted for a few hundred steps to the tiny target's own features on the
 target's greedy continuations of PROMPTS (accepts often; asserted). Strict greedy output must
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
-from marscli.eagle3 import (
+from marscli.drafters.eagle3_head import (
     AUX_LAYERS_KEY,
     FeatureTap,
     default_feature_layers,
@@ -31,8 +31,8 @@ from marscli.drafters.factory import build_drafter, build_drafters
 from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.errors import ModelLoadError
-from marscli.models import load_model
-from marscli.verify import margin_statistic, top2
+from marscli.models.loading import load_model
+from marscli.verification.rules import margin_statistic, top2
 
 TARGET_LAYERS = 8  # EAGLE-3's rule picks layers 2, 4, 5: three distinct feature layers
 PROMPTS = [
@@ -566,7 +566,7 @@ def test_tree_sampling_runs_and_is_deterministic(target, heads, verify):
 
 
 def test_tree_calibration_records_path_and_siblings(target, heads):
-    from marscli.calibrate import TREE_COLS, MarginCollector
+    from marscli.calibration.collect import TREE_COLS, MarginCollector
 
     col = MarginCollector()
     eng = engine_for(target, heads["fitted"], tree=True)

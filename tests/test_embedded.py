@@ -57,7 +57,7 @@ GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087
 
 
 def test_shipped_profiles_validate_and_match_their_models(embedded_model):
-    from marscli.profiles import (
+    from marscli.calibration.profiles import (
         drafter_description,
         find_matching_profile,
         iter_profile_files,
@@ -79,7 +79,7 @@ def test_calibrate_then_generate_on_the_embedded_model(use_embedded_cache, tmp_p
     from typer.testing import CliRunner
 
     from marscli.cli import app
-    from marscli.profiles import load_profile, user_profile_dir
+    from marscli.calibration.profiles import load_profile, user_profile_dir
 
     src = tmp_path / "calib.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in first_turns("humaneval.jsonl", 2)))

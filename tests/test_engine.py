@@ -18,8 +18,8 @@ from marscli.drafters.base import DrafterBase, RowDrafters
 from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import FINISH_LENGTH, FINISH_STOP
-from marscli.models import load_model
-from marscli.verify import margin_statistic, top2
+from marscli.models.loading import load_model
+from marscli.verification.rules import margin_statistic, top2
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -252,7 +252,7 @@ def test_cost_aware_lengths_keep_strict_greedy_exact(oracle, target, curve, batc
     """The per-batch draft-length choice changes how much is drafted, never what strict
     greedy decoding emits: on a flat cost curve rows draft, on a steep one the batch decodes
     plainly (L = 0) throughout."""
-    from marscli.costs import StepCosts
+    from marscli.engine.costs import StepCosts
 
     costs = {"flat": StepCosts((1, 4), (1, 9), ((1.0, 1.0), (1.0, 1.0)), (0.0, 0.0)),
              "steep": StepCosts((1, 4), (1, 9), ((1.0, 9.0), (1.0, 9.0)), (0.0, 0.0))}[curve]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from marscli.fastpath import BODY_ROWS, HEAD_ROWS, install_cpu_fastpath
+from marscli.models.fastpath import BODY_ROWS, HEAD_ROWS, install_cpu_fastpath
 
 
 class Toy(nn.Module):
@@ -78,7 +78,7 @@ def test_three_rows_and_more_run_on_the_packed_weights():
 
     import pytest
 
-    from marscli.fastpath import PACKED_FROM, packed_available
+    from marscli.models.fastpath import PACKED_FROM, packed_available
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("oneDNN's packed linear is checked on x86 builds of torch")
@@ -96,7 +96,7 @@ def test_three_rows_and_more_run_on_the_packed_weights():
 def test_packed_weights_can_be_switched_off(monkeypatch):
     """MARSCLI_CPU_PACKED=0 (or packed=False) keeps one copy of the weights: dense products
     only, and the fast path's signature (a key of the measured costs) says so."""
-    from marscli.fastpath import signature
+    from marscli.models.fastpath import signature
 
     torch.manual_seed(0)
     m = Toy()
@@ -115,7 +115,7 @@ def test_gqa_attention_matches_sdpa_with_holes_and_cache():
     cache, as the batched engine uses it (and it is what a CPU engine switches to)."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from marscli.fastpath import GQA_SDPA, install_gqa_attention
+    from marscli.models.fastpath import GQA_SDPA, install_gqa_attention
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
@@ -146,7 +146,7 @@ def test_gqa_attention_matches_sdpa_with_holes_and_cache():
 def test_gqa_attention_leaves_plain_multi_head_models_alone():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from marscli.fastpath import install_gqa_attention
+    from marscli.models.fastpath import install_gqa_attention
 
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=4)

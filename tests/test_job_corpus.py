@@ -14,7 +14,7 @@ from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfi
 from marscli.drafters.base import RowDrafters
 from marscli.drafters.ngram import JobCorpus, NgramDrafter
 from marscli.engine import build_engine
-from marscli.models import load_model
+from marscli.models.loading import load_model
 
 
 def test_a_record_without_its_own_match_drafts_from_the_corpus():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from marscli.kvcache import GrowingLayer, new_cache, rollback
+from marscli.models.kvcache import GrowingLayer, new_cache, rollback
 
 
 def _model():
@@ -75,8 +75,8 @@ def test_replaced_keys_get_a_new_buffer_and_stay_right():
 def _hole_cache_walk(capacity: int):
     """Rows join (prompts of different lengths), decode a few chunks with rejected drafts,
     leave in several orders and are replaced: every row's logits at every step, and the
-    key buffers each step wrote into (the batched cache of marscli.kvcache.HoleCache)."""
-    from marscli.kvcache import HoleCache
+    key buffers each step wrote into (the batched cache of marscli.models.kvcache.HoleCache)."""
+    from marscli.models.kvcache import HoleCache
 
     model = _model()
     gen = torch.Generator().manual_seed(3)

@@ -1,4 +1,4 @@
-"""marscli.metrics on hand-made inputs, and the target NLL against a hand computation."""
+"""marscli.bench.metrics and marscli.scoring.rouge on hand-made inputs, and the target NLL against a hand computation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from marscli import metrics as m
+from marscli.bench import metrics as m
+from marscli.scoring import rouge
 
 
 @pytest.mark.parametrize("out,ref,exact,share,first", [
@@ -54,28 +55,28 @@ def test_ideal_speedup_by_hand():
 
 
 def test_reference_text():
-    assert m.reference_text({"turns": ["q"], "reference": ["one summary"]}) == "one summary"
-    assert m.reference_text({"turns": ["q"], "reference": ["step 1", "#### 4"]}) == "step 1\n#### 4"
-    assert m.reference_text({"turns": ["t1", "t2"], "reference": ["a1", "a2"]}) == "a1"
-    assert m.reference_text({"turns": ["q"], "reference": "plain"}) == "plain"
-    assert m.reference_text({"turns": ["q"]}) is None
-    assert m.reference_text({"turns": ["q"], "reference": [1, 2]}) is None
-    assert m.reference_text({"turns": ["q"], "reference": []}) is None
+    assert rouge.reference_text({"turns": ["q"], "reference": ["one summary"]}) == "one summary"
+    assert rouge.reference_text({"turns": ["q"], "reference": ["step 1", "#### 4"]}) == "step 1\n#### 4"
+    assert rouge.reference_text({"turns": ["t1", "t2"], "reference": ["a1", "a2"]}) == "a1"
+    assert rouge.reference_text({"turns": ["q"], "reference": "plain"}) == "plain"
+    assert rouge.reference_text({"turns": ["q"]}) is None
+    assert rouge.reference_text({"turns": ["q"], "reference": [1, 2]}) is None
+    assert rouge.reference_text({"turns": ["q"], "reference": []}) is None
 
 
 def test_rouge_l_by_hand():
     # LCS of words: the, cat, on, mat (4 of 6 each way): P = R = F1 = 2/3.
-    assert m.rouge_available()
-    assert m.rouge_l("the cat was on a mat", "the cat sat on the mat") == pytest.approx(2 / 3)
-    assert m.rouge_l("identical words here", "identical words here") == pytest.approx(1.0)
-    assert m.rouge_l("nothing shared", "entirely different") == 0.0
+    assert rouge.rouge_available()
+    assert rouge.rouge_l("the cat was on a mat", "the cat sat on the mat") == pytest.approx(2 / 3)
+    assert rouge.rouge_l("identical words here", "identical words here") == pytest.approx(1.0)
+    assert rouge.rouge_l("nothing shared", "entirely different") == 0.0
 
 
 def test_completion_nll_matches_a_hand_computation(tiny_model_dir):
     import torch
 
     from marscli.config import ModelConfig
-    from marscli.models import load_model
+    from marscli.models.loading import load_model
 
     target = load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
     prompt = target.tokenizer("the quick brown fox").input_ids

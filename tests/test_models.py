@@ -1,4 +1,4 @@
-"""marscli.models and marscli.sources: source resolution, placement options, GGUF cache, vocabulary checks."""
+"""marscli.models.loading and marscli.models.sources: source resolution, placement options, GGUF cache, vocabulary checks."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from marscli import models, sources
+from marscli.models import loading as models
+from marscli.models import sources
 from marscli.config import ModelConfig
 from marscli.errors import ModelLoadError, VocabMismatchError
-from marscli.models import check_vocab_compatible, load_model
-from marscli.sources import GGUF_MARKER, cache_root, file_sha256, folder_fingerprint
+from marscli.models.loading import check_vocab_compatible, load_model
+from marscli.models.sources import GGUF_MARKER, cache_root, file_sha256, folder_fingerprint
 
 
 def _forbid_from_pretrained(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,7 +323,7 @@ def test_embedded_model(embedded_model, use_embedded_cache, monkeypatch):
     ids = embedded_model.tokenizer("Hello", return_tensors="pt").input_ids
     # The same kernels on both: an earlier test's engine may have given the shared model
     # marscli's CPU fast path, whose summation order differs from torch's in the last bits.
-    from marscli.fastpath import install_cpu_fastpath
+    from marscli.models.fastpath import install_cpu_fastpath
 
     for m in (embedded_model.model, again.model):
         install_cpu_fastpath(m)
@@ -385,7 +386,7 @@ def test_chunked_gguf_assembles_once_and_checks_sha256(tmp_path, monkeypatch):
     import hashlib
 
     from marscli.errors import ModelLoadError
-    from marscli.sources import CHUNKED_MODELS, ChunkedGGUF, chunked_gguf_path
+    from marscli.models.sources import CHUNKED_MODELS, ChunkedGGUF, chunked_gguf_path
 
     payload = bytes(range(256)) * 50
     pieces = [payload[:5000], payload[5000:9000], payload[9000:]]

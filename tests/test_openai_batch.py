@@ -116,7 +116,7 @@ def test_the_validator_rejects_what_it_should():
 
 @pytest.fixture(scope="module")
 def target(tiny_model_dir):
-    from marscli.models import load_model
+    from marscli.models.loading import load_model
 
     return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
 
@@ -225,7 +225,7 @@ def test_logprobs_equal_log_softmax_of_transformers_forward(target, tiny_draft_d
     from marscli.drafters.base import RowDrafters
     from marscli.engine import build_engine
     from marscli.engine.scheduler import Engine
-    from marscli.models import load_model
+    from marscli.models.loading import load_model
 
     if kind == "runner-up":
         from test_engine import RunnerUpDrafter
@@ -253,7 +253,7 @@ def test_logprobs_equal_log_softmax_of_transformers_forward(target, tiny_draft_d
 
 def test_logprobs_do_not_change_the_output_and_cost_no_extra_transfer(target, monkeypatch):
     from marscli.engine import build_engine
-    from marscli.verify import VerifyResult
+    from marscli.verification.chain import VerifyResult
 
     engine = build_engine(target, None, VerifyConfig(), DraftConfig(kind="ngram", num_draft_tokens=4), 2)
     calls = {"host": 0, "steps": 0}
@@ -285,7 +285,7 @@ def test_logprobs_do_not_change_the_output_and_cost_no_extra_transfer(target, mo
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_n_choices_equal_single_runs_with_seeds_seed_to_seed_plus_n(runner, tiny_model_dir, tmp_path,
                                                                     batch_size, monkeypatch):
-    from marscli.kvcache import HoleCache
+    from marscli.models.kvcache import HoleCache
 
     calls = {"prefill": 0, "snapshot": 0}
     real_prefill, real_snapshot = HoleCache.add_prefilled, HoleCache.add_snapshot

@@ -11,11 +11,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marscli.calibrate import analyse
-from marscli.calibrate_report import build_profile
+from marscli.calibration.collect import analyse
+from marscli.calibration.report import build_profile
 from marscli.config import DraftConfig, SamplingParams
 from marscli.errors import EXIT_USAGE
-from marscli.profiles import (
+from marscli.calibration.profiles import (
     ProfileError,
     drafter_description,
     dump_profile,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from marscli.config import DraftConfig, ModelConfig, Request, SamplingParams, VerifyConfig
-from marscli.sources import QWEN_CODER_DRAFT, QWEN_CODER_TARGET, cache_root
+from marscli.models.sources import QWEN_CODER_DRAFT, QWEN_CODER_TARGET, cache_root
 
 pytestmark = pytest.mark.qwen
 
@@ -31,7 +31,7 @@ def pair_outputs():
     so it decodes with transformers' own kernels; then strict speculative decoding with the
     draft model drafting (adaptive K)."""
     from marscli.engine import build_engine
-    from marscli.models import check_vocab_compatible, load_model
+    from marscli.models.loading import check_vocab_compatible, load_model
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MARSCLI_CACHE", str(USER_CACHE))
@@ -61,7 +61,7 @@ def pair_outputs():
 
 
 def test_pair_identities_are_the_packaged_ggufs(pair_outputs):
-    from marscli.sources import CHUNKED_MODELS
+    from marscli.models.sources import CHUNKED_MODELS
 
     target, draft, _, _ = pair_outputs
     assert target.identity["sha256"] == CHUNKED_MODELS[QWEN_CODER_TARGET].sha256

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from marscli.calibrate import MarginCollector, MarginData
+from marscli.calibration.collect import MarginCollector, MarginData
 from marscli.config import (
     GUARD_OFF,
     DraftConfig,
@@ -23,16 +23,11 @@ from marscli.drafters.base import RowDrafters
 from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
-from marscli.models import load_model
-from marscli.repetition import (
-    NgramIndex,
-    ends_in_loop,
-    loop_period,
-    repeat_flags,
-    repeat_share,
-)
-from marscli.verify import MARS, Rule, margin_statistic, top2, verify
-from marscli.verify_tree import verify_tree
+from marscli.models.loading import load_model
+from marscli.verification.guard import NgramIndex, ends_in_loop, loop_period, repeat_flags, repeat_share
+from marscli.verification.rules import MARS, Rule, margin_statistic, top2
+from marscli.verification.chain import verify
+from marscli.verification.tree import verify_tree
 from tests.test_engine import RunnerUpDrafter
 
 # --------------------------------------------------------------------------- the statistic
@@ -138,7 +133,7 @@ def test_sampling_guarded_rejection_draws_from_the_residual():
 
 def test_tree_guard_and_budget_match_the_chain():
     """A tree that is one chain is verified as the chain is, with the guard and the budget."""
-    from marscli.tree import DraftTree
+    from marscli.verification.tree import DraftTree
 
     logits = _logits([(1, 2, 0.95), (3, 4, 0.95), (5, 6, 0.95)])
     chain = torch.tensor([[2, 4]])
@@ -366,7 +361,7 @@ def test_guard_travels_from_calibrate_to_profile_to_results(tiny_model_dir, tmp_
     from typer.testing import CliRunner
 
     from marscli.cli import app
-    from marscli.profiles import load_profile, user_profile_dir
+    from marscli.calibration.profiles import load_profile, user_profile_dir
 
     runner = CliRunner()
     src = tmp_path / "p.jsonl"
@@ -418,7 +413,7 @@ def test_guard_usage_errors(tiny_model_dir, tmp_path, args, fragment):
 
 
 def test_profiles_without_a_guard_still_load():
-    from marscli.profiles import load_profile, packaged_profile_dir
+    from marscli.calibration.profiles import load_profile, packaged_profile_dir
 
     files = list(packaged_profile_dir().glob("*.yaml"))
     assert files

@@ -10,17 +10,8 @@ import pytest
 import torch
 
 from marscli.config import SamplingParams, VerifyConfig
-from marscli.verify import (
-    LOGIT_RATIO,
-    MARS,
-    PROB_RATIO,
-    STRICT,
-    PositionFacts,
-    Rule,
-    step_uniforms,
-    verify,
-    verify_rows,
-)
+from marscli.verification.rules import LOGIT_RATIO, MARS, PROB_RATIO, STRICT, PositionFacts, Rule
+from marscli.verification.chain import step_uniforms, verify, verify_rows
 
 V = 10
 

@@ -17,22 +17,11 @@ import torch
 from marscli.config import DraftConfig, ModelConfig, SamplingParams
 from marscli.drafters.base import DrafterBase, RowDrafters
 from marscli.engine.scheduler import Engine
-from marscli.models import load_model
-from marscli.tree import DraftTree
-from marscli.verify import (
-    MARS,
-    MODES,
-    REGRET,
-    RULES,
-    STRICT,
-    GREEDY_MODE,
-    Rule,
-    residual,
-    sample_from,
-    sampling_probs,
-    verify,
-)
-from marscli.verify_tree import verify_tree
+from marscli.models.loading import load_model
+from marscli.verification.tree import DraftTree
+from marscli.verification.rules import MARS, MODES, REGRET, RULES, STRICT, GREEDY_MODE, Rule
+from marscli.verification.chain import residual, sample_from, sampling_probs, verify
+from marscli.verification.tree import verify_tree
 
 V = 10
 

@@ -12,13 +12,13 @@ import pytest
 from typer.testing import CliRunner
 
 import marscli
-from marscli.bench import MethodSpec, parse_methods
+from marscli.bench.methods import MethodSpec, parse_methods
 from marscli.cli import app
 from marscli.config import DEFAULT_TOP_N, GUARD_OFF, GuardConfig, VerifyConfig, VerifyMode
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE, UsageError
 from marscli.jobs.setup import VERIFY_MODES, verify_desc
-from marscli.verify import RULES, Rule
-from marscli.verify import DEFAULT_TOP_N as VERIFY_DEFAULT_TOP_N
+from marscli.verification.rules import RULES, Rule
+from marscli.verification.rules import DEFAULT_TOP_N as VERIFY_DEFAULT_TOP_N
 
 #: A prompt whose n-grams repeat, so the ngram drafter has drafts to verify.
 PROMPT = "hello world, hello marscli; the cat sat on the mat. hello world, hello the cat sat on the"

@@ -27,7 +27,7 @@ import yaml
 from typer.testing import CliRunner
 
 from marscli.cli import app
-from marscli.distributed import Group, Launch, RankLost, launch_from_env, shard
+from marscli.jobs.distributed import Group, Launch, RankLost, launch_from_env, shard
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE, MarscliError, UsageError
 from marscli.io.results import OutputLock, find_parts, merge_results, part_path
 from marscli.io.resume import sidecar_path
@@ -369,7 +369,7 @@ def test_a_rank_without_heartbeat_is_reported_not_waited_for(monkeypatch):
 
 
 def test_one_bar_counts_every_rank(monkeypatch):
-    from marscli.distributed import ProgressPump
+    from marscli.jobs.distributed import ProgressPump
 
     group = Group(Launch(0, 2, 0, 2))
     group.store = _FakeStore()
@@ -404,7 +404,7 @@ def test_stdin_under_a_launcher_is_refused_before_joining(monkeypatch, tmp_path)
 
 
 def test_parse_max_memory():
-    from marscli.models import max_memory_dict, parse_max_memory
+    from marscli.models.loading import max_memory_dict, parse_max_memory
 
     pairs = parse_max_memory("0=20GiB, 1=20GiB,CPU=64GiB")
     assert pairs == (("0", "20GiB"), ("1", "20GiB"), ("cpu", "64GiB"))
@@ -439,7 +439,7 @@ def test_max_memory_goes_to_from_pretrained_and_nothing_is_moved(tiny_model_dir,
     from transformers import AutoModelForCausalLM
 
     from marscli.config import ModelConfig
-    from marscli.models import load_model
+    from marscli.models.loading import load_model
 
     seen = {}
     real = AutoModelForCausalLM.from_pretrained
@@ -480,7 +480,7 @@ def test_missing_bitsandbytes_is_a_clear_error(tiny_model_dir, monkeypatch):
 
     from marscli.config import ModelConfig
     from marscli.errors import ModelLoadError
-    from marscli.models import load_model
+    from marscli.models.loading import load_model
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -8,8 +8,8 @@ import pytest
 import marscli.engine.scheduler as scheduler_mod
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
 from marscli.engine import build_engine
-from marscli.models import load_model
-from marscli.verify import VerifyResult
+from marscli.models.loading import load_model
+from marscli.verification.chain import VerifyResult
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog the quick brown fox",
            "one two three four five six seven eight nine ten one two three",

@@ -124,7 +124,7 @@ def test_score_bad_line_names_file_and_line(runner, tmp_path):
 def test_models_lists_packaged_models_and_their_state(runner, tmp_path, monkeypatch):
     import hashlib
 
-    from marscli.sources import CHUNKED_MODELS, ChunkedGGUF, chunked_gguf_path
+    from marscli.models.sources import CHUNKED_MODELS, ChunkedGGUF, chunked_gguf_path
 
     payload = b"GGUF" + bytes(range(200))
     for i, piece in enumerate((payload[:100], payload[100:]), 1):
@@ -155,7 +155,7 @@ def test_models_lists_packaged_models_and_their_state(runner, tmp_path, monkeypa
 
 
 def test_embedded_short_name_is_the_default_model():
-    from marscli.sources import EMBEDDED_ALIASES, KIND_EMBEDDED, resolve_source
+    from marscli.models.sources import EMBEDDED_ALIASES, KIND_EMBEDDED, resolve_source
 
     try:
         default = resolve_source(None, "target")

@@ -55,7 +55,7 @@ def test_score_compares_normalised_numbers():
 def test_every_reference_of_the_prompt_set_has_an_answer():
     if not PROMPTS.exists():
         pytest.fail(f"prompt set {PROMPTS} is missing: tests read ../shared/data/prompts")
-    from marscli.metrics import reference_text
+    from marscli.scoring.rouge import reference_text
 
     recs = [json.loads(line) for line in PROMPTS.open()]
     answers = [gsm8k.extract_answer(reference_text(r)) for r in recs]

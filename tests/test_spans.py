@@ -1,4 +1,4 @@
-"""Strict spans (marscli.spans) and per-token provenance (marscli.engine.provenance).
+"""Strict spans (marscli.verification.spans) and per-token provenance (marscli.engine.provenance).
 
 Span detection is tested on strings against the definition (``strict_at``); the incremental
 tracker against the definition on every prefix; the engine with a drafter that always offers
@@ -21,8 +21,8 @@ from marscli.config import DraftConfig, ModelConfig, SamplingParams, SpanConfig,
 from marscli.drafters.base import RowDrafters
 from marscli.engine.provenance import BONUS, CORRECTION, DRAFT, RELAXED, TARGET, Provenance, step_kinds
 from marscli.engine.scheduler import Engine
-from marscli.models import load_model
-from marscli.spans import (
+from marscli.models.loading import load_model
+from marscli.verification.spans import (
     ANSWER,
     CODE,
     SpanRule,
@@ -355,9 +355,10 @@ def test_spans_cost_nothing_for_strict_rules(target):
 def test_tree_steps_report_provenance_and_respect_spans(target):
     """A tree step through verify_tree: the accepted path's nodes are drafts, then the
     correction or bonus; no relaxed node lies in a span."""
-    from marscli.tree import DraftTree, tree_forward
-    from marscli.verify import Rule
-    from marscli.verify_tree import verify_tree
+    from marscli.verification.tree import DraftTree
+    from marscli.engine.tree_forward import tree_forward
+    from marscli.verification.rules import Rule
+    from marscli.verification.tree import verify_tree
 
     V = target.model.config.vocab_size
     pieces = fence_pieces(V)
@@ -370,7 +371,7 @@ def test_tree_steps_report_provenance_and_respect_spans(target):
     assert flags == [True, True, True, False]  # node 3 follows the closing fence
     with torch.no_grad():
         ids = encode(target, PROMPTS[0])
-        from marscli.kvcache import new_cache
+        from marscli.models.kvcache import new_cache
 
         cache = new_cache(target.model)
         target.model(torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)

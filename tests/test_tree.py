@@ -1,8 +1,8 @@
-"""Tests of marscli.tree: the draft tree, the tree forward and cache compaction on tiny random
+"""Tests of marscli.engine.tree_forward: the draft tree, the tree forward and cache compaction on tiny random
 models, and tree verification.
 
 Verification is checked three ways: hand-made logits over a 10-token vocabulary for each branch;
-hypothesis against marscli.verify on chain trees (a chain must give exactly the chain rule's
+hypothesis against marscli.verification.chain on chain trees (a chain must give exactly the chain rule's
 result) and against a plain-Python enumeration of root-to-leaf paths for greedy MARS on random
 trees; and a seeded distribution test that strict tree sampling reproduces the target law,
 which a deliberately broken variant fails.
@@ -17,24 +17,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import marscli.verify_tree as mvt
-from marscli.kvcache import compact_cache
-from marscli.tree import (
-    ROOT,
-    DraftTree,
-    check_tree_support,
-    tree_forward,
-    tree_inputs,
-)
-from marscli.verify import (
-    LOGIT_RATIO,
-    NOT_RELAXABLE,
-    PROB_RATIO,
-    sample_from,
-    sampling_probs,
-    verify,
-)
-from marscli.verify_tree import verify_tree
+import marscli.verification.tree as mvt
+from marscli.models.kvcache import compact_cache
+from marscli.verification.tree import ROOT, DraftTree
+from marscli.engine.tree_forward import check_tree_support, tree_forward, tree_inputs
+from marscli.verification.rules import LOGIT_RATIO, NOT_RELAXABLE, PROB_RATIO
+from marscli.verification.chain import sample_from, sampling_probs, verify
+from marscli.verification.tree import verify_tree
 
 V = 10
 NINF = -math.inf
@@ -203,7 +192,7 @@ def prefilled(model, past: list[int], growing: bool = False):
     """A cache holding `past`: transformers' own, or marscli's (growing layers, the engine's)."""
     from transformers import DynamicCache
 
-    from marscli.kvcache import new_cache
+    from marscli.models.kvcache import new_cache
 
     cache = new_cache(model) if growing else DynamicCache(config=model.config)
     if past:
@@ -555,7 +544,7 @@ def test_sampling_needs_uniforms_of_the_right_shape():
     assert r.path == [0]
 
 
-# ---------------------------------------- chain trees equal marscli.verify
+# ---------------------------------------- chain trees equal marscli.verification.chain
 
 grid_logit = st.sampled_from([-3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
 any_logit = st.one_of(grid_logit, grid_logit, grid_logit, st.floats(-6, 6, width=32),
@@ -567,7 +556,7 @@ unif = st.floats(0.0, 1.0, exclude_max=True, width=32)
 
 def pick_tokens(draw, rows: torch.Tensor, n: int) -> list[int]:
     """n draft tokens, biased to the top-1/top-2 of the given rows so acceptance is common."""
-    from marscli.verify import top2
+    from marscli.verification.rules import top2
 
     _, _, t1, t2 = top2(rows) if n else (None, None, L([]), L([]))
     out = []

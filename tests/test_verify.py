@@ -1,4 +1,4 @@
-"""Tests of marscli.verify: margin statistics, strict/MARS greedy, sampling rules and their laws.
+"""Tests of marscli.verification.chain: margin statistics, strict/MARS greedy, sampling rules and their laws.
 
 Hand-made logits over a 10-token vocabulary check every branch of the rules; hypothesis checks
 the vectorised functions against a per-row reference written straight from the rules; seeded
@@ -16,19 +16,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import marscli.verify as mv
-from marscli.verify import (
-    LOGIT_RATIO,
-    NOT_RELAXABLE,
-    PROB_RATIO,
+import marscli.verification.chain as mv
+from marscli.verification.rules import LOGIT_RATIO, NOT_RELAXABLE, PROB_RATIO, margin_statistic, top2
+from marscli.verification.chain import (
     VerifyResult,
-    margin_statistic,
     mars_greedy,
     sample_from,
     sampling_probs,
     speculative_sampling,
     strict_greedy,
-    top2,
     verify,
 )
 

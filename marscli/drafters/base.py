@@ -3,7 +3,7 @@
 A drafter offers up to k tokens for one sequence (``offer``: how many it has and how often
 its drafts pass) and learns how many of them the target accepted. The engine then chooses
 every row's draft length for the step at once (``choose_draft_lengths``): the step costs
-the longest row's length (rows are padded to it), measured (marscli.costs.StepCosts), and
+the longest row's length (rows are padded to it), measured (marscli.engine.costs.StepCosts), and
 what it buys is each row's expected emitted tokens. Drafters propose exactly what they are
 asked for.
 """

@@ -4,7 +4,7 @@ The engine hands the drafter the target's features of every position it commits
 (``observe``): from the prefill, then from each verification pass (the pending token and the
 accepted drafts). The head's KV cache holds one committed entry per committed position but
 the last: entry j pairs the target features at j with token j+1, and its output predicts
-token j+2 (see marscli.eagle3). Drafting appends entries built from the head's own outputs;
+token j+2 (see marscli.drafters.eagle3_head). Drafting appends entries built from the head's own outputs;
 they are dropped again before the next step, and the accepted tokens re-enter the cache with
 the target's real features (what the published code does with its "stable" cache).
 
@@ -28,9 +28,9 @@ import torch
 
 from marscli.config import TREE_DEFAULTS, SamplingParams
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
-from marscli.eagle3 import Eagle3Head
-from marscli.kvcache import left_pad
-from marscli.verify import sample_from, sampling_probs
+from marscli.drafters.eagle3_head import Eagle3Head
+from marscli.models.kvcache import left_pad
+from marscli.verification.chain import sample_from, sampling_probs
 
 #: Parent of a depth-1 node (its parent is the pending token, the tree's root).
 ROOT = -1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from marscli.config import DraftConfig
 from marscli.drafters.base import BatchedDrafter, Drafter, RowDrafters
-from marscli.kvcache import sliding_layers
+from marscli.models.kvcache import sliding_layers
 
 
 def _tree_shape(draft_cfg: DraftConfig):
@@ -26,7 +26,7 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None)
         from marscli.drafters.eagle3 import Eagle3Drafter
 
         if draft_model is None:
-            raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.eagle3.load_head)")
+            raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.drafters.eagle3_head.load_head)")
         head = getattr(draft_model, "head", draft_model)
         return Eagle3Drafter(head, draft_cfg.num_draft_tokens, vocab_size=vocab, tree=_tree_shape(draft_cfg))
     if draft_cfg.kind == "none":
@@ -37,7 +37,7 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None)
     if draft_model is None:
         raise ValueError("a model drafter needs a loaded draft model")
     if draft_model.device.type == "cpu":
-        from marscli.fastpath import install_cpu_fastpath
+        from marscli.models.fastpath import install_cpu_fastpath
 
         install_cpu_fastpath(draft_model.model)
     return ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, vocab_size=vocab)

@@ -6,8 +6,8 @@ import torch
 
 from marscli.config import SamplingParams
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
-from marscli.kvcache import HoleCache, cache_kw, new_cache, rollback
-from marscli.verify import sample_from, sampling_probs
+from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback
+from marscli.verification.chain import sample_from, sampling_probs
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:

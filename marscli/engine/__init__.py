@@ -19,10 +19,10 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
                  job_corpus: bool | None = None):
     """An Engine for target with the drafter draft_cfg asks for (draft_model: the loaded draft
     model or EAGLE-3 head; None for ngram/none), verify_cfg's rule and batch_size rows.
-    Its draft lengths follow the target's measured step costs (marscli.costs.step_costs:
+    Its draft lengths follow the target's measured step costs (marscli.engine.costs.step_costs:
     cached per model, device and dtype; measured here the first time, narrated to note);
     solo_lengths: every row chooses its own as if alone (rows stay batch-invariant).
-    spans: a config.SpanConfig (strict spans, marscli.spans) or None.
+    spans: a config.SpanConfig (strict spans, marscli.verification.spans) or None.
     Under strict verification an n-gram drafter also drafts from the job's earlier records for
     greedy records (drafters.ngram.JobCorpus): drafts cannot change their outputs, only their
     speed. Relaxed rules keep to each record's own text, so that one record's output never
@@ -35,7 +35,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     from marscli.engine.scheduler import Engine
     from marscli.errors import UsageError
 
-    from marscli.rules import STRICT
+    from marscli.verification.rules import STRICT
 
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,
                               job_corpus=(draft_cfg.job_corpus and verify_cfg.rule.name == STRICT)
@@ -47,7 +47,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
         raise UsageError(str(e)) from None
     engine.solo_lengths = solo_lengths
     if draft_cfg.kind != "none" and draft_cfg.adaptive and not draft_cfg.tree:
-        from marscli.costs import step_costs
+        from marscli.engine.costs import step_costs
 
         try:  # after the engine installed its CPU kernels: the costs of the forwards it runs
             engine.costs = step_costs(target, draft_model, draft_cfg.kind, batch_size,

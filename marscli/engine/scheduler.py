@@ -2,17 +2,17 @@
 
 Per step, for all active rows at once: the drafter proposes (``BatchedDrafter.propose``), the
 target scores [pending, drafts] of every row in ONE forward pass over the shared cache, the
-rulebook verifies every row in ONE call (``marscli.verify.verify_rows``, per-row draft
+rulebook verifies every row in ONE call (``marscli.verification.chain.verify_rows``, per-row draft
 lengths), the verdicts come to the host in ONE transfer, and each row commits its own
 (``Sequence.commit``). A tree step (EAGLE-3 ``--tree-*``, batch size 1) takes the same path
 with one tree forward and ``verify_tree``.
 
 - Every step the rows' drafters offer what they could draft (``BatchedDrafter.offers``) and
   the engine picks every row's k_b at once (``choose_draft_lengths``: expected tokens per
-  measured second of the step, marscli.costs; k_b = 0 and a plain step for the whole batch
+  measured second of the step, marscli.engine.costs; k_b = 0 and a plain step for the whole batch
   included). Each active row then feeds [pending, d_1 .. d_k_b], right-padded to the step's
   largest k. After verification row b keeps 1 + n_b of its new slots; at batch size > 1 the
-  rejected drafts and the padding stay in the cache masked out (marscli.kvcache.HoleCache), with
+  rejected drafts and the padding stay in the cache masked out (marscli.models.kvcache.HoleCache), with
   explicit per-row position ids, so a row's logits are those of its own sequence (only float
   summation order can differ from a single-row pass); at batch size 1 they are rolled back.
 - A new record is prefilled alone, then joins the batch; a finished row leaves at once and
@@ -43,10 +43,11 @@ from marscli.engine import logprobs as lp
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
 from marscli.engine.sequence import GenerationResult, RowSettings, Sequence, StepObservation
 from marscli.engine.provenance import float_bits, step_kinds
-from marscli.kvcache import HoleCache, compact_cache, sliding_layers
-from marscli.spans import SpanRule
-from marscli.verify import Rule, verify_rows
-from marscli.verify_tree import verify_tree
+from marscli.models.kvcache import HoleCache, compact_cache, sliding_layers
+from marscli.verification.spans import SpanRule
+from marscli.verification.rules import Rule
+from marscli.verification.chain import verify_rows
+from marscli.verification.tree import verify_tree
 
 Observer = Callable[[StepObservation], None]
 #: prefill_key(item) -> (key, last) or None: rows of the same key have the same prompt and
@@ -84,7 +85,7 @@ class Engine:
 
     target: a LoadedModel (.model, .tokenizer, .device, .eos_token_ids, .context_length).
     drafters: the BatchedDrafter for the run (marscli.drafters.factory.build_drafters).
-    costs: the measured step costs (marscli.costs.StepCosts) the draft lengths are chosen
+    costs: the measured step costs (marscli.engine.costs.StepCosts) the draft lengths are chosen
     by; None: the static curve for the target's device.
     """
 
@@ -100,7 +101,7 @@ class Engine:
         self.rule = rule
         self.batch_size = batch_size
         if costs is None:
-            from marscli.costs import static_costs
+            from marscli.engine.costs import static_costs
 
             costs = static_costs(self.device.type)
         self.costs = costs
@@ -112,7 +113,7 @@ class Engine:
         self.tree = drafters.tree
         if self.tree is not None:
             from marscli.errors import UsageError
-            from marscli.tree import check_tree_support
+            from marscli.engine.tree_forward import check_tree_support
 
             if batch_size > 1:
                 raise ValueError("draft trees run one record at a time (batch size 1); "
@@ -130,7 +131,7 @@ class Engine:
         # reads; every target forward pass then captures them (no second pass).
         self.tap = None
         if drafters.feature_layers:
-            from marscli.eagle3 import FeatureTap
+            from marscli.drafters.eagle3_head import FeatureTap
 
             self.tap = FeatureTap(self.model, drafters.feature_layers)
         self.last_features: torch.Tensor | None = None  # [B, S, F] from the newest forward pass
@@ -143,7 +144,7 @@ class Engine:
                     "batched decoding does not support models with sliding-window attention "
                     f"layers (layers {sliding[:4]}...); use --batch-size 1")
         if self.device.type == "cpu":
-            from marscli.fastpath import install_cpu_fastpath
+            from marscli.models.fastpath import install_cpu_fastpath
 
             install_cpu_fastpath(self.model)
         self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
@@ -557,7 +558,8 @@ class Engine:
         """One step with a draft tree (batch size 1): one target pass over root + all nodes
         (tree mask and tree position ids), verification along the tree, then only the
         accepted path stays in the cache."""
-        from marscli.tree import DraftTree, tree_forward
+        from marscli.verification.tree import DraftTree
+        from marscli.engine.tree_forward import tree_forward
 
         r = self.rows[0]
         seq = r.seq

@@ -16,9 +16,9 @@ import torch
 
 from marscli.config import GUARD_OFF, GuardConfig, SamplingParams
 from marscli.engine.provenance import Provenance
-from marscli.repetition import NgramIndex
-from marscli.spans import SpanTracker
-from marscli.verify import step_uniforms
+from marscli.verification.guard import NgramIndex
+from marscli.verification.spans import SpanTracker
+from marscli.verification.chain import step_uniforms
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -61,7 +61,7 @@ class SpecStats:
     guarded: bool = False
     guard_refused: int = 0
     budget_spent_at: int | None = None
-    # Strict spans (marscli.spans; only reported when spans are on and the rule relaxes):
+    # Strict spans (marscli.verification.spans; only reported when spans are on and the rule relaxes):
     # steps whose first rejection was a relaxation refused because the position lay in a
     # strict span. A refusal is counted once: here when the position is in a span, else in
     # guard_refused (the loop guard or the budget).
@@ -167,13 +167,13 @@ class StepObservation:
     emitted: int  # tokens this step added to the completion (after stopping rules)
     # Tree steps (EAGLE-3 trees): drafts/logits above are the accepted path and its rows
     # ([1, n] and [1, n+1, V]); result is the tree verifier's; these hold the whole tree.
-    tree: Any = None  # marscli.tree.DraftTree
+    tree: Any = None  # marscli.verification.tree.DraftTree
     tree_logits: torch.Tensor | None = None  # [N+1, V] rows: root, then node i at i + 1
     tree_u_accept: torch.Tensor | None = None  # [N] acceptance uniforms (sampling only)
     #: The loop guard's verdict per draft ([1, k] bool; [N] per node for trees): calibration
     #: replays relaxed rules with it. None: no guard.
     guard: torch.Tensor | None = None
-    #: Which of those positions lie in a strict span (marscli.spans; same shape; None: no
+    #: Which of those positions lie in a strict span (marscli.verification.spans; same shape; None: no
     #: spans). They are included in `guard` already; kept apart so a replay can tell them.
     strict_span: torch.Tensor | None = None
 
@@ -191,7 +191,7 @@ class RowSettings:
     #: record has an observer (calibration, strict, records the verdicts for its replay).
     guard: GuardConfig = GUARD_OFF
     relaxing: bool = False  # the rule relaxes: the budget applies
-    #: Strict spans (a marscli.spans.SpanRule; None: none). A Sequence tracks them when the
+    #: Strict spans (a marscli.verification.spans.SpanRule; None: none). A Sequence tracks them when the
     #: rule relaxes or the record has an observer, as it keeps the n-gram index.
     spans: Any = None
 
@@ -246,7 +246,7 @@ class Sequence:
         return self.ngrams.repeats(drafts) if self.ngrams is not None else [False] * len(drafts)
 
     def strict_spans(self, drafts: list[int]) -> list[bool]:
-        """Per draft: it lies in a strict span (marscli.spans), judged from the committed
+        """Per draft: it lies in a strict span (marscli.verification.spans), judged from the committed
         output and the drafts before it; all False without spans."""
         return self.spans.flags(drafts) if self.spans is not None else [False] * len(drafts)
 

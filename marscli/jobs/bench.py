@@ -1,7 +1,7 @@
 """The bench job: load the models once, build every method's engine, run the protocol
 (warm-up, methods rotating per prompt, quality scored in between), measure batched
-throughput, and hand the report to marscli.report. What the methods are, the protocol's
-rationale and how runs add up: marscli.bench.
+throughput, and hand the report to marscli.bench.report. What the methods are, the protocol's
+rationale and how runs add up: marscli.bench.methods.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from marscli import __version__, metrics
-from marscli.bench import (
+from marscli import __version__
+from marscli.bench import metrics
+from marscli.scoring import rouge
+from marscli.bench.methods import (
     AR,
     BATCHED_METHODS,
     DEFAULT_EAGLE3_METHODS,
@@ -60,7 +62,7 @@ from marscli.errors import EXIT_OK, InputError, UsageError
 from marscli.jobs.bench_match import check_match, fit_methods, match_section, read_calibration
 from marscli.jobs.console import UNIT_RUNS, Progress
 from marscli.jobs.console import Log as Narration
-from marscli.jobs.measure import ForwardCounter, forward_times, peak_rss_mib, quiet_transformers
+from marscli.bench.measure import ForwardCounter, forward_times, peak_rss_mib, quiet_transformers
 from marscli.jobs.setup import (
     chain_or_tree,
     check_choices,
@@ -73,13 +75,13 @@ from marscli.jobs.setup import (
     span_config,
     target_source,
 )
-from marscli.report import REPORT_WIDTH, json_safe, render_tables, write_outputs
+from marscli.bench.report import REPORT_WIDTH, json_safe, render_tables, write_outputs
 
 def method_verification(kind: str, theta: float | None, margin: str,
                         guard: GuardConfig = GUARD_OFF, rule=None) -> VerifyConfig:
     """A bench method's verification, by generate's rule (MARS at its theta, another rule at
     its knobs, or strict), with the margin statistic already resolved; `mars-noguard` without
-    the loop guard. rule: the marscli.verify.Rule of a rule method (MethodSpec.rule)."""
+    the loop guard. rule: the marscli.verification.rules.Rule of a rule method (MethodSpec.rule)."""
     if rule is not None:  # guarded like mars: the guard is the run's
         return VerifyConfig.from_rule(rule, guard)
     mode = "mars" if kind in MARS_METHODS else "strict"
@@ -416,7 +418,7 @@ class Bench:
         ref_name = self.reference_method()
         ref = next((r for r in runs if r.method == ref_name), None)
         nll_cache: dict[tuple[int, ...], list[float]] = {}
-        rouge = prompt.reference is not None and metrics.rouge_available()
+        with_rouge = prompt.reference is not None and rouge.rouge_available()
         for r in runs:
             if ref is not None:
                 r.exact = metrics.exact_match(r.tokens, ref.tokens)
@@ -426,9 +428,9 @@ class Bench:
             if key not in nll_cache:  # identical outputs (strict, ar, hf-generate) score once
                 nll_cache[key] = metrics.completion_nll(self.target.model, prompt.ids, r.tokens)
             r.nll = nll_cache[key]
-            if rouge:
+            if with_rouge:
                 text = self.target.tokenizer.decode(r.tokens, skip_special_tokens=True)
-                r.rouge_l = metrics.rouge_l(text, prompt.reference)
+                r.rouge_l = rouge.rouge_l(text, prompt.reference)
 
     def correctness_failures(self, runs: Sequence[Run]) -> list[dict[str, Any]]:
         """Greedy ar/strict outputs that differ from the reference method's."""
@@ -499,7 +501,7 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
     if overridden:
         notes.append(f"{overridden} records carry their own sampling settings; bench ignores them so "
                      "that every method decodes alike")
-    if not metrics.rouge_available():
+    if not rouge.rouge_available():
         notes.append("rouge-score is not installed (pip install 'marscli[bench]'): no ROUGE-L")
     elif not any(p.reference for p in prompts):
         notes.append("no record has a reference answer: no ROUGE-L")
@@ -535,7 +537,7 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
     }
     notes += [
         ("transformers' generate() ran on the same target model object as marscli, with marscli's CPU "
-         "fast path (marscli/fastpath.py) installed on its linear layers")
+         "fast path (marscli/models/fastpath.py) installed on its linear layers")
         if target_is_cpu(bench) else "the target runs on CUDA: no CPU fast path",
         ("tokens_per_s counts completion tokens (an EOS included) over generation time only; "
          "prompt encoding and quality scoring are not timed"),
@@ -658,7 +660,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's, except under
     --match-relax-rate, which fits it)."""
-    from marscli.distributed import launch_from_env
+    from marscli.jobs.distributed import launch_from_env
 
     if launch_from_env() is not None:
         raise UsageError("bench times methods against each other in one process: run it "

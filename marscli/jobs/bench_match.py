@@ -1,6 +1,6 @@
 """bench --match-relax-rate S: every relaxed method's main knob fitted, before anything is
 timed, so that all relax the same share S of verified draft positions on a calibration
-split of the prompts (marscli.calibrate_rules.match_relax_rate): the fair setting to
+split of the prompts (marscli.calibration.policies.match_relax_rate): the fair setting to
 compare rules.
 
 The calibration split is never measured: the records of --calibrate-on FILE, or of the
@@ -20,7 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from marscli.bench import MARS_NOGUARD, MARS_TREE, MATCHED_METHODS, BenchConfig, MethodSpec, read_prompt_records
+from marscli.bench.methods import (
+    MARS_NOGUARD,
+    MARS_TREE,
+    MATCHED_METHODS,
+    BenchConfig,
+    MethodSpec,
+    read_prompt_records,
+)
 from marscli.config import GUARD_OFF, Request, VerifyConfig
 from marscli.errors import InputError, UsageError
 
@@ -110,7 +117,7 @@ class Match:
 def collect_split(engine, prompts: Sequence[list[int]], sampling) -> tuple[Any, int]:
     """Strict decoding of every prompt with a margin collector each, merged in input order
     -> (the merged collector, failed records)."""
-    from marscli.calibrate import MarginCollector
+    from marscli.calibration.collect import MarginCollector
 
     per: dict[int, MarginCollector] = {}
 
@@ -137,7 +144,7 @@ def collect_split(engine, prompts: Sequence[list[int]], sampling) -> tuple[Any, 
 class Split:
     """The calibration split decoded strictly: every rule's facts at its verified positions."""
 
-    data: Any  # marscli.calibrate.MarginData
+    data: Any  # marscli.calibration.collect.MarginData
     source: str
     dropped: int  # prompts equal to a measured one
     skipped: int  # unusable records and failed decodes
@@ -186,10 +193,10 @@ def collect_calibration(cfg: BenchConfig, calibration: Sequence[tuple[Request, s
 
 
 def fit_to_share(data, template, share: float, name: str) -> tuple[Any, dict[str, Any]]:
-    """``template`` (a marscli.verify.Rule) with its main knob fitted to relax at most ``share``
+    """``template`` (a marscli.verification.rules.Rule) with its main knob fitted to relax at most ``share``
     of ``data``'s verified draft positions (by the relaxed drafts its replay accepts), and what
     the fit found on the calibration data (the report's entry; ``name``: the method as written)."""
-    from marscli.calibrate_rules import RELAXED, match_relax_rate, relaxed_per_position
+    from marscli.calibration.policies import RELAXED, match_relax_rate, relaxed_per_position
 
     rule = match_relax_rate(data, [template], share, by=RELAXED)[0]
     at = data.replay(rule)
@@ -204,7 +211,7 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
                 log: Log) -> tuple[BenchConfig, Match]:
     """The bench config with every MATCHED_METHODS method at its fitted knob (renamed to its
     label), and what was matched."""
-    from marscli.verify import MARS, Rule
+    from marscli.verification.rules import MARS, Rule
 
     split = collect_calibration(cfg, calibration, measured, target, draft, log)
     data, s = split.data, cfg.match_relax_rate
@@ -245,8 +252,8 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
 def match_section(match: Match, per_method: dict[str, dict[str, Any]], log: Log) -> dict[str, Any]:
     """The report's ``match_relax_rate`` section, each method's measured relaxed share beside
     the calibration's (one stderr line each)."""
-    from marscli.metrics import ratio
-    from marscli.report import json_safe
+    from marscli.bench.metrics import ratio
+    from marscli.bench.report import json_safe
 
     methods = {}
     for label, fit in match.methods.items():

@@ -63,8 +63,8 @@ def choose_policy(max_nll_increase: float | None = None, relax_rate: float | Non
     """The one policy that picks the knob (theta, or ``knob``: another rule's main knob,
     whose fixed value comes in ``theta``) -> (name, value); the default:
     --max-nll-increase 0.02."""
-    from marscli.calibrate import DEFAULT_MAX_NLL_INCREASE
-    from marscli.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
+    from marscli.calibration.collect import DEFAULT_MAX_NLL_INCREASE
+    from marscli.calibration.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
 
     chosen = [(n, v) for n, v in ((POLICY_MAX_NLL, max_nll_increase), (POLICY_RELAX_RATE, relax_rate),
                                   (POLICY_FIXED, theta)) if v is not None]
@@ -84,7 +84,7 @@ def choose_rule(rule: str = "mars", *, theta: float | None = None, rho: float | 
     """`calibrate --rule NAME` and its knob options -> (rule template, fixed knob value or
     None, alpha given). The main knob given (--theta, --rho, --delta, --epsilon, --budget) is
     the fixed policy; the others (--top-n, --alpha) are kept while the main one is fitted."""
-    from marscli.verify import KNOBS, MARS, RULES, STRICT, Rule
+    from marscli.verification.rules import KNOBS, MARS, RULES, STRICT, Rule
 
     if rule not in RULES or rule == STRICT:
         raise UsageError(f"--rule must be one of {', '.join(r for r in RULES if r != STRICT)}; got {rule!r}")
@@ -114,10 +114,10 @@ def choose_rule(rule: str = "mars", *, theta: float | None = None, rho: float | 
 def margins_profile(collector, failed: int, records: int, seconds: float, cfg: CalibrateConfig, target,
                     draft_loaded, *, input_name: str, input_sha256: str | None, costs=None) -> dict:
     """The profile document for the margins collected (theta chosen by cfg's policy; with
-    the engine's step costs, its predicted speed too: marscli.calibrate_speed)."""
-    from marscli.calibrate import analyse
-    from marscli.calibrate_report import build_profile
-    from marscli.profiles import default_profile_name
+    the engine's step costs, its predicted speed too: marscli.calibration.speed)."""
+    from marscli.calibration.collect import analyse
+    from marscli.calibration.report import build_profile
+    from marscli.calibration.profiles import default_profile_name
 
     data = collector.data(records=records - failed, failed=failed, guard=cfg.guard)
     if data.positions == 0:
@@ -154,13 +154,13 @@ def speed_objective(cal, data, cfg: CalibrateConfig, costs, seconds: float):
     theta within the policy's budget replaces the policy's own choice."""
     import dataclasses
 
-    from marscli.calibrate import analyse, curve_thetas
-    from marscli.calibrate_speed import fastest_within_budget, speed_curve, speed_section
-    from marscli.profiles import POLICY_FIXED
+    from marscli.calibration.collect import analyse, curve_thetas
+    from marscli.calibration.speed import fastest_within_budget, speed_curve, speed_section
+    from marscli.calibration.profiles import POLICY_FIXED
 
     rule = getattr(cfg, "rule", None)
     if rule is not None and rule.name != "mars":
-        from marscli.calibrate_rules import RuleFamily, curve_values
+        from marscli.calibration.policies import RuleFamily, curve_values
 
         family = RuleFamily.of(rule, getattr(cfg, "alpha_given", None))
         on, thetas = family, curve_values(data, family, (cal.theta,))
@@ -178,11 +178,11 @@ def speed_objective(cal, data, cfg: CalibrateConfig, costs, seconds: float):
 
 
 def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
-    from marscli.calibrate import MarginCollector
-    from marscli.calibrate_report import plot_profile
-    from marscli.distributed import shard, solo_step
+    from marscli.calibration.collect import MarginCollector
+    from marscli.calibration.report import plot_profile
+    from marscli.jobs.distributed import shard, solo_step
     from marscli.io.records import read_input
-    from marscli.profiles import identity_for_profile, save_profile, user_profile_dir
+    from marscli.calibration.profiles import identity_for_profile, save_profile, user_profile_dir
 
     step = group.step if group is not None else solo_step
     with step("reading the input") as s:
@@ -237,7 +237,7 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
 
     pump = contextlib.nullcontext()
     if group is not None and group.is_main and not log.quiet:
-        from marscli.distributed import ProgressPump
+        from marscli.jobs.distributed import ProgressPump
 
         pump = ProgressPump(group, progress.set)
     try:
@@ -263,7 +263,7 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
                           input_name="-" if cfg.input == "-" else os.path.basename(cfg.input),
                           input_sha256=input_sha, costs=engine.costs)
     name = doc["name"]
-    from marscli.profiles import dump_profile, parse_profile
+    from marscli.calibration.profiles import dump_profile, parse_profile
 
     if cfg.output == "-":
         text = dump_profile(doc)
@@ -288,7 +288,7 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
 
 def show_profile(p, con) -> None:
     """A profile's choice, summary, histogram and trade-off curve, on `con` (a rich Console)."""
-    from marscli.calibrate_report import curve_table, histogram_text
+    from marscli.calibration.report import curve_table, histogram_text
 
     d = p.data
     s = d["summary"]

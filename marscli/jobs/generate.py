@@ -1,5 +1,5 @@
 """The generate job: read, load, generate, write results in input order; resume, data
-parallel (marscli.distributed), signals, --fail-fast and a closed stdout.
+parallel (marscli.jobs.distributed), signals, --fail-fast and a closed stdout.
 
 Ctrl-C, SIGTERM and a closed stdout end the run cleanly: every finished result is on disk
 (or sent) before the exit, and with -o FILE the run can be finished with --resume. Under a
@@ -104,7 +104,7 @@ class StopSignals:
 
 def start_group(log: Log, input_path: str):
     """The process group of a launched run (accelerate launch, torchrun), or None alone."""
-    from marscli.distributed import Group, launch_from_env
+    from marscli.jobs.distributed import Group, launch_from_env
 
     launch = launch_from_env()
     if launch is None:
@@ -171,7 +171,7 @@ class GenerateRun:
         self.cfg = cfg
         self.log = log
         self.signals = signals
-        self.group = group  # marscli.distributed.Group under a launcher, else None
+        self.group = group  # marscli.jobs.distributed.Group under a launcher, else None
         self.output = None  # marscli.io.RunOutput
         self.writer = None  # marscli.io.ResultWriter, once the output is open
         self.progress: Progress | None = None
@@ -179,7 +179,7 @@ class GenerateRun:
         self.done_before = 0
 
     def execute(self) -> int:
-        from marscli.distributed import ids_digest, solo_step
+        from marscli.jobs.distributed import ids_digest, solo_step
         from marscli.io.records import read_input
         from marscli.io.resume import RunOutput
         from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint
@@ -250,7 +250,7 @@ class GenerateRun:
         results = gen.results(mine, cfg.sampling, options)
         pump = contextlib.nullcontext()
         if group is not None and group.is_main and not log.quiet:
-            from marscli.distributed import ProgressPump
+            from marscli.jobs.distributed import ProgressPump
 
             pump = ProgressPump(group, self.progress.set)
         with pump:
@@ -312,7 +312,7 @@ class GenerateRun:
     def _open_parts(self, fingerprint: dict, todo: list):
         """Main process: prepare the output; every process: open its part file (after checking
         it sees what the main process wrote); returns (writer, this rank's records)."""
-        from marscli.distributed import shard
+        from marscli.jobs.distributed import shard
 
         group, output = self.group, self.output
         with group.step("opening the output") as s:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from marscli.config import RecordError, SamplingParams
-from marscli.repetition import repetition_stats
+from marscli.verification.guard import repetition_stats
 
 #: Error types of records whose generation failed (the others come from marscli.io / engine).
 ERR_GENERATION_FAILED = "generation_failed"
@@ -322,7 +322,7 @@ class Totals:
         self.steps = 0
         self.accepted = 0
         self.relaxed = 0
-        self.loops = 0  # outputs that end in a loop (marscli.repetition)
+        self.loops = 0  # outputs that end in a loop (marscli.verification.guard)
         self.wall: float | None = None  # batched runs: records overlap, so rate = tokens / wall time
 
     def add(self, r: dict, seconds: float) -> None:

@@ -148,7 +148,7 @@ def run_score(cfg: ScoreConfig, log: Log) -> int:
             f", recovery {comp['recovery']:.3f} [{comp['recovery_ci95'][0]:.3f}, {comp['recovery_ci95'][1]:.3f}]")
         log.always(f"against {cfg.against}: {stats.verdict(comp)}{rec}")
     if cfg.summary:
-        from marscli.report import json_safe
+        from marscli.bench.report import json_safe
 
         try:
             atomic_write_text(cfg.summary, json.dumps(json_safe(summary), indent=2) + "\n")

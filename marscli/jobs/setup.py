@@ -36,7 +36,7 @@ DRAFT_NGRAM = "ngram"
 DRAFT_MODEL = "model"
 DRAFT_EAGLE3 = "eagle3"
 EAGLE3_PREFIX = "eagle3:"
-#: The rulebook's rules (marscli.verify.RULES), as --verify takes them.
+#: The rulebook's rules (marscli.verification.rules.RULES), as --verify takes them.
 VERIFY_MODES = ("strict", "mars", "ratio", "topk", "typical", "regret")
 #: Each relaxed rule's knobs (VerifyRequest fields) and its main knob, which --verify NAME
 #: needs (MARS's theta may come from a profile, else the paper's); the others have defaults.
@@ -102,7 +102,7 @@ def named_profile(name: str | None):
     """The profile asked for by name or path (--profile), or None."""
     if name is None:
         return None
-    from marscli.profiles import resolve_profile
+    from marscli.calibration.profiles import resolve_profile
 
     return resolve_profile(name)
 
@@ -171,7 +171,7 @@ def model_configs(target: str | None, draft: DraftConfig, dtype: str = "auto", d
     """Target and draft model configs. --max-memory bounds the target only: the draft model,
     loaded after it, is placed by accelerate in the memory left (a device map of its own).
     offline: a hub id must already be in the local cache (never download)."""
-    from marscli.models import DEVICE_MAPS, parse_max_memory
+    from marscli.models.loading import DEVICE_MAPS, parse_max_memory
 
     if device_map is not None and device_map not in DEVICE_MAPS:
         raise UsageError(f"--device-map must be one of {', '.join(DEVICE_MAPS)}, got {device_map!r}")
@@ -201,7 +201,7 @@ def check_rule_request(req: VerifyRequest, profile_rule: str | None = None,
     """The rule's knobs as asked, checked before anything is loaded: a knob needs its rule
     (--rho needs --verify ratio, or a profile of the ratio rule), a rule needs its main knob
     (--verify ratio needs --rho, unless a profile of that rule supplies it), and every knob
-    lies in its range (marscli.verify.Rule says which). ``profile_rule``: the rule of the
+    lies in its range (marscli.verification.rules.Rule says which). ``profile_rule``: the rule of the
     profile in use; ``profile_pending``: a matching profile may still be found once the
     target is loaded (then what it could supply is not yet required)."""
     given = [k for k in OTHER_KNOBS if getattr(req, k) is not None]
@@ -246,7 +246,7 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
     """
     import dataclasses
 
-    from marscli.profiles import ProfileError
+    from marscli.calibration.profiles import ProfileError
 
     prule = profile.rule if profile is not None else None
     check_rule_request(req, prule.name if prule is not None else None)
@@ -257,7 +257,7 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
         speed = profile.speed
         if (req.mode is None and req.theta is None and not given and speed is not None
                 and speed["verify_strictly"]):
-            from marscli.calibrate_speed import strict_reason
+            from marscli.calibration.speed import strict_reason
 
             note(f"profile {profile.describe()}: {strict_reason(speed)}: verifying strictly "
                  f"(--verify {mode} relaxes anyway)")
@@ -291,15 +291,15 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
 
 def check_rule_modes(rule, sampling: SamplingParams, what: str = "--temperature") -> None:
     """A rule that does not define this decoding mode (regret: greedy only) is a usage error.
-    rule: a marscli.verify.Rule or a rule's name."""
+    rule: a marscli.verification.rules.Rule or a rule's name."""
     problem = rule_mode_problem(rule, sampling.temperature)
     if problem is not None:
         raise UsageError(f"{what} {sampling.temperature:g}: {problem}")
 
 
 def rule_mode_problem(rule, temperature: float) -> str | None:
-    """Why `rule` cannot decode at `temperature`, or None (marscli.verify.Rule.modes)."""
-    from marscli.verify import GREEDY_MODE, SAMPLING_MODE, Rule
+    """Why `rule` cannot decode at `temperature`, or None (marscli.verification.rules.Rule.modes)."""
+    from marscli.verification.rules import GREEDY_MODE, SAMPLING_MODE, Rule
 
     if isinstance(rule, str):
         rule = Rule(rule)
@@ -312,7 +312,7 @@ def rule_mode_problem(rule, temperature: float) -> str | None:
 
 
 def resolve_guard(req: VerifyRequest, profile) -> GuardConfig:
-    """Command line > profile > defaults for the loop guard (on by default: marscli.repetition)."""
+    """Command line > profile > defaults for the loop guard (on by default: marscli.verification.guard)."""
     base = profile.guard if profile is not None and profile.guard is not None else GuardConfig()
     try:
         return GuardConfig(
@@ -337,7 +337,7 @@ def guard_request(repeat_guard: int | None = None, repeat_window: int | None = N
 def span_config(strict_in: str | None = None, strict_regex: str | None = None) -> SpanConfig:
     """--strict-in KINDS and --strict-regex PATTERN -> SpanConfig (checked: the kinds exist,
     the pattern compiles)."""
-    from marscli.spans import compile_regex, parse_strict_in
+    from marscli.verification.spans import compile_regex, parse_strict_in
 
     try:
         kinds = parse_strict_in(strict_in)
@@ -356,8 +356,8 @@ def place(model: ModelConfig | None, group) -> ModelConfig | None:
     --device-map."""
     if model is None or group is None:
         return model
-    from marscli.distributed import place_device, rank_max_memory
-    from marscli.models import max_memory_dict
+    from marscli.jobs.distributed import place_device, rank_max_memory
+    from marscli.models.loading import max_memory_dict
 
     if model.device_map is not None:
         share = rank_max_memory(group.launch, max_memory_dict(model.max_memory))
@@ -371,13 +371,13 @@ def load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, note: No
     """Load the target and (if any) the draft model or EAGLE-3 head (kind "eagle3"); check
     that they fit each other. Under a launcher each model goes to this rank's device(s), the
     draft model's share reckoned with the memory the target left."""
-    from marscli.models import check_vocab_compatible, load_model
+    from marscli.models.loading import check_vocab_compatible, load_model
 
     t0 = time.perf_counter()
     target = load_model(place(target_cfg, group), role="target", log=note)
     draft = None
     if draft_cfg is not None and kind == DRAFT_EAGLE3:
-        from marscli.eagle3 import load_head
+        from marscli.drafters.eagle3_head import load_head
 
         draft = load_head(str(draft_cfg.source), target, log=note)
     elif draft_cfg is not None:
@@ -390,7 +390,12 @@ def load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, note: No
 def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | None = None,
                    auto: bool = True, verify_mode: str | None = None, note: Note = _silent):
     """The profile a generation runs with: the one asked for, else the newest matching one."""
-    from marscli.profiles import drafter_description, find_matching_profile, load_profile, match_problems
+    from marscli.calibration.profiles import (
+        drafter_description,
+        find_matching_profile,
+        load_profile,
+        match_problems,
+    )
 
     drafter = drafter_description(draft.kind, draft_loaded.identity if draft_loaded else None)
     if profile is not None:
@@ -482,7 +487,7 @@ class ModelSetup:
     profile: str | None = None  # a profile's path: use it; None: look for a matching one
     auto_profile: bool = True
     batch_size: int = 1
-    spans: SpanConfig = SPANS_OFF  # strict spans (marscli.spans)
+    spans: SpanConfig = SPANS_OFF  # strict spans (marscli.verification.spans)
 
 
 @dataclass
@@ -490,11 +495,11 @@ class Generator:
     """Loaded models with their engine, verification and profile: what `marscli generate`
     and `marscli.load(...)` generate with."""
 
-    target: Any  # marscli.models.LoadedModel
+    target: Any  # marscli.models.loading.LoadedModel
     draft_loaded: Any  # the draft model or EAGLE-3 head, or None
     draft: DraftConfig
     verify: VerifyConfig
-    profile: Any  # marscli.profiles.Profile or None
+    profile: Any  # marscli.calibration.profiles.Profile or None
     engine: Any
     batch_size: int = 1
     spans: SpanConfig = SPANS_OFF

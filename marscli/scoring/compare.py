@@ -2,7 +2,7 @@
 method with strict decoding (the target's own greedy output), with the label-free warnings.
 
 marscli/jobs/bench.py calls `task_report` once the runs are in (scoring is not timed) and
-marscli/report.py calls `render_task_table`; everything else about task scores lives in
+marscli/bench/report.py calls `render_task_table`; everything else about task scores lives in
 marscli.scoring. Figures: marscli.scoring.stats; the table: docs/benchmarks.md.
 """
 
@@ -30,9 +30,9 @@ def check_ready(task: str | None, method_kinds: Sequence[str]) -> None:
     if task == HUMANEVAL:
         humaneval.data_path()
     if task == SUM:
-        from marscli import metrics
+        from marscli.scoring import rouge
 
-        if not metrics.rouge_available():
+        if not rouge.rouge_available():
             raise UsageError("--task sum needs rouge-score: pip install 'marscli[score]'")
 
 

@@ -7,7 +7,7 @@ Tasks:
   record's id (N or "HumanEval/N"); the prompt set's reference is not used.
 - ``gsm8k``: accuracy of the final number (marscli.scoring.gsm8k) against the reference's
   ``#### N``.
-- ``sum``: ROUGE-L F1 (rouge-score, with stemming; marscli.metrics.rouge_l) against the
+- ``sum``: ROUGE-L F1 (rouge-score, with stemming; marscli.scoring.rouge.rouge_l) against the
   reference highlights.
 
 A record with several outputs (n samples) scores the mean over them: for 0/1 scores that
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from marscli import metrics
+from marscli.scoring import rouge
 from marscli.errors import InputError, UsageError
 from marscli.scoring import gsm8k, humaneval
 
@@ -130,7 +130,7 @@ def read_references(path: str) -> dict[str, str | None]:
         rid = record_id(rec)
         if rid is None:
             raise InputError(f"{path}: record {n} has no question_id, id or custom_id")
-        refs[str(rid)] = metrics.reference_text(rec)
+        refs[str(rid)] = rouge.reference_text(rec)
     return refs
 
 
@@ -139,9 +139,9 @@ def read_references(path: str) -> dict[str, str | None]:
 
 
 def _sum_score(output: str, reference: str) -> tuple[float, dict[str, Any]]:
-    if not metrics.rouge_available():
+    if not rouge.rouge_available():
         raise UsageError("--task sum needs rouge-score: pip install 'marscli[score]'")
-    return metrics.rouge_l(output, reference), {}
+    return rouge.rouge_l(output, reference), {}
 
 
 def score_items(task: str, items: Sequence[TaskItem], *, problems_file: str | None = None,

@@ -551,7 +551,7 @@ def build_head(sd: dict[str, torch.Tensor], cfg: HeadConfig, target_model,
 
 def resolve_head_folder(source: str) -> tuple[Path, str, str, str | None]:
     """A head source (folder or hub id from the local cache) -> (folder, name, kind, revision)."""
-    from marscli.sources import KIND_DIR, resolve_source
+    from marscli.models.sources import KIND_DIR, resolve_source
 
     if source.lower().endswith(".gguf"):
         raise ModelLoadError(f"EAGLE-3 head {source}: a .gguf file is not an EAGLE-3 head; pass the "
@@ -564,7 +564,7 @@ def resolve_head_folder(source: str) -> tuple[Path, str, str, str | None]:
 
 def load_head(source: str, target, *, log=None) -> LoadedHead:
     """Load an EAGLE-3 head for `target` (a LoadedModel); ModelLoadError on any mismatch."""
-    from marscli.sources import fingerprint_or_none
+    from marscli.models.sources import fingerprint_or_none
 
     folder, name, kind, revision = resolve_head_folder(source)
     cfg_path = folder / CONFIG_FILE

@@ -212,14 +212,14 @@ KNOB_KEYS = ("theta", "rho", "delta", "epsilon", "budget")
 _curve_row = _mapping({
     **{k: _number(finite=False) for k in KNOB_KEYS},
     "relaxable_share": _share,
-    # optional (profiles before it load unchanged): the relax rate (marscli.calibrate_rules)
+    # optional (profiles before it load unchanged): the relax rate (marscli.calibration.policies)
     "relax_rate": _share,
     "relaxed_share": _share,
     "tau": _number(lo=0.0),
     "nll_increase": _number(lo=0.0),
 }, optional=KNOB_KEYS + ("relax_rate",))
 
-#: Optional (profiles before it load unchanged): the predicted speed (marscli.calibrate_speed).
+#: Optional (profiles before it load unchanged): the predicted speed (marscli.calibration.speed).
 _speed = _mapping({
     "objective": _choice("quality", "speed"),
     "batch_size": _integer(lo=1),
@@ -302,7 +302,7 @@ _SCHEMA = _mapping({
         "relax_rate": _share,  # optional: profiles before it load unchanged
     }, optional=("relax_rate",)),
     "histogram": _mapping({
-        # a rule's statistic (marscli.calibrate_rules.STATISTIC_NAMES beside mars's margins)
+        # a rule's statistic (marscli.calibration.policies.STATISTIC_NAMES beside mars's margins)
         "statistic": _choice("logit-ratio", "prob-ratio", "p-ratio", "p-gap", "p-draft", "regret"),
         "edges": _list(_number(), min_len=2),
         "below": _mapping({k: _count for k in RANK_KEYS}),
@@ -315,7 +315,7 @@ _SCHEMA = _mapping({
 
 def _check_verification(v: dict, path: str) -> None:
     """The knobs present are exactly the rule's, each in its range (verify.Rule checks)."""
-    from marscli.verify import Rule
+    from marscli.verification.rules import Rule
 
     rule = v.get("rule", "mars")
     want = RULE_KNOB_KEYS[rule]
@@ -422,7 +422,7 @@ class Profile:
     def rule(self):
         """The calibrated verify.Rule with the profile's knobs (the loop guard is apart:
         ``guard``)."""
-        from marscli.verify import Rule
+        from marscli.verification.rules import Rule
 
         v = self.data["verification"]
         return Rule(self.rule_name, **{k: v[k] for k in RULE_KNOB_KEYS[self.rule_name]})
@@ -567,8 +567,8 @@ def user_profile_dir() -> Path:
 
 def packaged_profile_dir() -> Path | None:
     """The profiles shipped with marscli: the checkout's profiles/ or the wheel's copy."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "_profiles", here.parent / "profiles"):
+    package = Path(__file__).resolve().parents[1]  # marscli/
+    for cand in (package / "_profiles", package.parent / "profiles"):
         if cand.is_dir():
             return cand
     return None

@@ -161,7 +161,7 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
     after a warm-up round: the shape's cost, not the machine's load."""
     import torch
 
-    from marscli.kvcache import HoleCache, rollback
+    from marscli.models.kvcache import HoleCache, rollback
 
     vocab = vocab or model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
@@ -206,7 +206,7 @@ def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identi
     """What a measurement depends on: the weights, device, dtype, software and threads."""
     import torch
 
-    from marscli.fastpath import signature as fastpath_signature
+    from marscli.models.fastpath import signature as fastpath_signature
 
     ident = target.identity
     return {
@@ -216,7 +216,7 @@ def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identi
         "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        # The engine patches CPU float32 linear layers (marscli.fastpath): their kernels are
+        # The engine patches CPU float32 linear layers (marscli.models.fastpath): their kernels are
         # part of what was timed.
         "cpu_fastpath": fastpath_signature() if target.device.type == "cpu" else None,
         "context": context,
@@ -233,7 +233,7 @@ def key_hash(key: dict[str, Any]) -> str:
 
 
 def costs_path(key: dict[str, Any]) -> Path:
-    from marscli.sources import cache_root
+    from marscli.models.sources import cache_root
 
     return cache_root() / "costs" / f"{key_hash(key)}.json"
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from marscli.bench import MARS, MARS_METHODS, MARS_TREE, STRICT_TREE, BenchConfig, Log
+from marscli.bench.methods import MARS, MARS_METHODS, MARS_TREE, STRICT_TREE, BenchConfig, Log
 from marscli.errors import MarscliError, UsageError
 
 #: Width of the tables when stderr is not a terminal: one row per line.

@@ -35,7 +35,7 @@ from transformers import (
 from marscli.config import ModelConfig
 from marscli.errors import ModelLoadError, VocabMismatchError
 
-from marscli.sources import (
+from marscli.models.sources import (
     KIND_EMBEDDED,
     KIND_GGUF,
     Log,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from marscli.errors import ModelLoadError
-from marscli.sources import (
+from marscli.models.sources import (
     CHUNKED_MODELS,
     EMBEDDED_ALIASES,
     EMBEDDED_NAME,

@@ -10,7 +10,7 @@ Methods, all on the same target, drafter, prompts, max tokens, temperature and s
 - ``strict``: marscli speculative decoding with exact verification.
 - ``mars@THETA``: marscli with margin-aware verification, one method per theta.
 - ``ratio@R``, ``topk@N:D``, ``typical@E:A`` (or ``typical@E``: A = sqrt(E)), ``regret@B``:
-  marscli with another relaxed rule of the rulebook (marscli.verify.Rule) at these knobs,
+  marscli with another relaxed rule of the rulebook (marscli.verification.rules.Rule) at these knobs,
   guarded like ``mars``; labelled by ``Rule.label()``. ``mars@THETA`` spells one MARS method.
 - With ``--match-relax-rate S`` (marscli.jobs.bench_match) the knobs written are only the
   rule's template: every relaxed method's main knob (theta, rho, delta, epsilon, budget) is
@@ -29,7 +29,7 @@ reference's (``hf-generate``'s) token for token: a difference is a correctness f
 listed in the report and turned into exit code 1, never averaged away.
 
 This module holds what a benchmark is (methods, settings, prompts, runs) and how runs
-add up to per-method figures; marscli/jobs/bench.py runs it, marscli/report.py prints and
+add up to per-method figures; marscli/jobs/bench.py runs it, marscli/bench/report.py prints and
 writes the report. Report layout and column meanings: docs/benchmarks.md.
 """
 
@@ -44,7 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from marscli import metrics
+from marscli.bench import metrics
+from marscli.scoring import rouge
 from marscli.config import (
     PAPER_THETA,
     SPANS_OFF,
@@ -136,11 +137,11 @@ class MethodSpec:
     name: str  # label in tables and the report: "strict", "mars@0.9", "ratio@0.5"
     kind: str  # one of ALL_METHODS
     theta: float | None = None
-    rule: Any = None  # the marscli.verify.Rule of a RULE_METHODS method (its knobs), else None
+    rule: Any = None  # the marscli.verification.rules.Rule of a RULE_METHODS method (its knobs), else None
 
     def verify_rule(self, margin: str):
-        """The marscli.verify.Rule this method verifies with, or None (hf-*, ar)."""
-        from marscli.verify import Rule
+        """The marscli.verification.rules.Rule this method verifies with, or None (hf-*, ar)."""
+        from marscli.verification.rules import Rule
 
         if self.rule is not None:
             return self.rule
@@ -170,7 +171,7 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = ()  # non-empty: also measure batched throughput at these sizes
     #: The loop guard of the `mars` and `mars-tree` methods (`mars-noguard` has none).
     guard: GuardConfig = GuardConfig()
-    #: Strict spans of every method (marscli.spans; they change only relaxed ones).
+    #: Strict spans of every method (marscli.verification.spans; they change only relaxed ones).
     spans: SpanConfig = SPANS_OFF
     task: str | None = None  # humaneval, gsm8k, sum: task scores and the paired comparison (marscli.scoring)
     #: --match-relax-rate S: fit every MATCHED_METHODS knob to relax a share S (jobs/bench_match).
@@ -223,7 +224,7 @@ def rule_method(name: str, match: bool = False) -> MethodSpec:
     Rule.label(). A bad spelling or a knob out of range is a usage error naming the method.
     ``match``: the main knob may be left out ('ratio', 'topk@3'; fitted later), and the
     method keeps the name written until it is."""
-    from marscli.verify import Rule
+    from marscli.verification.rules import Rule
 
     kind, _, text = name.partition("@")
     spelling, fields = RULE_SPELLINGS[kind]
@@ -279,7 +280,7 @@ def parse_int_list(text: str, option: str) -> tuple[int, ...]:
 
 def check_config(cfg: BenchConfig) -> None:
     if not cfg.greedy:
-        from marscli.verify import SAMPLING_MODE
+        from marscli.verification.rules import SAMPLING_MODE
 
         greedy_only = [m.name for m in cfg.methods if m.rule is not None and SAMPLING_MODE not in m.rule.modes]
         if greedy_only:
@@ -379,7 +380,7 @@ def _reference_of(raw: bytes) -> str | None:
         obj = json.loads(raw.decode("utf-8-sig"))
     except ValueError:
         return None
-    return metrics.reference_text(obj) if isinstance(obj, dict) else None
+    return rouge.reference_text(obj) if isinstance(obj, dict) else None
 
 # --------------------------------------------------------------------------------------------
 # Running
@@ -404,9 +405,9 @@ class Run:
 
     @property
     def repetition(self) -> dict[str, Any]:
-        """repeat_share and ends_in_loop of the output (marscli.repetition), computed once."""
+        """repeat_share and ends_in_loop of the output (marscli.verification.guard), computed once."""
         if getattr(self, "_repetition", None) is None:
-            from marscli.repetition import repetition_stats
+            from marscli.verification.guard import repetition_stats
 
             self._repetition = repetition_stats(self.tokens)
         return self._repetition
@@ -442,7 +443,7 @@ def aggregate(runs: Sequence[Run], spec: MethodSpec, t_target: Sequence[float] |
     per_prompt = [v for r in runs if (v := metrics.rate(len(r.tokens), r.seconds)) is not None]
     out: dict[str, Any] = {
         "kind": spec.kind, "theta": spec.theta,
-        # the verification rule and its knobs (marscli.verify.Rule.knobs); None: no verification
+        # the verification rule and its knobs (marscli.verification.rules.Rule.knobs); None: no verification
         "rule": rule.name if rule is not None else None, "knobs": rule.knobs() if rule is not None else None,
         "runs": len(runs),
         "completion_tokens": tokens, "seconds": seconds,
@@ -490,7 +491,7 @@ def aggregate(runs: Sequence[Run], spec: MethodSpec, t_target: Sequence[float] |
         "nll_per_token": sum(sum(r.nll) for r in runs) / nll_tokens if nll_tokens else None,
         "rouge_l": metrics.mean(rouge) if rouge else None,
         "rouge_l_prompts": len(rouge),
-        # label-free warning signs of a rule that runs away (marscli.repetition)
+        # label-free warning signs of a rule that runs away (marscli.verification.guard)
         "repeat_share": metrics.mean([r.repetition["repeat_share"] for r in runs]) if runs else None,
         "loop_share": metrics.mean([float(r.repetition["ends_in_loop"]) for r in runs]) if runs else None,
     })

@@ -23,15 +23,15 @@ Words used throughout marscli (fixed here, kept everywhere):
 - **acceptance length** (tau): tokens emitted per step, bonus/correction included.
 
 How a rule is built (the seam the next rules plug into; ``Rule``, ``PositionFacts`` and the
-facts' builders live in marscli.rules and are re-exported here):
+facts' builders live in marscli.verification.rules and are re-exported here):
 
 1. The chain walk (``verify``) or the tree walk gathers, per verified draft position, what
    the target says: the margin statistics, whether the draft is among the target's top two
    with p > 0 (``in_top2``) and whether the strict check accepts it on its own (``strict_ok``).
 2. ``Rule.decide(facts)`` judges every position on its own: ``ok`` and ``relaxable``. It uses
-   elementwise operators only, so calibration's numpy replay (marscli.calibrate) calls the
+   elementwise operators only, so calibration's numpy replay (marscli.calibration.collect) calls the
    very same function on recorded facts.
-3. The walk (``verify`` for chains, ``marscli.verify_tree.verify_tree`` for trees) keeps the accepted prefix/path
+3. The walk (``verify`` for chains, ``marscli.verification.tree.verify_tree`` for trees) keeps the accepted prefix/path
    and draws the next token: at a rejection judged by the strict check, from the residual
    norm(max(0, p - q)); at a relaxed position, from p itself; a bonus from p.
 
@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from marscli.rules import (  # noqa: F401 - the rulebook's names, re-exported
+from marscli.verification.rules import (
     DEFAULT_TOP_N,
     GREEDY_MODE,
     KNOBS,

@@ -6,7 +6,7 @@ span is decided from the **text before it**: the record's output decoded so far,
 step's earlier drafts (never the prompt, never the token itself), so the verification rule
 stays a deterministic function of the prefix, whatever the batch or the step structure. A
 strict position reaches ``Rule.decide`` with ``PositionFacts.guarded`` set, the seam the loop
-guard uses (marscli.repetition): the draft may still be accepted by the strict check, never
+guard uses (marscli.verification.guard): the draft may still be accepted by the strict check, never
 relaxed.
 
 What makes a position strict (``strict_at`` is the definition; ``SpanTracker`` computes the

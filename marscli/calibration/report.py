@@ -1,5 +1,5 @@
 """What a calibration shows and writes: the trade-off curve as a table, the histogram as
-text or a PNG, and the profile document (marscli.calibrate decides; this presents)."""
+text or a PNG, and the profile document (marscli.calibration.collect decides; this presents)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from marscli.calibrate import Calibration, MarginData
-from marscli.profiles import RANK_KEYS
+from marscli.calibration.collect import Calibration, MarginData
+from marscli.calibration.profiles import RANK_KEYS
 
 
 def curve_table(profile_data: dict[str, Any], title: str | None = None):
@@ -40,7 +40,7 @@ def curve_table(profile_data: dict[str, Any], title: str | None = None):
 
 def chosen_knob(profile_data: dict[str, Any]) -> tuple[str, float]:
     """(name, value) of a profile document's main knob (theta for mars)."""
-    from marscli.profiles import MAIN_KNOB
+    from marscli.calibration.profiles import MAIN_KNOB
 
     v = profile_data["verification"]
     name = MAIN_KNOB[v.get("rule", "mars")]
@@ -142,7 +142,7 @@ def build_profile(*, name: str, cal: Calibration, data: MarginData, target_ident
     import datetime as dt
 
     from marscli import __version__
-    from marscli.profiles import SCHEMA_VERSION, identity_for_profile
+    from marscli.calibration.profiles import SCHEMA_VERSION, identity_for_profile
 
     return {
         "schema_version": SCHEMA_VERSION,

@@ -5,7 +5,7 @@ scored all k drafts of a step in one forward pass, so at each **verified draft p
 know the margin statistics, the draft's rank in the target (top-1, top-2, other), the target's
 log-probabilities of its top-1, top-2 and the draft token, and whether strict verification
 accepts the draft there on its own. From that, the length of any step under MARS at any theta
-is replayed exactly (marscli.verify's own Rule.decide, applied to the recorded facts).
+is replayed exactly (marscli.verification.chain's own Rule.decide, applied to the recorded facts).
 
 The trade-off curve and the policies work on the replay:
 
@@ -19,7 +19,7 @@ What the replay ignores: after a relaxed token the real run continues on another
 (different later drafts and margins), and the adaptive draft length would change with the
 higher acceptance. The estimate is per step, on the strict trajectory.
 
-The loop guard (marscli.repetition) is part of the rule that is replayed: collection records
+The loop guard (marscli.verification.guard) is part of the rule that is replayed: collection records
 at each position whether the guard would refuse to relax the draft there (it completes an
 n-gram already in the record's recent output), and the replay judges those positions
 strictly, as generate will; the relaxation budget (--max-relaxed-share) is replayed per
@@ -37,12 +37,7 @@ from typing import Any
 import numpy as np
 
 from marscli.config import GUARD_OFF, GuardConfig
-from marscli.profiles import (
-    POLICY_FIXED,
-    POLICY_MAX_NLL,
-    POLICY_RELAX_RATE,
-    RANK_KEYS,
-)
+from marscli.calibration.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE, RANK_KEYS
 
 #: Default policy parameter: at most 0.02 nats of target log-probability given up per token.
 DEFAULT_MAX_NLL_INCREASE = 0.02
@@ -78,15 +73,8 @@ class MarginCollector:
     def __call__(self, obs) -> None:
         import torch
 
-        from marscli.verify import (
-            LOGIT_RATIO,
-            PROB_RATIO,
-            draft_facts,
-            margin_statistic,
-            sampling_probs,
-            strict_sampling_accepts,
-            top2,
-        )
+        from marscli.verification.rules import LOGIT_RATIO, PROB_RATIO, draft_facts, margin_statistic, top2
+        from marscli.verification.chain import sampling_probs, strict_sampling_accepts
 
         self.sampled = self.sampled or not obs.sampling.greedy
         if getattr(obs, "tree", None) is not None:
@@ -149,15 +137,9 @@ class MarginCollector:
         passed through, the last one included) also goes to tree_nodes."""
         import torch
 
-        from marscli.tree import ROOT
-        from marscli.verify import (
-            LOGIT_RATIO,
-            PROB_RATIO,
-            draft_facts,
-            margin_statistic,
-            sampling_probs,
-            top2,
-        )
+        from marscli.verification.tree import ROOT
+        from marscli.verification.rules import LOGIT_RATIO, PROB_RATIO, draft_facts, margin_statistic, top2
+        from marscli.verification.chain import sampling_probs
 
         tree, L, res, s = obs.tree, obs.tree_logits.float(), obs.result, obs.sampling
         self.max_tokens = s.max_tokens
@@ -399,7 +381,7 @@ class MarginData:
     def facts(self, rule) -> Any:
         """The recorded facts as verify.PositionFacts of [S, Kmax] numpy arrays, for ``rule``
         (with the loop guard's verdicts when the data's guard is on)."""
-        from marscli.verify import MARS, GREEDY_MODE, SAMPLING_MODE, TYPICAL, PositionFacts
+        from marscli.verification.rules import MARS, GREEDY_MODE, SAMPLING_MODE, TYPICAL, PositionFacts
 
         if self.sampled and SAMPLING_MODE not in rule.modes:
             raise ValueError(f"the {rule.name} rule is defined for {GREEDY_MODE} decoding only; "
@@ -418,7 +400,7 @@ class MarginData:
         """Every step of the collection run, verified by ``rule`` (a verify.Rule; or a theta
         and a margin: MARS there, strict at +inf) instead, with the data's loop guard and
         relaxation budget. Each position is judged by verify's own Rule.decide."""
-        from marscli.verify import LOGIT_RATIO, MARS, Rule, relaxed_positions
+        from marscli.verification.rules import LOGIT_RATIO, MARS, Rule, relaxed_positions
 
         if not isinstance(rule, Rule):
             rule = Rule(MARS, float(rule), margin or LOGIT_RATIO)
@@ -456,7 +438,7 @@ class MarginData:
         the verifier's ``over_budget`` finds them step by step. Up to the step that spends it,
         a record's steps are those of the replay without a budget, so the relaxations made
         before each step are min(unbudgeted count so far, budget)."""
-        from marscli.verify import over_budget
+        from marscli.verification.rules import over_budget
 
         wants = decision.ok & decision.relaxable & ~g["strict_ok"] & g["valid"]  # [S, K]
         ok = decision.ok & g["valid"]
@@ -635,7 +617,7 @@ class Calibration:
     rule: Any = None  # the verify.Rule chosen; None: MARS at theta with this margin
 
     def chosen_rule(self):
-        from marscli.verify import MARS, Rule
+        from marscli.verification.rules import MARS, Rule
 
         return self.rule if self.rule is not None else Rule(MARS, self.theta, self.margin)
 
@@ -659,12 +641,12 @@ def summary_figures(data: MarginData, at: Replay, strict: Replay, seconds: float
 def analyse(data: MarginData, margin: str, policy: str, value: float,
             seconds: float, rule=None, alpha_given: bool | None = None) -> Calibration:
     """Choose the knob by the policy and gather the profile's figures. ``rule``: a
-    verify.Rule whose main knob is fitted (its other knobs kept; marscli.calibrate_rules);
+    verify.Rule whose main knob is fitted (its other knobs kept; marscli.calibration.policies);
     None or MARS: theta for ``margin`` (MARS's own policies, unchanged)."""
-    from marscli.verify import MARS
+    from marscli.verification.rules import MARS
 
     if rule is not None and rule.name != MARS:
-        from marscli.calibrate_rules import RuleFamily, analyse_rule
+        from marscli.calibration.policies import RuleFamily, analyse_rule
 
         return analyse_rule(data, RuleFamily.of(rule, alpha_given), policy, value, seconds)
     theta = choose_theta(data, margin, policy, value)

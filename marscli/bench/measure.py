@@ -10,8 +10,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from marscli import metrics
-from marscli.bench import FORWARD_TIMING_REPEATS, MIB
+from marscli.bench import metrics
+from marscli.bench.methods import FORWARD_TIMING_REPEATS, MIB
 
 
 class ForwardCounter:
@@ -47,7 +47,7 @@ def forward_times(model, device, ids: list[int], max_n: int) -> list[float]:
     """Median seconds of one forward pass over n = 1..max_n new tokens after `ids` (cached)."""
     import torch
 
-    from marscli.kvcache import cache_kw, new_cache, rollback
+    from marscli.models.kvcache import cache_kw, new_cache, rollback
 
     cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in range(max_n)]

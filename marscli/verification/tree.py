@@ -1,6 +1,6 @@
 """The rulebook's tree walk: one step's draft tree verified with a chain's rule.
 
-Same rules and words as ``marscli.verify`` (the chain walk, ``Rule.decide``, the random-draw
+Same rules and words as ``marscli.verification.chain`` (the chain walk, ``Rule.decide``, the random-draw
 policy): a node is judged at its parent's row by the very same per-position decision, and a
 tree that is one chain is verified as that chain is (tests/test_tree.py, test_repetition.py).
 """
@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from marscli.tree import DraftTree
-from marscli.verify import (
+from marscli.verification.rules import (
     LOGIT_RATIO,
     MARS,
     SAMPLING_MODE,
@@ -23,17 +22,109 @@ from marscli.verify import (
     draft_facts,
     margin_statistic,
     relaxed_positions,
-    residual,
-    sample_from,
-    sampling_probs,
-    strict_sampling_accepts,
     top2,
 )
+from marscli.verification.chain import residual, sample_from, sampling_probs, strict_sampling_accepts
+
+
+#: Parent index of the root's children.
+ROOT = -1
+
+
+# ----------------------------------------------------------------------------- the tree
+
+@dataclass
+class DraftTree:
+    """A draft tree: node i holds ``tokens[i]`` and hangs under ``parents[i]`` (ROOT = the root).
+
+    ``parents[i] < i``, so index order is a topological order (every parent before its
+    children) and siblings appear in the drafter's priority order.
+    """
+
+    tokens: torch.Tensor  # [N] long: each node's draft token (target vocabulary ids)
+    parents: torch.Tensor  # [N] long: parent node index, ROOT for the root's children
+
+    def __post_init__(self) -> None:
+        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
+        self.parents = torch.as_tensor(self.parents, dtype=torch.long)
+        assert self.tokens.dim() == 1, f"tokens must be [N], got {tuple(self.tokens.shape)}"
+        assert self.parents.shape == self.tokens.shape, (
+            f"parents {tuple(self.parents.shape)} must match tokens {tuple(self.tokens.shape)}"
+        )
+        idx = torch.arange(len(self.parents))
+        bad = (self.parents >= idx) | (self.parents < ROOT)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"node {i} has parent {int(self.parents[i])}: a parent must be ROOT ({ROOT}) or "
+                "an earlier node"
+            )
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    @staticmethod
+    def chain(tokens: list[int]) -> DraftTree:
+        """A path (the chain case): node i is the child of node i - 1."""
+        n = len(tokens)
+        return DraftTree(torch.tensor(tokens, dtype=torch.long).reshape(n),
+                         torch.arange(n, dtype=torch.long) - 1)
+
+    def depth(self) -> torch.Tensor:
+        """[N] long: 1 for the root's children, parent's depth + 1 below."""
+        out = [0] * len(self)
+        for i, p in enumerate(self.parents.tolist()):
+            out[i] = 1 if p == ROOT else out[p] + 1
+        return torch.tensor(out, dtype=torch.long)
+
+    def child_lists(self) -> list[list[int]]:
+        """All children at once: entry 0 the root's, entry i + 1 node i's (index order).
+
+        Indexed like the logits rows: row r scores the tokens of child_lists()[r].
+        """
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            out[p + 1].append(i)
+        return out
+
+    def children(self, i: int) -> list[int]:
+        """Children of node i (i = ROOT: of the root), in index order."""
+        assert ROOT <= i < len(self), f"no node {i} in a tree of {len(self)}"
+        return [j for j, p in enumerate(self.parents.tolist()) if p == i]
+
+    def leaves(self) -> list[int]:
+        """Nodes without children, in index order."""
+        has_child = set(self.parents.tolist())
+        return [i for i in range(len(self)) if i not in has_child]
+
+    def path_to(self, i: int) -> list[int]:
+        """Node indices from the root's child down to node i (i included)."""
+        assert 0 <= i < len(self), f"no node {i} in a tree of {len(self)}"
+        parents = self.parents.tolist()
+        path = []
+        while i != ROOT:
+            path.append(i)
+            i = parents[i]
+        return path[::-1]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N+1, N+1] bool over (root, nodes): row r sees column c when c is r or an ancestor
+        of r (the root is everyone's ancestor)."""
+        n = len(self)
+        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        m[:, 0] = True
+        for i, p in enumerate(self.parents.tolist()):
+            m[i + 1] = m[p + 1]  # parents come first, so row p + 1 is complete
+            m[i + 1, i + 1] = True
+        return m
+
+
+# ----------------------------------------------------------------------------- the walk
 
 
 @dataclass
 class TreeVerifyResult:
-    """Outcome of verifying one draft tree (marscli.tree.DraftTree)."""
+    """Outcome of verifying one draft tree (marscli.verification.tree.DraftTree)."""
 
     path: list[int]  # accepted node indices, root-to-leaf
     next_token: int  # correction (a rejection ended the path) or bonus (ended at a leaf)

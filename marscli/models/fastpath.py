@@ -87,7 +87,7 @@ def packed_enabled() -> bool:
 
 
 def signature() -> dict:
-    """What the patch does, for keys of measurements that depend on it (marscli.costs)."""
+    """What the patch does, for keys of measurements that depend on it (marscli.engine.costs)."""
     return {"head_rows": list(HEAD_ROWS), "body_rows": list(BODY_ROWS), "contiguous": True, "one_row": ONE_ROW,
             "packed_from": PACKED_FROM if packed_enabled() else None}
 

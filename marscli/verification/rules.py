@@ -3,8 +3,8 @@
 ``Rule`` (a rule and its knobs), the facts it judges a verified draft position by
 (``PositionFacts``: margin statistics, p(x), p1, rank, entropy, summed regret; built by
 ``top2``/``margin_statistic`` and ``draft_facts``), and ``Rule.decide``, elementwise, so the
-verifier's walks (marscli.verify, marscli.verify_tree) and calibration's numpy replay
-(marscli.calibrate) call the very same function. The words are fixed in marscli.verify's
+verifier's walks (marscli.verification.chain, marscli.verification.tree) and calibration's numpy replay
+(marscli.calibration.collect) call the very same function. The words are fixed in marscli.verification.chain's
 docstring; everything here is re-exported from there.
 """
 

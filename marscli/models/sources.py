@@ -1,6 +1,6 @@
 """Where model weights come from: the embedded package, split GGUF packages, .gguf files,
 model folders and Hugging Face hub ids (downloaded into the hub cache unless offline), and
-the one-time GGUF conversion into marscli's cache. Loading them is marscli.models."""
+the one-time GGUF conversion into marscli's cache. Loading them is marscli.models.loading."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Metrics for `marscli bench`: quality of an output against a reference, and speed summaries.
+"""Metrics for `marscli bench`: an output against the reference method's, and speed summaries.
 
 Pure functions over token lists and numbers, except `completion_nll` (one target forward
-pass) and `rouge_l` (the optional `rouge-score` package). Nothing here imports torch at
-module level, so `marscli --help` stays fast.
+pass). ROUGE-L and a record's reference text are task scoring's (marscli.scoring.rouge).
 
 Definitions (docs/benchmarks.md reads them column by column):
 
@@ -26,7 +25,6 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import Any
 
 # --------------------------------------------------------------------------------------------
@@ -156,46 +154,3 @@ def completion_nll(model: Any, prompt_ids: Sequence[int], completion_ids: Sequen
         target = torch.tensor(list(completion_ids), dtype=torch.long, device=device)  # [C]
         nll = -logp.gather(-1, target[:, None])[:, 0]  # [C]
     return [float(v) for v in nll.cpu()]
-
-
-# --------------------------------------------------------------------------------------------
-# References and ROUGE-L
-
-
-def reference_text(record: dict[str, Any]) -> str | None:
-    """The reference answer of a prompt-set record for its FIRST turn, as one text.
-
-    `reference` is a string, or a list: with one entry per turn (MT-Bench: as many entries as
-    turns, more than one turn) the first entry; otherwise the lines of one answer (GSM8K
-    solution steps, HumanEval code lines, a summary), joined by newlines.
-    """
-    ref = record.get("reference")
-    if isinstance(ref, str):
-        return ref or None
-    if not isinstance(ref, list) or not ref or not all(isinstance(r, str) for r in ref):
-        return None
-    turns = record.get("turns")
-    if isinstance(turns, list) and len(turns) > 1 and len(ref) == len(turns):
-        return ref[0] or None
-    text = "\n".join(ref)
-    return text if text.strip() else None
-
-
-def rouge_available() -> bool:
-    try:
-        import rouge_score  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@lru_cache(maxsize=1)
-def _rouge_scorer():
-    from rouge_score import rouge_scorer
-
-    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-
-
-def rouge_l(prediction: str, reference: str) -> float:
-    """ROUGE-L F1 of `prediction` against `reference` (raises ImportError without rouge-score)."""
-    return float(_rouge_scorer().score(reference, prediction)["rougeL"].fmeasure)

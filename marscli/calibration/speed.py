@@ -1,6 +1,6 @@
 """Speed-aware calibration: the speed-up each candidate theta (or another rule's knob value:
 pass a calibrate_rules.RuleFamily where a margin is asked for) is predicted to give, from the
-collection run's replayed acceptance and the engine's measured step costs (marscli.costs).
+collection run's replayed acceptance and the engine's measured step costs (marscli.engine.costs).
 
 For a theta, replay says how many drafts every recorded step would have accepted
 (``MarginData.replay``); the steps themselves (k_s drafts each) and their measured cost
@@ -44,7 +44,7 @@ def plain_step_units(data, costs, batch_size: int) -> float:
 def _replay(data, on, value: float):
     """``on``: a margin name (MARS at theta = value; strict at +inf) or a
     calibrate_rules.RuleFamily (that rule at value; strict at +inf)."""
-    from marscli.verify import STRICT, Rule
+    from marscli.verification.rules import STRICT, Rule
 
     if isinstance(on, str):
         return data.replay(value, on)

@@ -1,5 +1,5 @@
 """Calibrating any rule's main knob (issue 14): MARS's theta, ratio's rho, topk's delta,
-typical's epsilon, regret's budget, by the policies of marscli.calibrate, on the same
+typical's epsilon, regret's budget, by the policies of marscli.calibration.collect, on the same
 recorded facts (one collection run serves every rule).
 
 Each rule relaxes a position once its knob passes a **critical value** of that position
@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from marscli.calibrate import MAX_CANDIDATES, MarginData, Replay, sensitive_candidates
-from marscli.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
-from marscli.verify import KNOBS, MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
+from marscli.calibration.collect import MAX_CANDIDATES, MarginData, Replay, sensitive_candidates
+from marscli.calibration.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
+from marscli.verification.rules import KNOBS, MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
 
 #: Chosen knobs are rounded towards the strict end to this many decimals when the policy's
-#: promise still holds there (as marscli.calibrate.THETA_DECIMALS for theta).
+#: promise still holds there (as marscli.calibration.collect.THETA_DECIMALS for theta).
 KNOB_DECIMALS = 4
 #: Round values every curve shows beside the quantiles of the critical values.
 _ROUND_VALUES = {
@@ -250,8 +250,8 @@ def rule_statistic(data: MarginData, rule: Rule) -> np.ndarray:
 def rule_histogram(data: MarginData, rule: Rule, bins: int = 200) -> dict[str, Any]:
     """Counts of the rule's statistic by draft rank (ratio p(x)/p1, topk p1 - p(x),
     typical p(x) over [0, 1]; regret over [0, its 99th percentile])."""
-    from marscli.calibrate import RANK_OTHER, RANK_TOP1, RANK_TOP2
-    from marscli.profiles import RANK_KEYS
+    from marscli.calibration.collect import RANK_OTHER, RANK_TOP1, RANK_TOP2
+    from marscli.calibration.profiles import RANK_KEYS
 
     stat = rule_statistic(data, rule)
     hi = 1.0
@@ -271,8 +271,8 @@ def rule_histogram(data: MarginData, rule: Rule, bins: int = 200) -> dict[str, A
 
 
 def analyse_rule(data: MarginData, family: RuleFamily, policy: str, value: float, seconds: float):
-    """marscli.calibrate.analyse for any rule but MARS: the Calibration a profile records."""
-    from marscli.calibrate import Calibration, summary_figures
+    """marscli.calibration.collect.analyse for any rule but MARS: the Calibration a profile records."""
+    from marscli.calibration.collect import Calibration, summary_figures
 
     knob = pick_knob(data, family, policy, value)
     rule = family.at(knob)

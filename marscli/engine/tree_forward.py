@@ -1,9 +1,9 @@
 """Tree drafts (EAGLE-2-style dynamic trees): the tree, and one target forward over all of it.
 
-The rules walked over a tree live in the rulebook (``marscli.verify_tree.verify_tree``); keeping only
-the accepted path in the cache afterwards is ``marscli.kvcache.compact_cache``.
+The rules walked over a tree live in the rulebook (``marscli.verification.tree.verify_tree``); keeping only
+the accepted path in the cache afterwards is ``marscli.models.kvcache.compact_cache``.
 
-Words are those of marscli.verify (target, drafter, step, accepted, relaxed, correction, bonus,
+Words are those of marscli.verification.chain (target, drafter, step, accepted, relaxed, correction, bonus,
 margin statistic, theta, relaxable). A tree adds:
 
 - **root**: the last committed token, not yet in the KV cache; it is fed first and its logits
@@ -11,7 +11,7 @@ margin statistic, theta, relaxable). A tree adds:
 - **node** i: a draft token; its row i + 1 scores node i's children. Siblings are in priority
   order: a lower index is the drafter's preferred choice.
 - **path**: the accepted nodes, root to leaf; verifying a chain tree (``DraftTree.chain``) gives
-  exactly what ``marscli.verify.verify`` gives for the same drafts.
+  exactly what ``marscli.verification.chain.verify`` gives for the same drafts.
 
 transformers 5 and a custom 4D mask (what ``tree_inputs`` builds and why):
 
@@ -33,13 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from marscli.kvcache import cache_kw, check_plain_layers
+from marscli.models.kvcache import cache_kw, check_plain_layers
+from marscli.verification.tree import DraftTree
 
-#: Parent index of the root's children.
-ROOT = -1
 
 #: Attention implementations known to take the additive 4D float mask as is.
-#: marscli_gqa_sdpa is marscli's CPU attention (marscli.fastpath): torch's SDPA, which takes
+#: marscli_gqa_sdpa is marscli's CPU attention (marscli.models.fastpath): torch's SDPA, which takes
 #: the same additive float mask.
 TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "marscli_gqa_sdpa")
 
@@ -47,95 +46,6 @@ TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "marscli_gqa_sdpa")
 FULL_ATTENTION = "full_attention"
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding",
                        "reference_sliding_attention")
-
-
-# ----------------------------------------------------------------------------- the tree
-
-
-@dataclass
-class DraftTree:
-    """A draft tree: node i holds ``tokens[i]`` and hangs under ``parents[i]`` (ROOT = the root).
-
-    ``parents[i] < i``, so index order is a topological order (every parent before its
-    children) and siblings appear in the drafter's priority order.
-    """
-
-    tokens: torch.Tensor  # [N] long: each node's draft token (target vocabulary ids)
-    parents: torch.Tensor  # [N] long: parent node index, ROOT for the root's children
-
-    def __post_init__(self) -> None:
-        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
-        self.parents = torch.as_tensor(self.parents, dtype=torch.long)
-        assert self.tokens.dim() == 1, f"tokens must be [N], got {tuple(self.tokens.shape)}"
-        assert self.parents.shape == self.tokens.shape, (
-            f"parents {tuple(self.parents.shape)} must match tokens {tuple(self.tokens.shape)}"
-        )
-        idx = torch.arange(len(self.parents))
-        bad = (self.parents >= idx) | (self.parents < ROOT)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise ValueError(
-                f"node {i} has parent {int(self.parents[i])}: a parent must be ROOT ({ROOT}) or "
-                "an earlier node"
-            )
-
-    def __len__(self) -> int:
-        return int(self.tokens.numel())
-
-    @staticmethod
-    def chain(tokens: list[int]) -> DraftTree:
-        """A path (the chain case): node i is the child of node i - 1."""
-        n = len(tokens)
-        return DraftTree(torch.tensor(tokens, dtype=torch.long).reshape(n),
-                         torch.arange(n, dtype=torch.long) - 1)
-
-    def depth(self) -> torch.Tensor:
-        """[N] long: 1 for the root's children, parent's depth + 1 below."""
-        out = [0] * len(self)
-        for i, p in enumerate(self.parents.tolist()):
-            out[i] = 1 if p == ROOT else out[p] + 1
-        return torch.tensor(out, dtype=torch.long)
-
-    def child_lists(self) -> list[list[int]]:
-        """All children at once: entry 0 the root's, entry i + 1 node i's (index order).
-
-        Indexed like the logits rows: row r scores the tokens of child_lists()[r].
-        """
-        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
-        for i, p in enumerate(self.parents.tolist()):
-            out[p + 1].append(i)
-        return out
-
-    def children(self, i: int) -> list[int]:
-        """Children of node i (i = ROOT: of the root), in index order."""
-        assert ROOT <= i < len(self), f"no node {i} in a tree of {len(self)}"
-        return [j for j, p in enumerate(self.parents.tolist()) if p == i]
-
-    def leaves(self) -> list[int]:
-        """Nodes without children, in index order."""
-        has_child = set(self.parents.tolist())
-        return [i for i in range(len(self)) if i not in has_child]
-
-    def path_to(self, i: int) -> list[int]:
-        """Node indices from the root's child down to node i (i included)."""
-        assert 0 <= i < len(self), f"no node {i} in a tree of {len(self)}"
-        parents = self.parents.tolist()
-        path = []
-        while i != ROOT:
-            path.append(i)
-            i = parents[i]
-        return path[::-1]
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """[N+1, N+1] bool over (root, nodes): row r sees column c when c is r or an ancestor
-        of r (the root is everyone's ancestor)."""
-        n = len(self)
-        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        m[:, 0] = True
-        for i, p in enumerate(self.parents.tolist()):
-            m[i + 1] = m[p + 1]  # parents come first, so row p + 1 is complete
-            m[i + 1, i + 1] = True
-        return m
 
 
 # ----------------------------------------------------------------------------- target forward
