@@ -23,7 +23,8 @@ import typer
 from rich.console import Console
 
 from marscli import __version__
-from marscli.config import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, PAPER_THETA
+from marscli.config import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
+from marscli.verification.registry import PAPER_THETA
 from marscli.errors import EXIT_INTERRUPTED, MarscliError, UsageError
 
 EXIT_CODES_HELP = (

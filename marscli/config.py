@@ -10,22 +10,14 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-#: The rulebook's rules (marscli.verification.rules.RULES; this module does not import torch).
-VerifyMode = Literal["strict", "mars", "ratio", "topk", "typical", "regret"]
-MarginKind = Literal["logit-ratio", "prob-ratio"]
+from marscli.verification.registry import ALL_KNOBS, LOGIT_RATIO, STRICT
 
-#: The paper's global threshold (Song et al., arXiv 2601.15498).
-PAPER_THETA = 0.9
+#: A rule's name (marscli.verification.registry.RULES) and a margin statistic's (MARGINS).
+VerifyMode = str
+MarginKind = str
+
 #: theta that makes no position relaxable: MARS degenerates to strict verification.
 STRICT_THETA = math.inf
-#: The other rules' knobs at their strict end (marscli.verification.rules.Rule's defaults): ratio's rho,
-#: topk's delta (top_n: its default candidate set, verify.DEFAULT_TOP_N), typical's epsilon,
-#: regret's budget. typical's alpha defaults to sqrt(epsilon) (None here).
-STRICT_RHO = 1.0
-DEFAULT_TOP_N = 2
-STRICT_DELTA = 0.0
-STRICT_EPSILON = 1.0
-STRICT_BUDGET = 0.0
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 8
@@ -143,36 +135,34 @@ SPANS_OFF = SpanConfig()
 class VerifyConfig:
     """How draft tokens are checked against the target."""
 
-    mode: VerifyMode = "strict"
+    mode: VerifyMode = STRICT
     theta: float = STRICT_THETA
-    margin: MarginKind = "logit-ratio"
+    margin: MarginKind = LOGIT_RATIO
     #: The loop guard. Off here (the paper's rule, as the library's building block); the jobs
     #: layer turns the default guard on for generate, bench and the Python API. It applies to
     #: every rule that relaxes.
     guard: GuardConfig = GUARD_OFF
-    #: The knobs of the other rules (marscli.verification.rules.Rule), each at its strict end by default:
+    #: The knobs of the other rules (registry.OTHER_KNOBS), each at its strict end by default:
     #: only the knobs of `mode` matter.
-    rho: float = STRICT_RHO
-    top_n: int = DEFAULT_TOP_N
-    delta: float = STRICT_DELTA
-    epsilon: float = STRICT_EPSILON
-    alpha: float | None = None  # None: sqrt(epsilon)
-    budget: float = STRICT_BUDGET
+    rho: float = ALL_KNOBS["rho"].default
+    top_n: int = ALL_KNOBS["top_n"].default
+    delta: float = ALL_KNOBS["delta"].default
+    epsilon: float = ALL_KNOBS["epsilon"].default
+    alpha: float | None = ALL_KNOBS["alpha"].default  # None: sqrt(epsilon)
+    budget: float = ALL_KNOBS["budget"].default
 
     @property
     def rule(self):
         """The rulebook's Rule for this configuration (strict never relaxes, whatever theta).
         Raises ValueError for a knob out of its range (jobs.setup turns it into a usage error)."""
-        from marscli.verification.rules import Rule
+        from marscli.verification.rules import Rule  # torch: this module stays light
 
-        return Rule(self.mode, self.theta, self.margin, self.rho, self.top_n, self.delta,
-                    self.epsilon, self.alpha, self.budget)
+        return Rule(self.mode, margin=self.margin, **{k: getattr(self, k) for k in ALL_KNOBS})
 
     @classmethod
     def from_rule(cls, rule, guard: GuardConfig = GUARD_OFF) -> VerifyConfig:
         """The configuration of a marscli.verification.rules.Rule (the inverse of ``rule``)."""
-        return cls(rule.name, rule.theta, rule.margin, guard, rule.rho, rule.top_n, rule.delta,
-                   rule.epsilon, rule.alpha, rule.budget)
+        return cls(rule.name, margin=rule.margin, guard=guard, **{k: getattr(rule, k) for k in ALL_KNOBS})
 
 
 @dataclass(frozen=True)
@@ -186,7 +176,7 @@ class VerifyRequest:
     repeat_ngram: int | None = None
     repeat_window: int | None = None
     max_relaxed_share: float | None = None
-    #: The other rules' knobs as given (--rho, --top-n, --delta, --epsilon, --alpha, --budget).
+    #: The other rules' knobs as given (registry.OTHER_KNOBS: --rho, --top-n, ...).
     rho: float | None = None
     top_n: int | None = None
     delta: float | None = None

@@ -10,20 +10,22 @@ import numpy as np
 import pytest
 import torch
 
-from marscli.calibration.collect import (
-    MarginCollector,
-    MarginData,
-    choose_theta,
-    curve_thetas,
-    histogram,
-    pick_max_nll_increase,
-    pick_relax_rate,
-    trade_off_curve,
+from marscli.calibration.collect import MarginCollector, MarginData
+from marscli.calibration.policies import (
+    RuleFamily,
+    critical_values,
+    curve_values,
+    pick_knob,
+    promise,
+    rule_curve,
+    rule_histogram,
+    walk,
 )
 from marscli.calibration.report import histogram_text
 from marscli.config import SamplingParams
 from marscli.engine.sequence import StepObservation
 from marscli.verification.chain import mars_greedy, speculative_sampling, strict_greedy
+from marscli.verification.rules import Rule
 
 V, K = 12, 5
 
@@ -120,8 +122,9 @@ def synthetic(n_steps: int = 400, k: int = 4, seed: int = 0) -> MarginData:
 @pytest.mark.parametrize("margin", ["logit-ratio", "prob-ratio"])
 def test_curve_is_monotone(margin):
     data = synthetic()
-    thetas = sorted(set(np.linspace(-0.1, 1.0, 60).round(4).tolist()) | set(curve_thetas(data, margin)))
-    rows = trade_off_curve(data, margin, thetas)
+    family = RuleFamily.mars(margin)
+    thetas = sorted(set(np.linspace(-0.1, 1.0, 60).round(4).tolist()) | set(curve_values(data, family)))
+    rows = rule_curve(data, family, thetas)
     assert math.isinf(rows[-1]["theta"]) and rows[-1]["relaxable_share"] == 0 and rows[-1]["nll_increase"] == 0
     for a, b in zip(rows, rows[1:]):
         assert b["theta"] > a["theta"]
@@ -141,7 +144,8 @@ def test_curve_is_monotone(margin):
 @pytest.mark.parametrize("eps", [0.0, 0.005, 0.02, 0.1, 10.0])
 def test_max_nll_increase_policy_keeps_its_promise(eps):
     data = synthetic()
-    theta = pick_max_nll_increase(data, "logit-ratio", eps)
+    family = RuleFamily.mars("logit-ratio")
+    theta = walk(data, family, promise("max-nll-increase", eps))
     assert data.replay(theta, "logit-ratio").nll_increase <= eps
     # ...and is the most relaxing such theta: one step further (the next lower statistic value
     # among positions where relaxing changes the outcome) breaks the budget.
@@ -151,30 +155,36 @@ def test_max_nll_increase_policy_keeps_its_promise(eps):
         assert data.replay(float(lower.max()), "logit-ratio").nll_increase > eps
     else:
         assert eps >= data.replay(-1.0, "logit-ratio").nll_increase
-    rounded = choose_theta(data, "logit-ratio", "max-nll-increase", eps)
+    rounded = pick_knob(data, family, "max-nll-increase", eps)
     assert theta <= rounded <= theta + 1e-4
     assert data.replay(rounded, "logit-ratio").nll_increase <= eps
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.1, 0.25, 0.5, 0.9, 1.0])
 def test_relax_rate_policy_keeps_its_promise(rate):
+    """MARS's --relax-rate is every rule's relax rate: the share of verified positions where
+    it accepts a draft strict verification rejects (here: top-2 drafts above theta)."""
     data = synthetic()
-    theta = pick_relax_rate(data, "logit-ratio", rate)
-    share = data.replay(theta, "logit-ratio").relaxable_share
-    assert share <= rate
-    assert share >= rate - 1.0 / data.positions  # as close as the data allow (no ties here)
-    rounded = choose_theta(data, "logit-ratio", "relax-rate", rate)
-    assert data.replay(rounded, "logit-ratio").relaxable_share <= rate
+    family = RuleFamily.mars("logit-ratio")
+    theta = walk(data, family, promise("relax-rate", rate))
+    got = data.replay(theta, "logit-ratio").relax_rate
+    assert got <= rate
+    most = data.replay(float(critical_values(data, family)[-1]), "logit-ratio").relax_rate
+    assert most == pytest.approx(float((data.rank == 2).mean()))  # every top-2 draft, at the end
+    assert got >= min(rate, most) - 1.0 / data.positions  # as close as the data allow (no ties here)
+    rounded = pick_knob(data, family, "relax-rate", rate)
+    assert data.replay(rounded, "logit-ratio").relax_rate <= rate
 
 
 def test_fixed_policy_records_the_value():
-    assert choose_theta(synthetic(), "logit-ratio", "fixed", 0.9) == 0.9
+    assert pick_knob(synthetic(), RuleFamily.mars("logit-ratio"), "fixed", 0.9) == 0.9
 
 
 def test_histogram_counts_every_position_by_rank():
     data = synthetic()
     data.logit_ratio[:7] = -math.inf  # z1 <= 0: never relaxable, counted below the range
-    h = histogram(data, "logit-ratio")
+    h = rule_histogram(data, Rule("mars", 0.9, "logit-ratio"))
+    assert h["statistic"] == "logit-ratio"
     assert len(h["edges"]) == len(h["counts"]["rank1"]) + 1
     total = sum(sum(h["counts"][k]) + h["below"][k] for k in ("rank1", "rank2", "other"))
     assert total == data.positions

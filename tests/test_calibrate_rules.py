@@ -14,9 +14,10 @@ import torch
 from test_calibrate import _step
 from test_rules import RankDrafter
 
-from marscli.calibration.collect import MarginCollector, MarginData, analyse
+from marscli.calibration.collect import MarginCollector, MarginData
 from marscli.calibration.report import build_profile
 from marscli.calibration.policies import (
+    analyse,
     RuleFamily,
     critical_values,
     curve_values,
@@ -40,7 +41,8 @@ from marscli.calibration.profiles import (
     save_profile,
     user_profile_dir,
 )
-from marscli.verification.rules import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
+from marscli.verification.registry import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL
+from marscli.verification.rules import Rule
 from marscli.verification.chain import verify
 
 K = 5
@@ -361,7 +363,8 @@ IDENTITY = {
 
 def _profile(rule: Rule | None, name: str, policy: str = "max-nll-increase", value: float = 0.02) -> dict:
     data = handmade()
-    cal = analyse(data, "logit-ratio", policy, value, seconds=1.0, rule=rule)
+    family = RuleFamily.mars("logit-ratio") if rule is None else RuleFamily.of(rule)
+    cal = analyse(data, family, policy, value, seconds=1.0)
     return build_profile(name=name, cal=cal, data=data, target_identity=IDENTITY, draft_cfg=DraftConfig(),
                          draft_identity=None, sampling=SamplingParams(max_tokens=64), input_name="c.jsonl",
                          input_sha256=None, seconds=1.0)

@@ -18,7 +18,10 @@ from marscli.calibration.speed import (
     speed_curve,
     speed_section,
 )
+from marscli.calibration.policies import RuleFamily
 from marscli.engine.costs import StepCosts
+
+MARS_LR = RuleFamily.mars("logit-ratio")
 
 
 def flat_costs() -> StepCosts:  # drafting is free: the speed-up is tau itself
@@ -32,15 +35,15 @@ def steep_costs() -> StepCosts:  # a forward over 5 tokens costs twice a plain o
 def test_predicted_speedup_is_tau_over_step_cost():
     data = synthetic(k=4)
     strict = data.replay(math.inf, "logit-ratio")
-    assert predicted_speedup(data, "logit-ratio", math.inf, flat_costs()) == pytest.approx(strict.tau)
+    assert predicted_speedup(data, MARS_LR, math.inf, flat_costs()) == pytest.approx(strict.tau)
     # Every step verifies 4 drafts: 5 tokens, twice a plain step.
     assert plain_step_units(data, steep_costs(), 1) == pytest.approx(2.0 * data.steps)
-    assert predicted_speedup(data, "logit-ratio", math.inf, steep_costs()) == pytest.approx(strict.tau / 2)
+    assert predicted_speedup(data, MARS_LR, math.inf, steep_costs()) == pytest.approx(strict.tau / 2)
 
 
 def test_curve_is_faster_where_it_relaxes_more():
     data = synthetic(k=4)
-    curve = speed_curve(data, "logit-ratio", [0.6, 0.8, 0.95], flat_costs())
+    curve = speed_curve(data, MARS_LR, [0.6, 0.8, 0.95], flat_costs())
     speeds = [r["speedup"] for r in curve]
     assert curve[-1]["theta"] == math.inf
     assert speeds == sorted(speeds, reverse=True) and speeds[0] > speeds[-1]
@@ -50,18 +53,18 @@ def test_fastest_within_budget_prefers_the_least_relaxed_of_equals():
     curve = [{"theta": 0.5, "speedup": 2.0}, {"theta": 0.7, "speedup": 1.9},
              {"theta": 0.8, "speedup": 1.899}, {"theta": 0.9, "speedup": 1.5},
              {"theta": math.inf, "speedup": 1.2}]
-    assert fastest_within_budget(curve, 0.6) == 0.8  # 0.5 is over budget; 0.8 ties 0.7
-    assert fastest_within_budget(curve, 0.4) == 0.5
-    assert fastest_within_budget(curve, 0.95) == 0.95  # nothing allowed: the policy's own
+    assert fastest_within_budget(curve, 0.6, MARS_LR) == 0.8  # 0.5 is over budget; 0.8 ties 0.7
+    assert fastest_within_budget(curve, 0.4, MARS_LR) == 0.5
+    assert fastest_within_budget(curve, 0.95, MARS_LR) == 0.95  # nothing allowed: the policy's own
 
 
 def test_section_says_when_relaxing_does_not_pay():
     data = synthetic(k=4)
-    pays = speed_section(data, "logit-ratio", 0.5, "speed", flat_costs(), 1, [0.5, 0.9])
+    pays = speed_section(data, MARS_LR, 0.5, "speed", flat_costs(), 1, [0.5, 0.9])
     assert pays["relaxed_gain"] > MIN_RELAXED_GAIN and not pays["verify_strictly"]
     assert pays["speedup_mars"] > pays["speedup_strict"]
     # A theta above every statistic relaxes nothing: no gain, verify strictly.
-    none = speed_section(data, "logit-ratio", 1.5, "quality", flat_costs(), 1, [0.9])
+    none = speed_section(data, MARS_LR, 1.5, "quality", flat_costs(), 1, [0.9])
     assert none["relaxed_gain"] == 0.0 and none["verify_strictly"]
 
 

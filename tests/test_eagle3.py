@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import json
-import math
 from pathlib import Path
 
 import pytest

@@ -11,7 +11,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marscli.calibration.collect import analyse
+from marscli.calibration.policies import RuleFamily, analyse
 from marscli.calibration.report import build_profile
 from marscli.config import DraftConfig, SamplingParams
 from marscli.errors import EXIT_USAGE
@@ -38,7 +38,7 @@ IDENTITY = {
 def make_profile(name: str = "tiny.ngram.float32", identity: dict | None = None, **policy) -> dict:
     data = synthetic()
     pol, val = next(iter(policy.items())) if policy else ("max-nll-increase", 0.02)
-    cal = analyse(data, "logit-ratio", pol.replace("_", "-"), val, seconds=2.0)
+    cal = analyse(data, RuleFamily.mars("logit-ratio"), pol.replace("_", "-"), val, seconds=2.0)
     return build_profile(
         name=name, cal=cal, data=data, target_identity=identity or IDENTITY,
         draft_cfg=DraftConfig(), draft_identity=None, sampling=SamplingParams(max_tokens=64),

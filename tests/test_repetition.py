@@ -25,7 +25,8 @@ from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
 from marscli.models.loading import load_model
 from marscli.verification.guard import NgramIndex, ends_in_loop, loop_period, repeat_flags, repeat_share
-from marscli.verification.rules import MARS, Rule, margin_statistic, top2
+from marscli.verification.registry import MARS
+from marscli.verification.rules import Rule, margin_statistic, top2
 from marscli.verification.chain import verify
 from marscli.verification.tree import verify_tree
 from tests.test_engine import RunnerUpDrafter

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from marscli.config import SamplingParams, VerifyConfig
-from marscli.verification.rules import LOGIT_RATIO, MARS, PROB_RATIO, STRICT, PositionFacts, Rule
+from marscli.verification.registry import LOGIT_RATIO, MARS, PROB_RATIO, STRICT
+from marscli.verification.rules import PositionFacts, Rule
 from marscli.verification.chain import step_uniforms, verify, verify_rows
 
 V = 10

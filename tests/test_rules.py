@@ -19,8 +19,9 @@ from marscli.drafters.base import DrafterBase, RowDrafters
 from marscli.engine.scheduler import Engine
 from marscli.models.loading import load_model
 from marscli.verification.tree import DraftTree
-from marscli.verification.rules import MARS, MODES, REGRET, RULES, STRICT, GREEDY_MODE, Rule
-from marscli.verification.chain import residual, sample_from, sampling_probs, verify
+from marscli.verification.registry import MARS, MODES, REGRET, RULES, STRICT, GREEDY_MODE
+from marscli.verification.rules import Rule
+from marscli.verification.chain import sample_from, sampling_probs, verify
 from marscli.verification.tree import verify_tree
 
 V = 10

@@ -4,9 +4,9 @@ spec, in the resume fingerprint and in bench's report."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import typing
 
 import pytest
 from typer.testing import CliRunner
@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 import marscli
 from marscli.bench.methods import MethodSpec, parse_methods
 from marscli.cli import app
-from marscli.config import DEFAULT_TOP_N, GUARD_OFF, GuardConfig, VerifyConfig, VerifyMode
+from marscli.config import GUARD_OFF, GuardConfig, VerifyConfig, VerifyRequest
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE, UsageError
-from marscli.jobs.setup import VERIFY_MODES, verify_desc
-from marscli.verification.rules import RULES, Rule
-from marscli.verification.rules import DEFAULT_TOP_N as VERIFY_DEFAULT_TOP_N
+from marscli.jobs.setup import verify_desc
+from marscli.verification.registry import ALL_KNOBS, OTHER_KNOBS, RULEBOOK
+from marscli.verification.rules import Rule
 
 #: A prompt whose n-grams repeat, so the ngram drafter has drafts to verify.
 PROMPT = "hello world, hello marscli; the cat sat on the mat. hello world, hello the cat sat on the"
@@ -48,8 +48,16 @@ def lines(out: str) -> list[dict]:
 
 
 def test_config_knows_every_rule_and_builds_it():
-    assert set(typing.get_args(VerifyMode)) == set(RULES) == set(VERIFY_MODES)
-    assert DEFAULT_TOP_N == VERIFY_DEFAULT_TOP_N
+    # The settings values carry exactly the registry's knobs, each defaulting to its strict end.
+    fields = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
+    assert [k for k in fields(Rule) if k in ALL_KNOBS] == list(ALL_KNOBS)
+    assert [k for k in fields(VerifyConfig) if k in ALL_KNOBS] == list(ALL_KNOBS)
+    assert [k for k in fields(VerifyRequest) if k in ALL_KNOBS] == list(ALL_KNOBS)
+    assert set(fields(Rule)) - set(ALL_KNOBS) == {"name", "margin"}
+    for knob in OTHER_KNOBS:
+        assert getattr(VerifyConfig(), knob) == getattr(Rule(), knob) == ALL_KNOBS[knob].default \
+            or knob == "alpha"
+    assert VerifyConfig().top_n == RULEBOOK["topk"].knob("top_n").default == 2
     # Existing positional call sites keep their meaning: mode, theta, margin, guard.
     v = VerifyConfig("mars", 0.8, "prob-ratio", GUARD_OFF)
     assert v.rule == Rule("mars", 0.8, "prob-ratio")

@@ -27,7 +27,6 @@ from marscli.verification.spans import (
     CODE,
     SpanRule,
     SpanTracker,
-    TextState,
     compile_regex,
     fence_opener,
     parse_strict_in,

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import marscli.verification.chain as mv
-from marscli.verification.rules import LOGIT_RATIO, NOT_RELAXABLE, PROB_RATIO, margin_statistic, top2
+from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
+from marscli.verification.rules import NOT_RELAXABLE, margin_statistic, top2
 from marscli.verification.chain import (
     VerifyResult,
     mars_greedy,

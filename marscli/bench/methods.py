@@ -47,7 +47,6 @@ from typing import Any
 from marscli.bench import metrics
 from marscli.scoring import rouge
 from marscli.config import (
-    PAPER_THETA,
     SPANS_OFF,
     DraftConfig,
     GuardConfig,
@@ -59,32 +58,19 @@ from marscli.config import (
     SpanConfig,
 )
 from marscli.errors import EXIT_RUNTIME, InputError, UsageError
+from marscli.verification.registry import MARS, PAPER_THETA, RELAXING_RULES, RULEBOOK, STRICT
 
 HF_GENERATE = "hf-generate"
 HF_ASSISTED = "hf-assisted"
 AR = "ar"
-STRICT = "strict"
-MARS = "mars"
 STRICT_TREE = "strict-tree"
 MARS_TREE = "mars-tree"
 #: MARS with the loop guard off (the paper's rule alone), beside `mars` (guarded by the run's
 #: --repeat-guard / --max-relaxed-share, on by default): what the guard changes.
 MARS_NOGUARD = "mars-noguard"
-#: The rulebook's other relaxed rules, spelled NAME@KNOBS (RULE_SPELLINGS): one method each.
-RATIO = "ratio"
-TOPK = "topk"
-TYPICAL = "typical"
-REGRET = "regret"
-RULE_METHODS = (RATIO, TOPK, TYPICAL, REGRET)
-#: How each rule method is written, its knobs in order (the rule's field names).
-RULE_SPELLINGS = {
-    RATIO: ("ratio@R (0 < R <= 1)", ("rho",)),
-    TOPK: ("topk@N:D (N >= 1 tokens, D >= 0)", ("top_n", "delta")),
-    TYPICAL: ("typical@E:A or typical@E (0 < E <= 1, A > 0; A = sqrt(E) by default)", ("epsilon", "alpha")),
-    REGRET: ("regret@B (B >= 0; greedy only)", ("budget",)),
-}
-#: Knobs a spelling may leave out (typical's alpha).
-OPTIONAL_KNOBS = ("alpha",)
+#: The rulebook's relaxed rules but MARS (which has methods of its own, one per --theta),
+#: spelled NAME@KNOBS (registry.RuleSpec.spelling: ratio@R, topk@N:D, ...): one method each.
+RULE_METHODS = tuple(r for r in RELAXING_RULES if r != MARS)
 ALL_METHODS = (HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS, MARS_NOGUARD, STRICT_TREE, MARS_TREE, *RULE_METHODS)
 DEFAULT_METHODS = ",".join((HF_GENERATE, HF_ASSISTED, AR, STRICT, MARS))
 #: The default for an EAGLE-3 drafter: transformers has no EAGLE-3 assisted generation, and
@@ -227,20 +213,21 @@ def rule_method(name: str, match: bool = False) -> MethodSpec:
     from marscli.verification.rules import Rule
 
     kind, _, text = name.partition("@")
-    spelling, fields = RULE_SPELLINGS[kind]
+    spec = RULEBOOK[kind]
+    spelling = spec.spelling
     parts = text.split(":") if text else []
-    least = 0 if match else len([f for f in fields if f not in OPTIONAL_KNOBS])
-    if not least <= len(parts) <= len(fields):
+    least = 0 if match else len([k for k in spec.knobs if not k.optional])
+    if not least <= len(parts) <= len(spec.knobs):
         hint = " (or leave the knobs out with --match-relax-rate)" if len(parts) < least else ""
         raise UsageError(f"method {name!r} in --methods: write {spelling}{hint}")
     knobs: dict[str, Any] = {}
-    for field_, part in zip(fields, parts):
+    for knob, part in zip(spec.knobs, parts):
         value = _method_number(name, part, spelling)
-        if field_ == "top_n":
+        if knob.kind is int:
             if value != int(value):
-                raise UsageError(f"method {name!r} in --methods: N is a whole number of tokens; write {spelling}")
+                raise UsageError(f"method {name!r} in --methods: {knob.symbol} is a whole number; write {spelling}")
             value = int(value)
-        knobs[field_] = value
+        knobs[knob.name] = value
     try:
         rule = Rule(kind, **knobs)
     except ValueError as e:
@@ -280,7 +267,7 @@ def parse_int_list(text: str, option: str) -> tuple[int, ...]:
 
 def check_config(cfg: BenchConfig) -> None:
     if not cfg.greedy:
-        from marscli.verification.rules import SAMPLING_MODE
+        from marscli.verification.registry import SAMPLING_MODE
 
         greedy_only = [m.name for m in cfg.methods if m.rule is not None and SAMPLING_MODE not in m.rule.modes]
         if greedy_only:

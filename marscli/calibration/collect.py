@@ -1,4 +1,6 @@
-"""Calibration: measure the target's margins under strict verification and pick theta.
+"""Calibration's collection: what the target says at every verified draft position of a
+strict run, and the exact replay of that run under any rule (the policies that pick a rule's
+knob from the replay: marscli.calibration.policies).
 
 Collection runs the engine with strict verification and observes every step. The target has
 scored all k drafts of a step in one forward pass, so at each **verified draft position** we
@@ -37,16 +39,9 @@ from typing import Any
 import numpy as np
 
 from marscli.config import GUARD_OFF, GuardConfig
-from marscli.calibration.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE, RANK_KEYS
+from marscli.verification.registry import LOGIT_RATIO, MARGINS
 
-#: Default policy parameter: at most 0.02 nats of target log-probability given up per token.
-DEFAULT_MAX_NLL_INCREASE = 0.02
-#: Histogram bins over [0, 1] (both statistics live there; below 0 is counted apart).
-HIST_BINS = 200
-#: Candidate thresholds evaluated exactly by the max-nll-increase policy (subsampled beyond).
-MAX_CANDIDATES = 4096
 RANK_TOP1, RANK_TOP2, RANK_OTHER = 1, 2, 3
-STATISTICS = ("logit-ratio", "prob-ratio")
 
 
 # --------------------------------------------------------------------------- collection
@@ -73,7 +68,8 @@ class MarginCollector:
     def __call__(self, obs) -> None:
         import torch
 
-        from marscli.verification.rules import LOGIT_RATIO, PROB_RATIO, draft_facts, margin_statistic, top2
+        from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
+        from marscli.verification.rules import draft_facts, margin_statistic, top2
         from marscli.verification.chain import sampling_probs, strict_sampling_accepts
 
         self.sampled = self.sampled or not obs.sampling.greedy
@@ -138,7 +134,8 @@ class MarginCollector:
         import torch
 
         from marscli.verification.tree import ROOT
-        from marscli.verification.rules import LOGIT_RATIO, PROB_RATIO, draft_facts, margin_statistic, top2
+        from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
+        from marscli.verification.rules import draft_facts, margin_statistic, top2
         from marscli.verification.chain import sampling_probs
 
         tree, L, res, s = obs.tree, obs.tree_logits.float(), obs.result, obs.sampling
@@ -319,9 +316,9 @@ class MarginData:
         return len(self.rank)
 
     def statistic(self, margin: str) -> np.ndarray:
-        if margin not in STATISTICS:
+        if margin not in MARGINS:
             raise ValueError(f"unknown margin statistic {margin!r}")
-        return self.logit_ratio if margin == "logit-ratio" else self.prob_ratio
+        return self.logit_ratio if margin == LOGIT_RATIO else self.prob_ratio
 
     @classmethod
     def merge(cls, parts: list[MarginData]) -> MarginData:
@@ -381,7 +378,8 @@ class MarginData:
     def facts(self, rule) -> Any:
         """The recorded facts as verify.PositionFacts of [S, Kmax] numpy arrays, for ``rule``
         (with the loop guard's verdicts when the data's guard is on)."""
-        from marscli.verification.rules import MARS, GREEDY_MODE, SAMPLING_MODE, TYPICAL, PositionFacts
+        from marscli.verification.registry import MARS, GREEDY_MODE, SAMPLING_MODE, TYPICAL
+        from marscli.verification.rules import PositionFacts
 
         if self.sampled and SAMPLING_MODE not in rule.modes:
             raise ValueError(f"the {rule.name} rule is defined for {GREEDY_MODE} decoding only; "
@@ -400,7 +398,8 @@ class MarginData:
         """Every step of the collection run, verified by ``rule`` (a verify.Rule; or a theta
         and a margin: MARS there, strict at +inf) instead, with the data's loop guard and
         relaxation budget. Each position is judged by verify's own Rule.decide."""
-        from marscli.verification.rules import LOGIT_RATIO, MARS, Rule, relaxed_positions
+        from marscli.verification.registry import LOGIT_RATIO, MARS
+        from marscli.verification.rules import Rule, relaxed_positions
 
         if not isinstance(rule, Rule):
             rule = Rule(MARS, float(rule), margin or LOGIT_RATIO)
@@ -476,180 +475,13 @@ class Replay:
     def row(self) -> dict[str, float]:
         return {
             self.knob_name: self.theta,
-            "relaxable_share": _r(self.relaxable_share),
-            "relax_rate": _r(self.relax_rate),
-            "relaxed_share": _r(self.relaxed_share),
-            "tau": _r(self.tau),
-            "nll_increase": _r(self.nll_increase),
+            "relaxable_share": significant(self.relaxable_share),
+            "relax_rate": significant(self.relax_rate),
+            "relaxed_share": significant(self.relaxed_share),
+            "tau": significant(self.tau),
+            "nll_increase": significant(self.nll_increase),
         }
 
 
-def _r(x: float, digits: int = 6) -> float:
+def significant(x: float, digits: int = 6) -> float:
     return float(f"{x:.{digits}g}")
-
-
-# --------------------------------------------------------------------------- policies
-
-
-def sensitive_candidates(data: MarginData, margin: str) -> np.ndarray:
-    """Distinct statistic values, highest first, at positions where relaxing changes the
-    outcome (MARS and strict disagree there): the cost and tau only change at these."""
-    stat = data.statistic(margin)
-    eligible = (data.rank <= RANK_TOP2) & np.isfinite(data.logp_draft)
-    sensitive = eligible != (data.strict_ok > 0.5)
-    vals = np.unique(stat[sensitive & np.isfinite(stat)])[::-1]
-    if len(vals) > MAX_CANDIDATES:
-        idx = np.unique(np.linspace(0, len(vals) - 1, MAX_CANDIDATES).round().astype(int))
-        vals = vals[idx]
-    return vals
-
-
-def _just_below(x: float) -> float:
-    return float(np.nextafter(x, -math.inf))
-
-
-def pick_max_nll_increase(data: MarginData, margin: str, eps: float) -> float:
-    """The most relaxing theta whose estimated cost stays within eps nats per token.
-
-    Walks down from strict through the thresholds where the replay changes and stops before
-    the first one whose cost exceeds eps, so every theta above the chosen one is within eps
-    too. (The total cost only grows as theta falls, but the cost per token need not: a relaxed
-    token can unlock a run of exact acceptances.) Positions relax only when their statistic
-    exceeds theta, so theta = c excludes c itself.
-    """
-    cands = sensitive_candidates(data, margin)
-    if len(cands) == 0:
-        return 1.0  # nothing on record where relaxing would change anything
-    best = float(cands[0])  # relaxes none of the sensitive positions: cost 0
-    for c in cands[1:]:
-        if data.replay(float(c), margin).nll_increase > eps:
-            return best
-        best = float(c)
-    below = _just_below(best)
-    return below if data.replay(below, margin).nll_increase <= eps else best
-
-
-def pick_relax_rate(data: MarginData, margin: str, rate: float) -> float:
-    """The lowest theta at which at most a share ``rate`` of verified positions is relaxable."""
-    stat = np.sort(data.statistic(margin))[::-1]
-    P = len(stat)
-    finite = stat[np.isfinite(stat)]
-    if P == 0 or len(finite) == 0:
-        return 1.0
-    m = int(math.floor(rate * P + 1e-9))
-    if m >= len(finite):  # every position that can be relaxed, is
-        return _just_below(float(finite[-1]))
-    return float(stat[m])
-
-
-#: Chosen thresholds are rounded up (towards strict) to this many decimals when the policy's
-#: promise still holds: 0.9617 reads better than 0.9616848826408386 and is as good a choice.
-THETA_DECIMALS = 4
-
-
-def choose_theta(data: MarginData, margin: str, policy: str, value: float) -> float:
-    if policy == POLICY_FIXED:
-        return float(value)
-    if policy == POLICY_MAX_NLL:
-        theta = pick_max_nll_increase(data, margin, value)
-        keeps = lambda t: data.replay(t, margin).nll_increase <= value
-    elif policy == POLICY_RELAX_RATE:
-        theta = pick_relax_rate(data, margin, value)
-        keeps = lambda t: data.replay(t, margin).relaxable_share <= value
-    else:
-        raise ValueError(f"unknown policy {policy!r}")
-    scale = 10 ** THETA_DECIMALS
-    rounded = math.ceil(theta * scale) / scale
-    return rounded if keeps(rounded) else theta
-
-
-# --------------------------------------------------------------------------- curve, histogram
-
-_FIXED_GRID = (0.5, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
-_QUANTILES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
-
-
-def curve_thetas(data: MarginData, margin: str, extra: tuple[float, ...] = ()) -> list[float]:
-    """A theta grid dense where the data are (quantiles of the statistic) plus round values."""
-    stat = data.statistic(margin)
-    finite = stat[np.isfinite(stat)]
-    qs = [round(float(q), 4) for q in np.quantile(finite, _QUANTILES)] if len(finite) else []
-    return sorted(set(qs) | set(_FIXED_GRID) | {float(x) for x in extra})
-
-
-def trade_off_curve(data: MarginData, margin: str, thetas: list[float]) -> list[dict[str, float]]:
-    """One row per theta, and a last row for strict verification (theta = +inf)."""
-    return [data.replay(t, margin).row() for t in thetas] + [data.replay(math.inf, margin).row()]
-
-
-def histogram(data: MarginData, margin: str, bins: int = HIST_BINS) -> dict[str, Any]:
-    """Counts of the statistic by draft rank over [0, 1]; values below 0 (and -inf) apart."""
-    stat = data.statistic(margin)
-    edges = np.linspace(0.0, 1.0, bins + 1)
-    counts, below = {}, {}
-    for key, sel in zip(RANK_KEYS, (data.rank == RANK_TOP1, data.rank == RANK_TOP2, data.rank == RANK_OTHER)):
-        v = stat[sel]
-        below[key] = int((v < 0).sum())
-        c, _ = np.histogram(np.clip(v[v >= 0], 0.0, 1.0), bins=edges)
-        counts[key] = [int(x) for x in c]
-    return {
-        "statistic": margin,
-        "edges": [round(float(e), 6) for e in edges],
-        "below": below,
-        "counts": counts,
-    }
-
-
-# --------------------------------------------------------------------------- the result
-
-
-@dataclass
-class Calibration:
-    """What calibrate decided and why: the figures a profile records."""
-
-    margin: str
-    policy: str
-    policy_value: float
-    theta: float  # the rule's main knob's chosen value (theta for MARS)
-    summary: dict[str, float]
-    histogram: dict[str, Any]
-    curve: list[dict[str, float]]
-    rule: Any = None  # the verify.Rule chosen; None: MARS at theta with this margin
-
-    def chosen_rule(self):
-        from marscli.verification.rules import MARS, Rule
-
-        return self.rule if self.rule is not None else Rule(MARS, self.theta, self.margin)
-
-
-def summary_figures(data: MarginData, at: Replay, strict: Replay, seconds: float) -> dict[str, float]:
-    """The profile's summary: the chosen rule's replay beside strict's (tau_mars holds the
-    chosen rule's tau whatever the rule: the key is schema 1's) and the measured run."""
-    measured_tau = data.tokens / data.steps if data.steps else 0.0
-    return {
-        "relaxable_share": _r(at.relaxable_share),
-        "relaxed_share": _r(at.relaxed_share),
-        "tau_strict": _r(strict.tau),
-        "tau_mars": _r(at.tau),
-        "nll_increase": _r(at.nll_increase),
-        "measured_tau_strict": _r(measured_tau),
-        "measured_tokens_per_s": _r(data.tokens / seconds if seconds > 0 else 0.0),
-        "relax_rate": _r(at.relax_rate),
-    }
-
-
-def analyse(data: MarginData, margin: str, policy: str, value: float,
-            seconds: float, rule=None, alpha_given: bool | None = None) -> Calibration:
-    """Choose the knob by the policy and gather the profile's figures. ``rule``: a
-    verify.Rule whose main knob is fitted (its other knobs kept; marscli.calibration.policies);
-    None or MARS: theta for ``margin`` (MARS's own policies, unchanged)."""
-    from marscli.verification.rules import MARS
-
-    if rule is not None and rule.name != MARS:
-        from marscli.calibration.policies import RuleFamily, analyse_rule
-
-        return analyse_rule(data, RuleFamily.of(rule, alpha_given), policy, value, seconds)
-    theta = choose_theta(data, margin, policy, value)
-    summary = summary_figures(data, data.replay(theta, margin), data.replay(math.inf, margin), seconds)
-    curve = trade_off_curve(data, margin, curve_thetas(data, margin, (theta,)))
-    return Calibration(margin, policy, float(value), theta, summary, histogram(data, margin), curve)

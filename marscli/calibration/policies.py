@@ -1,20 +1,31 @@
-"""Calibrating any rule's main knob (issue 14): MARS's theta, ratio's rho, topk's delta,
-typical's epsilon, regret's budget, by the policies of marscli.calibration.collect, on the same
-recorded facts (one collection run serves every rule).
+"""Choosing a rule's main knob from a collection run: one policy vocabulary for every rule.
+
+MARS's theta, ratio's rho, topk's delta, typical's epsilon and regret's budget are chosen the
+same way, on the same recorded facts (one collection run serves every rule;
+marscli.calibration.collect), by one of the policies of ``POLICIES``:
+
+- ``max-nll-increase EPS``: the most relaxing knob whose estimated cost stays within EPS nats
+  of target log-probability per emitted token (the cost of a relaxed token is its regret on
+  the strict trajectory, log p1 - log p(draft));
+- ``relax-rate S``: the most relaxing knob whose **relax rate** is at most S. The relax rate
+  (``Replay.relax_rate``) is every rule's common measure of how much it relaxes: the share
+  of verified draft positions at which the rule, judging the position on its own (with the
+  loop guard and the relaxation budget as replayed), accepts a draft that strict
+  verification rejects there;
+- ``fixed V``: the knob V itself, recorded as such.
 
 Each rule relaxes a position once its knob passes a **critical value** of that position
 (computed from the facts: MARS its statistic, ratio p(x)/p1, topk p1 - p(x), typical
 max(p(x), (p(x) e^H)^2) with alpha tied to sqrt(epsilon) or p(x) with alpha fixed, regret the
 step's summed regret so far). The replay only changes at those values, so a policy walks them
-from the knob's strict end towards more relaxing ones and keeps the last value whose replay
-(``MarginData.replay``, i.e. verify's own Rule.decide) keeps its promise. The critical
-values only say where to look; every promise is checked on the replay itself.
+from the knob's strict end towards more relaxing ones (``walk``) and keeps the last value whose
+replay (``MarginData.replay``: the verifier's own Rule.decide) keeps its promise; the critical
+values only say where to look, every promise is checked on the replay itself. The chosen
+value is then rounded towards the strict end to KNOB_DECIMALS where the promise still holds.
 
-The **relax rate** (``Replay.relax_rate``) is every rule's common measure of how much it
-relaxes: the share of verified draft positions at which the rule, judging the position on
-its own (with the loop guard and the relaxation budget as replayed), accepts a draft that
-strict verification rejects there. ``match_relax_rate`` sets each rule's knob so that all
-relax the same share: bench's ``--match-relax-rate``.
+``match_relax_rate`` sets each rule's knob so that all relax the same share: bench's
+``--match-relax-rate``. ``analyse`` gathers what a profile records: the chosen rule, the
+summary figures, the histogram of the rule's statistic and the trade-off curve.
 """
 
 from __future__ import annotations
@@ -25,30 +36,28 @@ from typing import Any
 
 import numpy as np
 
-from marscli.calibration.collect import MAX_CANDIDATES, MarginData, Replay, sensitive_candidates
-from marscli.calibration.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
-from marscli.verification.rules import KNOBS, MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
+from marscli.calibration.collect import RANK_OTHER, RANK_TOP1, RANK_TOP2, MarginData, Replay, significant
+from marscli.calibration.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE, RANK_KEYS
+from marscli.verification.registry import KNOBS, MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, RuleSpec
+from marscli.verification.rules import Rule
 
+#: Default policy parameter: at most 0.02 nats of target log-probability given up per token.
+DEFAULT_MAX_NLL_INCREASE = 0.02
 #: Chosen knobs are rounded towards the strict end to this many decimals when the policy's
-#: promise still holds there (as marscli.calibration.collect.THETA_DECIMALS for theta).
+#: promise still holds there: 0.9617 reads better than 0.9616848826408386 and is as good.
 KNOB_DECIMALS = 4
-#: Round values every curve shows beside the quantiles of the critical values.
-_ROUND_VALUES = {
-    MARS: (0.5, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99),
-    RATIO: (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
-    TOPK: (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5),
-    TYPICAL: (0.01, 0.05, 0.09, 0.2, 0.3, 0.5, 0.9),
-    REGRET: (0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
-}
+#: Critical values walked exactly by a policy (subsampled beyond).
+MAX_CANDIDATES = 4096
+#: Histogram bins (MARS's statistics, ratio, topk and typical live in [0, 1]; below 0 apart).
+HIST_BINS = 200
 _QUANTILES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
-#: What each rule's histogram shows (Rule.statistic): its name and range.
-STATISTIC_NAMES = {RATIO: "p-ratio", TOPK: "p-gap", TYPICAL: "p-draft", REGRET: "regret"}
 
 
 @dataclass(frozen=True)
 class RuleFamily:
-    """A rule with its main knob free: ``at(value)`` is the rule at that value. typical's
-    alpha follows sqrt(epsilon) when ``tie_alpha`` (no --alpha given), else stays fixed."""
+    """A rule with its main knob free: ``at(value)`` is the rule at that value (its other
+    knobs, and MARS's margin statistic, as in ``template``). typical's alpha follows
+    sqrt(epsilon) when ``tie_alpha`` (no --alpha given), else stays fixed."""
 
     template: Rule
     tie_alpha: bool = False
@@ -63,23 +72,32 @@ class RuleFamily:
         tied = rule.alpha == math.sqrt(rule.epsilon) if alpha_given is None else not alpha_given
         return cls(rule, tied)
 
+    @classmethod
+    def mars(cls, margin: str) -> RuleFamily:
+        """MARS's theta for the margin statistic ``margin``."""
+        return cls(Rule(MARS, margin=margin))
+
     @property
     def name(self) -> str:
         return self.template.name
 
     @property
+    def spec(self) -> RuleSpec:
+        return self.template.spec
+
+    @property
     def knob(self) -> str:
-        return KNOBS[self.name][0]
+        return self.spec.main
 
     @property
     def direction(self) -> int:
         """+1 when larger values relax more, -1 when smaller ones do."""
-        return KNOBS[self.name][1]
+        return self.spec.direction
 
     @property
     def strict_end(self) -> float:
         """The least relaxing value (strict itself, except typical: epsilon 1 still relaxes)."""
-        return KNOBS[self.name][2]
+        return self.spec.strict_end
 
     def at(self, value: float) -> Rule:
         if self.tie_alpha:
@@ -91,14 +109,37 @@ class RuleFamily:
         return a <= b if self.direction > 0 else a >= b
 
 
+# --------------------------------------------------------------------------- critical values
+
+
+def sensitive_candidates(data: MarginData, margin: str) -> np.ndarray:
+    """MARS: distinct statistic values, highest first, at positions where relaxing changes the
+    outcome (MARS and strict disagree there): the cost and tau only change at these."""
+    stat = data.statistic(margin)
+    eligible = (data.rank <= RANK_TOP2) & np.isfinite(data.logp_draft)
+    sensitive = eligible != (data.strict_ok > 0.5)
+    return _subsample(np.unique(stat[sensitive & np.isfinite(stat)])[::-1])
+
+
+def _subsample(v: np.ndarray) -> np.ndarray:
+    if len(v) > MAX_CANDIDATES:
+        v = v[np.unique(np.linspace(0, len(v) - 1, MAX_CANDIDATES).round().astype(int))]
+    return v
+
+
 def critical_values(data: MarginData, family: RuleFamily) -> np.ndarray:
-    """Knob values to walk, from the strict end outwards: one per position where the rule
-    can change the outcome, each the value that just lets that position relax (unique,
-    subsampled to MAX_CANDIDATES)."""
+    """Knob values to walk, from the strict end outwards, where the replay changes.
+
+    MARS (theta relaxes a statistic above it): the sensitive statistic values c_0 > c_1 > ...
+    themselves, then one just below the last: theta = c_i relaxes c_0 .. c_(i-1), the most
+    relaxing theta that does so, and one value more lets the last one relax too. With no
+    sensitive position at all, 1.0 (no statistic lies above it). The other rules: one value
+    per position where the rule can change the outcome, each the value that just lets that
+    position relax (unique, subsampled to MAX_CANDIDATES)."""
     rule = family.template
     if rule.name == MARS:
         c = sensitive_candidates(data, rule.margin)
-        return np.asarray([np.nextafter(x, -math.inf) for x in c])  # relaxes stat > value
+        return np.r_[c, np.nextafter(c[-1], -math.inf)] if len(c) else np.asarray([1.0])
     open_ = (data.strict_ok < 0.5) & (data.p_draft > 0)
     px, p1 = data.p_draft[open_], data.p1[open_]
     if rule.name == RATIO:  # p(x) >= rho p1
@@ -124,9 +165,7 @@ def critical_values(data: MarginData, family: RuleFamily) -> np.ndarray:
     v = np.unique(v)
     if family.direction < 0:
         v = v[::-1]
-    if len(v) > MAX_CANDIDATES:
-        v = v[np.unique(np.linspace(0, len(v) - 1, MAX_CANDIDATES).round().astype(int))]
-    return v
+    return _subsample(v)
 
 
 def walk(data: MarginData, family: RuleFamily, keeps) -> float:
@@ -140,24 +179,31 @@ def walk(data: MarginData, family: RuleFamily, keeps) -> float:
     return best
 
 
+# --------------------------------------------------------------------------- policies
+
+
 def relax_rate(data: MarginData, rule: Rule) -> float:
     """The rule's relax rate on these data (see the module docstring)."""
     return data.replay(rule).relax_rate
 
 
+def promise(policy: str, value: float):
+    """What a policy promises of a replay: max-nll-increase, its cost within ``value`` nats
+    per token; relax-rate, its relax rate at most ``value``."""
+    if policy == POLICY_MAX_NLL:
+        return lambda r: r.nll_increase <= value
+    if policy == POLICY_RELAX_RATE:
+        return lambda r: r.relax_rate <= value
+    raise ValueError(f"unknown policy {policy!r}")
+
+
 def pick_knob(data: MarginData, family: RuleFamily, policy: str, value: float) -> float:
-    """The knob chosen by a policy: fixed (``value`` itself), max-nll-increase (the most
-    relaxing knob whose estimated cost stays within ``value`` nats per token) or relax-rate
-    (the most relaxing knob whose relax rate is at most ``value``); rounded towards the
-    strict end to KNOB_DECIMALS where the promise still holds."""
+    """The knob chosen by a policy (fixed: ``value`` itself; the others: the most relaxing
+    knob that keeps the promise), rounded towards the strict end to KNOB_DECIMALS where the
+    promise still holds."""
     if policy == POLICY_FIXED:
         return float(value)
-    if policy == POLICY_MAX_NLL:
-        keeps = lambda r: r.nll_increase <= value
-    elif policy == POLICY_RELAX_RATE:
-        keeps = lambda r: r.relax_rate <= value
-    else:
-        raise ValueError(f"unknown policy {policy!r}")
+    keeps = promise(policy, value)
     knob = walk(data, family, keeps)
     if knob == family.strict_end:
         return knob
@@ -213,11 +259,16 @@ def match_relax_rate(data: MarginData, rules: list[Rule], share: float,
 
 
 def curve_values(data: MarginData, family: RuleFamily, extra: tuple[float, ...] = ()) -> list[float]:
-    """A knob grid, most relaxing first: quantiles of the critical values, round values and
-    ``extra`` (the chosen one), all inside the knob's range."""
-    c = critical_values(data, family)
-    qs = [round(float(q), 4) for q in np.quantile(c, _QUANTILES)] if len(c) else []
-    vals = set(qs) | set(_ROUND_VALUES[family.name]) | {float(x) for x in extra}
+    """A knob grid, most relaxing first: quantiles of where the data are (MARS: its finite
+    statistic values; the other rules: their critical values), the knob's round values
+    (registry.Knob.round_values) and ``extra`` (the chosen one), all inside the knob's range."""
+    if family.name == MARS:
+        stat = data.statistic(family.template.margin)
+        where = stat[np.isfinite(stat)]
+    else:
+        where = critical_values(data, family)
+    qs = [round(float(q), 4) for q in np.quantile(where, _QUANTILES)] if len(where) else []
+    vals = set(qs) | set(family.spec.main_knob.round_values) | {float(x) for x in extra}
     ok = []
     for v in vals:
         try:
@@ -242,17 +293,15 @@ def rule_curve(data: MarginData, family: RuleFamily, values: list[float]) -> lis
 
 
 def rule_statistic(data: MarginData, rule: Rule) -> np.ndarray:
-    """[P] the number each position is judged by (verify's Rule.statistic on the facts)."""
+    """[P] the number each position is judged by (the verifier's Rule.statistic on the facts)."""
     g = data.grid()
     return np.asarray(rule.statistic(data.facts(rule)))[g["valid"]]
 
 
-def rule_histogram(data: MarginData, rule: Rule, bins: int = 200) -> dict[str, Any]:
-    """Counts of the rule's statistic by draft rank (ratio p(x)/p1, topk p1 - p(x),
-    typical p(x) over [0, 1]; regret over [0, its 99th percentile])."""
-    from marscli.calibration.collect import RANK_OTHER, RANK_TOP1, RANK_TOP2
-    from marscli.calibration.profiles import RANK_KEYS
-
+def rule_histogram(data: MarginData, rule: Rule, bins: int = HIST_BINS) -> dict[str, Any]:
+    """Counts of the rule's statistic by draft rank (MARS's margin statistic, ratio p(x)/p1,
+    topk p1 - p(x), typical p(x) over [0, 1]; regret over [0, its 99th percentile]); values
+    below 0 (and -inf) apart."""
     stat = rule_statistic(data, rule)
     hi = 1.0
     if rule.name == REGRET:
@@ -266,18 +315,52 @@ def rule_histogram(data: MarginData, rule: Rule, bins: int = 200) -> dict[str, A
         below[key] = int((v < 0).sum())
         c, _ = np.histogram(np.clip(v[v >= 0], 0.0, hi), bins=edges)
         counts[key] = [int(x) for x in c]
-    return {"statistic": STATISTIC_NAMES[rule.name], "edges": [round(float(e), 6) for e in edges],
-            "below": below, "counts": counts}
+    return {"statistic": rule.spec.statistic or rule.margin, "edges": [round(float(e), 6) for e in edges], "below": below, "counts": counts}
 
 
-def analyse_rule(data: MarginData, family: RuleFamily, policy: str, value: float, seconds: float):
-    """marscli.calibration.collect.analyse for any rule but MARS: the Calibration a profile records."""
-    from marscli.calibration.collect import Calibration, summary_figures
+# --------------------------------------------------------------------------- the result
 
+
+@dataclass
+class Calibration:
+    """What calibrate decided and why: the figures a profile records."""
+
+    policy: str
+    policy_value: float
+    theta: float  # the rule's main knob's chosen value (theta for MARS)
+    summary: dict[str, float]
+    histogram: dict[str, Any]
+    curve: list[dict[str, float]]
+    rule: Rule  # the rule chosen, at that value
+
+    @property
+    def margin(self) -> str:
+        return self.rule.margin
+
+    def chosen_rule(self) -> Rule:
+        return self.rule
+
+
+def summary_figures(data: MarginData, at: Replay, strict: Replay, seconds: float) -> dict[str, float]:
+    """The profile's summary: the chosen rule's replay beside strict's (tau_mars holds the
+    chosen rule's tau whatever the rule: the key is schema 1's) and the measured run."""
+    measured_tau = data.tokens / data.steps if data.steps else 0.0
+    return {
+        "relaxable_share": significant(at.relaxable_share),
+        "relaxed_share": significant(at.relaxed_share),
+        "tau_strict": significant(strict.tau),
+        "tau_mars": significant(at.tau),
+        "nll_increase": significant(at.nll_increase),
+        "measured_tau_strict": significant(measured_tau),
+        "measured_tokens_per_s": significant(data.tokens / seconds if seconds > 0 else 0.0),
+        "relax_rate": significant(at.relax_rate),
+    }
+
+
+def analyse(data: MarginData, family: RuleFamily, policy: str, value: float, seconds: float) -> Calibration:
+    """Choose the family's knob by the policy and gather the profile's figures."""
     knob = pick_knob(data, family, policy, value)
     rule = family.at(knob)
-    at: Replay = data.replay(rule)
-    summary = summary_figures(data, at, data.replay(Rule(STRICT)), seconds)
+    summary = summary_figures(data, data.replay(rule), data.replay(Rule(STRICT)), seconds)
     curve = rule_curve(data, family, curve_values(data, family, (knob,)))
-    return Calibration(rule.margin, policy, float(value), knob, summary, rule_histogram(data, rule),
-                       curve, rule=rule)
+    return Calibration(policy, float(value), knob, summary, rule_histogram(data, rule), curve, rule)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from marscli.errors import UsageError
+from marscli.verification.registry import ALL_KNOBS, MARGINS, MARS, RELAXING_RULES, RULEBOOK
 
 SCHEMA_VERSION = 1
 PROFILE_SUFFIXES = (".yaml", ".yml")
@@ -184,15 +185,11 @@ def _mapping(fields: dict[str, Any], optional: tuple[str, ...] = ()):
 
 
 _share = _number(lo=0.0, hi=1.0)
-#: Rules a profile may hold (verify.RULES but strict, which has nothing to calibrate).
-RELAXING_RULES = ("mars", "ratio", "topk", "typical", "regret")
-#: Knobs of the rules beside mars's margin and theta, in verify.Rule's field names.
-_RULE_KNOBS = ("rho", "top_n", "delta", "epsilon", "alpha", "budget")
-#: Each rule's knobs in a profile (verify.Rule.knobs()).
-RULE_KNOB_KEYS = {"mars": ("margin", "theta"), "ratio": ("rho",), "topk": ("top_n", "delta"),
-                  "typical": ("epsilon", "alpha"), "regret": ("budget",)}
-#: Each rule's main knob (verify.KNOBS): the curve's column.
-MAIN_KNOB = {"mars": "theta", "ratio": "rho", "topk": "delta", "typical": "epsilon", "regret": "budget"}
+#: Each rule's knobs in a profile (Rule.knobs(); a profile may hold any rule but strict,
+#: which has nothing to calibrate: registry.RELAXING_RULES).
+RULE_KNOB_KEYS = {r: RULEBOOK[r].profile_keys for r in RELAXING_RULES}
+#: Each rule's main knob: the curve's column.
+MAIN_KNOB = {r: RULEBOOK[r].main for r in RELAXING_RULES}
 _count = _integer(lo=0)
 _rank_counts = _mapping({k: _list(_count) for k in RANK_KEYS})
 _IDENTITY = {
@@ -207,8 +204,8 @@ _IDENTITY = {
     "device_type": _string,
 }
 _identity = _mapping(_IDENTITY)
-#: The main knob of each relaxing rule (verify.KNOBS; a curve row carries its rule's).
-KNOB_KEYS = ("theta", "rho", "delta", "epsilon", "budget")
+#: The main knob of each relaxing rule (a curve row carries its rule's).
+KNOB_KEYS = tuple(MAIN_KNOB.values())
 _curve_row = _mapping({
     **{k: _number(finite=False) for k in KNOB_KEYS},
     "relaxable_share": _share,
@@ -254,14 +251,9 @@ _SCHEMA = _mapping({
         # the rule (absent in profiles before issue 14: mars) and its knobs (verify.Rule.knobs;
         # mars: margin and theta; the others' knobs only with their rule: _check_verification)
         "rule": _choice(*RELAXING_RULES),
-        "margin": _choice("logit-ratio", "prob-ratio"),
-        "theta": _number(),
-        "rho": _number(),
-        "top_n": _integer(lo=1),
-        "delta": _number(),
-        "epsilon": _number(),
-        "alpha": _number(),
-        "budget": _number(),
+        "margin": _choice(*MARGINS),
+        # each knob's range is checked by the Rule itself (_check_verification)
+        **{k.name: _integer() if k.kind is int else _number() for k in ALL_KNOBS.values()},
         # the loop guard the theta was calibrated with (absent in older profiles: the
         # default guard applies, and the theta was calibrated without one)
         "guard": _mapping({
@@ -269,7 +261,7 @@ _SCHEMA = _mapping({
             "repeat_window": _integer(lo=1),
             "max_relaxed_share": _share,
         }),
-    }, optional=("guard", "rule", "margin", "theta") + _RULE_KNOBS),
+    }, optional=("guard", "rule", "margin", *ALL_KNOBS)),
     "policy": _mapping({
         "name": _choice(*POLICIES),
         "value": _number(),
@@ -302,8 +294,8 @@ _SCHEMA = _mapping({
         "relax_rate": _share,  # optional: profiles before it load unchanged
     }, optional=("relax_rate",)),
     "histogram": _mapping({
-        # a rule's statistic (marscli.calibration.policies.STATISTIC_NAMES beside mars's margins)
-        "statistic": _choice("logit-ratio", "prob-ratio", "p-ratio", "p-gap", "p-draft", "regret"),
+        # a rule's statistic (registry.RuleSpec.statistic; mars: its margin statistic's)
+        "statistic": _choice(*MARGINS, *(r.statistic for r in RULEBOOK.values() if r.statistic)),
         "edges": _list(_number(), min_len=2),
         "below": _mapping({k: _count for k in RANK_KEYS}),
         "counts": _rank_counts,
@@ -317,9 +309,9 @@ def _check_verification(v: dict, path: str) -> None:
     """The knobs present are exactly the rule's, each in its range (verify.Rule checks)."""
     from marscli.verification.rules import Rule
 
-    rule = v.get("rule", "mars")
+    rule = v.get("rule", MARS)
     want = RULE_KNOB_KEYS[rule]
-    for key in ("margin", "theta") + _RULE_KNOBS:
+    for key in ("margin", *ALL_KNOBS):
         if key in v and key not in want:
             raise _Invalid(f"{path}.{key}", f"not a knob of rule {rule} (its knobs: {', '.join(want)})")
     for key in want:
@@ -331,7 +323,7 @@ def _check_verification(v: dict, path: str) -> None:
         try:
             Rule(rule, **{key: v[key]})
         except ValueError as e:  # "--rho must be in (0, 1], got 0" -> the profile's words
-            raise _Invalid(f"{path}.{key}", str(e).replace(f"--{key.replace('_', '-')} ", "")) from None
+            raise _Invalid(f"{path}.{key}", str(e).replace(f"{ALL_KNOBS[key].option} ", "")) from None
 
 
 def _check_curve_knobs(rows: list, knob: str, path: str) -> None:

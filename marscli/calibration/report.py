@@ -1,5 +1,5 @@
 """What a calibration shows and writes: the trade-off curve as a table, the histogram as
-text or a PNG, and the profile document (marscli.calibration.collect decides; this presents)."""
+text or a PNG, and the profile document (marscli.calibration.policies decides; this presents)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from marscli.calibration.collect import Calibration, MarginData
+from marscli.calibration.collect import MarginData
+from marscli.calibration.policies import Calibration
 from marscli.calibration.profiles import RANK_KEYS
 
 

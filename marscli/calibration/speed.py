@@ -1,5 +1,5 @@
-"""Speed-aware calibration: the speed-up each candidate theta (or another rule's knob value:
-pass a calibrate_rules.RuleFamily where a margin is asked for) is predicted to give, from the
+"""Speed-aware calibration: the speed-up each candidate value of a rule's main knob (a
+marscli.calibration.policies.RuleFamily: MARS's theta, ratio's rho, ...) is predicted to give, from the
 collection run's replayed acceptance and the engine's measured step costs (marscli.engine.costs).
 
 For a theta, replay says how many drafts every recorded step would have accepted
@@ -41,47 +41,38 @@ def plain_step_units(data, costs, batch_size: int) -> float:
     return float(sum(costs.step(batch_size, int(k)) for k in data.step_k)) / plain
 
 
-def _replay(data, on, value: float):
-    """``on``: a margin name (MARS at theta = value; strict at +inf) or a
-    calibrate_rules.RuleFamily (that rule at value; strict at +inf)."""
-    from marscli.verification.rules import STRICT, Rule
+def _replay(data, family, value: float):
+    """The replay of ``family``'s rule at ``value`` (strict at +inf)."""
+    from marscli.verification.registry import STRICT
+    from marscli.verification.rules import Rule
 
-    if isinstance(on, str):
-        return data.replay(value, on)
-    return data.replay(Rule(STRICT) if value == math.inf else on.at(value))
+    return data.replay(Rule(STRICT) if value == math.inf else family.at(value))
 
 
-def _knob(on) -> tuple[str, int]:
-    """(the curve's knob column, +1 when larger values relax more, -1 otherwise)."""
-    return ("theta", -1) if isinstance(on, str) else (on.knob, on.direction)
-
-
-def predicted_speedup(data, margin, theta: float, costs, batch_size: int = 1,
+def predicted_speedup(data, family, value: float, costs, batch_size: int = 1,
                       units: float | None = None) -> float:
-    """Tokens per plain-step time had the run been verified at theta (1.0: as fast as plain).
-    ``margin``: MARS's statistic, or a calibrate_rules.RuleFamily with theta its knob."""
+    """Tokens per plain-step time had the run been verified by ``family`` (a RuleFamily) at
+    ``value`` (1.0: as fast as plain)."""
     units = plain_step_units(data, costs, batch_size) if units is None else units
     if units <= 0:
         return 1.0
-    return _replay(data, margin, theta).emitted / units
+    return _replay(data, family, value).emitted / units
 
 
-def speed_curve(data, margin, thetas: list[float], costs, batch_size: int = 1) -> list[dict[str, float]]:
+def speed_curve(data, family, values: list[float], costs, batch_size: int = 1) -> list[dict[str, float]]:
     """One row per knob value (and strict, +inf): its predicted speed-up over plain."""
     units = plain_step_units(data, costs, batch_size)
-    key, _ = _knob(margin)
     rows = []
-    for t in list(thetas) + [math.inf]:
-        rows.append({key: float(t),
-                     "speedup": round(predicted_speedup(data, margin, t, costs, batch_size, units), 4)})
+    for t in list(values) + [math.inf]:
+        rows.append({family.knob: float(t),
+                     "speedup": round(predicted_speedup(data, family, t, costs, batch_size, units), 4)})
     return rows
 
 
-def fastest_within_budget(curve: list[dict[str, float]], budget_theta: float, on: Any = "logit-ratio") -> float:
+def fastest_within_budget(curve: list[dict[str, float]], budget_theta: float, family) -> float:
     """The fastest knob value at or beyond budget_theta towards strict (the quality policy's
-    choice; theta: at or above it); among those within SPEED_TIE of it, the least relaxed.
-    ``on`` as in predicted_speedup."""
-    key, direction = _knob(on)
+    choice; theta: at or above it); among those within SPEED_TIE of it, the least relaxed."""
+    key, direction = family.knob, family.direction
     toward = (lambda x: x >= budget_theta) if direction < 0 else (lambda x: x <= budget_theta)
     allowed = [r for r in curve if toward(r[key]) and math.isfinite(r[key])]
     if not allowed:
@@ -91,13 +82,13 @@ def fastest_within_budget(curve: list[dict[str, float]], budget_theta: float, on
     return max(fast) if direction < 0 else min(fast)
 
 
-def speed_section(data, margin, theta: float, objective: str, costs, batch_size: int,
+def speed_section(data, family, theta: float, objective: str, costs, batch_size: int,
                   thetas: list[float]) -> dict[str, Any]:
     """The profile's ``speed`` section for the chosen knob value."""
-    curve = speed_curve(data, margin, sorted(set(thetas) | {theta}), costs, batch_size)
+    curve = speed_curve(data, family, sorted(set(thetas) | {theta}), costs, batch_size)
     units = plain_step_units(data, costs, batch_size)
-    strict = predicted_speedup(data, margin, math.inf, costs, batch_size, units)
-    relaxed = predicted_speedup(data, margin, theta, costs, batch_size, units)
+    strict = predicted_speedup(data, family, math.inf, costs, batch_size, units)
+    relaxed = predicted_speedup(data, family, theta, costs, batch_size, units)
     gain = relaxed / strict - 1.0 if strict > 0 else 0.0
     return {
         "objective": objective,

@@ -35,7 +35,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     from marscli.engine.scheduler import Engine
     from marscli.errors import UsageError
 
-    from marscli.verification.rules import STRICT
+    from marscli.verification.registry import STRICT
 
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,
                               job_corpus=(draft_cfg.job_corpus and verify_cfg.rule.name == STRICT)

@@ -29,7 +29,6 @@ transformers 5 and a custom 4D mask (what ``tree_inputs`` builds and why):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 

@@ -49,7 +49,6 @@ from marscli.bench.methods import (
 )
 from marscli.config import (
     GUARD_OFF,
-    PAPER_THETA,
     DraftConfig,
     GuardConfig,
     ModelConfig,
@@ -59,6 +58,7 @@ from marscli.config import (
     VerifyRequest,
 )
 from marscli.errors import EXIT_OK, InputError, UsageError
+from marscli.verification.registry import PAPER_THETA
 from marscli.jobs.bench_match import check_match, fit_methods, match_section, read_calibration
 from marscli.jobs.console import UNIT_RUNS, Progress
 from marscli.jobs.console import Log as Narration

@@ -211,7 +211,8 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
                 log: Log) -> tuple[BenchConfig, Match]:
     """The bench config with every MATCHED_METHODS method at its fitted knob (renamed to its
     label), and what was matched."""
-    from marscli.verification.rules import MARS, Rule
+    from marscli.verification.registry import MARS
+    from marscli.verification.rules import Rule
 
     split = collect_calibration(cfg, calibration, measured, target, draft, log)
     data, s = split.data, cfg.match_relax_rate

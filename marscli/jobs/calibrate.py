@@ -63,7 +63,7 @@ def choose_policy(max_nll_increase: float | None = None, relax_rate: float | Non
     """The one policy that picks the knob (theta, or ``knob``: another rule's main knob,
     whose fixed value comes in ``theta``) -> (name, value); the default:
     --max-nll-increase 0.02."""
-    from marscli.calibration.collect import DEFAULT_MAX_NLL_INCREASE
+    from marscli.calibration.policies import DEFAULT_MAX_NLL_INCREASE
     from marscli.calibration.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
 
     chosen = [(n, v) for n, v in ((POLICY_MAX_NLL, max_nll_increase), (POLICY_RELAX_RATE, relax_rate),
@@ -77,30 +77,30 @@ def choose_policy(max_nll_increase: float | None = None, relax_rate: float | Non
     return policy, float(value)
 
 
-def choose_rule(rule: str = "mars", *, theta: float | None = None, rho: float | None = None,
-                top_n: int | None = None, delta: float | None = None, epsilon: float | None = None,
-                alpha: float | None = None, budget: float | None = None, margin: str = "logit-ratio",
-                greedy: bool = True):
-    """`calibrate --rule NAME` and its knob options -> (rule template, fixed knob value or
-    None, alpha given). The main knob given (--theta, --rho, --delta, --epsilon, --budget) is
-    the fixed policy; the others (--top-n, --alpha) are kept while the main one is fitted."""
-    from marscli.verification.rules import KNOBS, MARS, RULES, STRICT, Rule
+def choose_rule(rule: str = "mars", *, margin: str = "logit-ratio", greedy: bool = True,
+                **knobs: float | None):
+    """`calibrate --rule NAME` and its knob options (``knobs``: registry.ALL_KNOBS names, None
+    when not given) -> (rule template, fixed knob value or None, alpha given). The main knob
+    given (--theta, --rho, --delta, --epsilon, --budget) is the fixed policy; the others
+    (--top-n, --alpha) are kept while the main one is fitted."""
+    from marscli.verification.registry import ALL_KNOBS, RELAXING_RULES, RULEBOOK
+    from marscli.verification.rules import Rule
 
-    if rule not in RULES or rule == STRICT:
-        raise UsageError(f"--rule must be one of {', '.join(r for r in RULES if r != STRICT)}; got {rule!r}")
-    given = {"theta": theta, "rho": rho, "top_n": top_n, "delta": delta, "epsilon": epsilon,
-             "alpha": alpha, "budget": budget}
-    own = {MARS: ("theta",), "ratio": ("rho",), "topk": ("top_n", "delta"),
-           "typical": ("epsilon", "alpha"), "regret": ("budget",)}[rule]
-    stray = [k for k, v in given.items() if v is not None and k not in own]
+    if rule not in RELAXING_RULES:
+        raise UsageError(f"--rule must be one of {', '.join(RELAXING_RULES)}; got {rule!r}")
+    unknown = set(knobs) - set(ALL_KNOBS)
+    if unknown:
+        raise TypeError(f"choose_rule() got unknown knobs {sorted(unknown)}")
+    spec = RULEBOOK[rule]
+    stray = [k for k in ALL_KNOBS if knobs.get(k) is not None and k not in spec.knob_names]
     if stray:
-        raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in stray)} "
+        raise UsageError(f"{', '.join(ALL_KNOBS[k].option for k in stray)} "
                          f"{'is not a knob' if len(stray) == 1 else 'are not knobs'} of --rule {rule}")
-    main = KNOBS[rule][0]
-    fixed = given[main]
+    fixed = knobs.get(spec.main)
     if fixed is not None and not math.isfinite(fixed):
-        raise UsageError(f"--{main} must be a finite number")
-    kw = {k: given[k] for k in own if given[k] is not None}
+        raise UsageError(f"{spec.main_knob.option} must be a finite number")
+    kw = {k: knobs[k] for k in spec.knob_names if knobs.get(k) is not None}
+    alpha = knobs.get("alpha")
     try:
         template = Rule(rule, margin=margin, **kw)
     except ValueError as e:
@@ -115,17 +115,16 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
                     draft_loaded, *, input_name: str, input_sha256: str | None, costs=None) -> dict:
     """The profile document for the margins collected (theta chosen by cfg's policy; with
     the engine's step costs, its predicted speed too: marscli.calibration.speed)."""
-    from marscli.calibration.collect import analyse
-    from marscli.calibration.report import build_profile
+    from marscli.calibration.policies import analyse
     from marscli.calibration.profiles import default_profile_name
+    from marscli.calibration.report import build_profile
 
     data = collector.data(records=records - failed, failed=failed, guard=cfg.guard)
     if data.positions == 0:
         raise MarscliError(f"{cfg.input}: the drafter proposed no tokens on these prompts, so there "
                            "are no margins to calibrate on (try --fixed-k, more or longer prompts, or another drafter)")
     try:
-        cal = analyse(data, cfg.margin, cfg.policy, cfg.policy_value, seconds, rule=cfg.rule,
-                      alpha_given=cfg.alpha_given)
+        cal = analyse(data, rule_family(cfg), cfg.policy, cfg.policy_value, seconds)
     except ValueError as e:  # a rule the data cannot replay (regret on sampled steps)
         raise UsageError(str(e)) from None
     speed = None
@@ -145,36 +144,38 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
     return doc
 
 
+def rule_family(cfg: CalibrateConfig):
+    """The rule whose main knob cfg calibrates, with that knob free (MARS for cfg.margin when
+    cfg names no rule)."""
+    from marscli.calibration.policies import RuleFamily
+
+    if cfg.rule is None:
+        return RuleFamily.mars(cfg.margin)
+    return RuleFamily.of(cfg.rule, cfg.alpha_given)
+
+
 #: The speed prediction is made for one row decoding alone, as the margins were collected.
 SPEED_BATCH_SIZE = 1
 
 
 def speed_objective(cal, data, cfg: CalibrateConfig, costs, seconds: float):
     """(calibration, the profile's speed section): with cfg.objective "speed" the fastest
-    theta within the policy's budget replaces the policy's own choice."""
+    knob value within the policy's budget replaces the policy's own choice."""
     import dataclasses
 
-    from marscli.calibration.collect import analyse, curve_thetas
-    from marscli.calibration.speed import fastest_within_budget, speed_curve, speed_section
+    from marscli.calibration.policies import analyse, curve_values
     from marscli.calibration.profiles import POLICY_FIXED
+    from marscli.calibration.speed import fastest_within_budget, speed_curve, speed_section
 
-    rule = getattr(cfg, "rule", None)
-    if rule is not None and rule.name != "mars":
-        from marscli.calibration.policies import RuleFamily, curve_values
-
-        family = RuleFamily.of(rule, getattr(cfg, "alpha_given", None))
-        on, thetas = family, curve_values(data, family, (cal.theta,))
-    else:
-        on, thetas = cfg.margin, curve_thetas(data, cfg.margin, (cal.theta,))
-    objective = getattr(cfg, "objective", "quality")
-    if objective == "speed":
-        theta = fastest_within_budget(speed_curve(data, on, thetas, costs, SPEED_BATCH_SIZE), cal.theta,
-                                      on)
-        if theta != cal.theta:
-            cal = dataclasses.replace(analyse(data, cfg.margin, POLICY_FIXED, theta, seconds, rule=rule,
-                                              alpha_given=getattr(cfg, "alpha_given", None)),
+    family = rule_family(cfg)
+    values = curve_values(data, family, (cal.theta,))
+    if cfg.objective == "speed":
+        value = fastest_within_budget(speed_curve(data, family, values, costs, SPEED_BATCH_SIZE), cal.theta,
+                                      family)
+        if value != cal.theta:
+            cal = dataclasses.replace(analyse(data, family, POLICY_FIXED, value, seconds),
                                       policy=cal.policy, policy_value=cal.policy_value)
-    return cal, speed_section(data, on, cal.theta, objective, costs, SPEED_BATCH_SIZE, thetas)
+    return cal, speed_section(data, family, cal.theta, cfg.objective, costs, SPEED_BATCH_SIZE, values)
 
 
 def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:

@@ -17,7 +17,6 @@ from typing import Any
 
 from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
-    PAPER_THETA,
     SPANS_OFF,
     STRICT_THETA,
     TREE_DEFAULTS,
@@ -30,23 +29,22 @@ from marscli.config import (
     VerifyRequest,
 )
 from marscli.errors import UsageError
+from marscli.verification.registry import (
+    MARGINS,
+    MARS,
+    OTHER_KNOBS,
+    OWNER,
+    PAPER_THETA,
+    RULEBOOK,
+    RULES,
+    STRICT,
+)
 
 DRAFT_NONE = "none"
 DRAFT_NGRAM = "ngram"
 DRAFT_MODEL = "model"
 DRAFT_EAGLE3 = "eagle3"
 EAGLE3_PREFIX = "eagle3:"
-#: The rulebook's rules (marscli.verification.rules.RULES), as --verify takes them.
-VERIFY_MODES = ("strict", "mars", "ratio", "topk", "typical", "regret")
-#: Each relaxed rule's knobs (VerifyRequest fields) and its main knob, which --verify NAME
-#: needs (MARS's theta may come from a profile, else the paper's); the others have defaults.
-RULE_KNOBS = {"mars": ("theta",), "ratio": ("rho",), "topk": ("top_n", "delta"),
-              "typical": ("epsilon", "alpha"), "regret": ("budget",)}
-MAIN_KNOB = {"ratio": ("rho", "0 < R <= 1"), "topk": ("delta", "D >= 0"),
-             "typical": ("epsilon", "0 < E <= 1"), "regret": ("budget", "B >= 0")}
-#: The knobs of the rules other than MARS (VerifyRequest fields).
-OTHER_KNOBS = ("rho", "top_n", "delta", "epsilon", "alpha", "budget")
-MARGINS = ("logit-ratio", "prob-ratio")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATIONS = ("none", "left")
 DEFAULT_NGRAM_MAX = 3
@@ -85,8 +83,8 @@ def check_choices(margin: str | None = None, dtype: str = "auto", ngram_min: int
 
     if output_format not in OUTPUT_FORMATS:
         raise UsageError(f"--output-format must be 'default' or 'openai', got {output_format!r}")
-    if verify is not None and verify not in VERIFY_MODES:
-        raise UsageError(f"--verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    if verify is not None and verify not in RULES:
+        raise UsageError(f"--verify must be one of {', '.join(RULES)}, got {verify!r}")
     if margin is not None and margin not in MARGINS:
         raise UsageError(f"--margin must be 'logit-ratio' or 'prob-ratio', got {margin!r}")
     low, high = ngram_min or DEFAULT_NGRAM_MIN, ngram_max or DEFAULT_NGRAM_MAX
@@ -191,11 +189,6 @@ def model_configs(target: str | None, draft: DraftConfig, dtype: str = "auto", d
     return tcfg, dcfg
 
 
-def option_name(knob: str) -> str:
-    """A VerifyRequest field -> its command-line option: top_n -> --top-n."""
-    return "--" + knob.replace("_", "-")
-
-
 def check_rule_request(req: VerifyRequest, profile_rule: str | None = None,
                        profile_pending: bool = False) -> None:
     """The rule's knobs as asked, checked before anything is loaded: a knob needs its rule
@@ -207,22 +200,22 @@ def check_rule_request(req: VerifyRequest, profile_rule: str | None = None,
     given = [k for k in OTHER_KNOBS if getattr(req, k) is not None]
     mode = req.mode or profile_rule
     for knob in given:
-        owner = next(r for r, knobs in RULE_KNOBS.items() if knob in knobs)
+        option, owner = RULEBOOK[OWNER[knob]].knob(knob).option, OWNER[knob]
         if mode is None:
             if profile_pending:
                 continue
-            raise UsageError(f"{option_name(knob)} needs --verify {owner}")
+            raise UsageError(f"{option} needs --verify {owner}")
         if mode != owner:
-            raise UsageError(f"{option_name(knob)} belongs to --verify {owner}, not --verify {mode}")
-    if mode in MAIN_KNOB:
-        knob, bounds = MAIN_KNOB[mode]
+            raise UsageError(f"{option} belongs to --verify {owner}, not --verify {mode}")
+    main = RULEBOOK[mode].main_knob if mode is not None else None
+    if main is not None and mode != MARS:  # MARS's theta: a profile's, else the paper's
         supplied = mode == profile_rule or (profile_pending and profile_rule is None)
-        if getattr(req, knob) is None and not supplied:
-            raise UsageError(f"--verify {mode} needs {option_name(knob)} ({bounds})")
+        if getattr(req, main.name) is None and not supplied:
+            raise UsageError(f"--verify {mode} needs {main.option} ({main.bounds})")
         if req.theta is not None:
             raise UsageError(f"--theta belongs to --verify mars, not --verify {mode}")
-    owners = {r for k in given for r, knobs in RULE_KNOBS.items() if k in knobs}
-    verify_config(VerifyConfig(**{"mode": mode or (owners.pop() if len(owners) == 1 else "strict"),
+    owners = {OWNER[k] for k in given}
+    verify_config(VerifyConfig(**{"mode": mode or (owners.pop() if len(owners) == 1 else STRICT),
                                   **{k: getattr(req, k) for k in given}})).rule  # noqa: B018 - range check
 
 
@@ -284,7 +277,7 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
         note(f"--verify mars without --theta or a profile of MARS: using the paper's theta = {PAPER_THETA}")
     if mode == "strict" and req.theta is not None:
         note("--theta has no effect with --verify strict")
-    knobs = {k: v for k, v in given.items() if k in RULE_KNOBS.get(mode, ())}
+    knobs = {k: v for k, v in given.items() if OWNER[k] == mode}
     return verify_config(VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin,
                                       guard, **knobs))
 
@@ -299,7 +292,8 @@ def check_rule_modes(rule, sampling: SamplingParams, what: str = "--temperature"
 
 def rule_mode_problem(rule, temperature: float) -> str | None:
     """Why `rule` cannot decode at `temperature`, or None (marscli.verification.rules.Rule.modes)."""
-    from marscli.verification.rules import GREEDY_MODE, SAMPLING_MODE, Rule
+    from marscli.verification.registry import GREEDY_MODE, SAMPLING_MODE
+    from marscli.verification.rules import Rule
 
     if isinstance(rule, str):
         rule = Rule(rule)

@@ -53,25 +53,9 @@ from typing import Any
 
 import torch
 
+from marscli.verification.registry import LOGIT_RATIO, MARS, SAMPLING_MODE, STRICT
 from marscli.verification.rules import (
-    DEFAULT_TOP_N,
-    GREEDY_MODE,
-    KNOBS,
-    LOGIT_RATIO,
-    MARGINS,
-    MARS,
-    MODES,
     NOT_RELAXABLE,
-    PROB_RATIO,
-    RATIO,
-    REGRET,
-    RULES,
-    SAMPLING_MODE,
-    SAMPLING_Q_MODE,
-    STRICT,
-    TOPK,
-    TYPICAL,
-    Decision,
     PositionFacts,
     Rule,
     draft_facts,

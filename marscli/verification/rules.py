@@ -12,46 +12,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-LOGIT_RATIO = "logit-ratio"
-PROB_RATIO = "prob-ratio"
-MARGINS = (LOGIT_RATIO, PROB_RATIO)
+from marscli.verification.registry import (
+    LOGIT_RATIO,
+    MARGINS,
+    MARS,
+    PROB_RATIO,
+    RATIO,
+    REGRET,
+    STRICT,
+    TOPK,
+    TYPICAL,
+    ALL_KNOBS,
+    RULEBOOK,
+    RuleSpec,
+    rule_spec,
+)
 
 #: Statistic value of positions that can never be relaxed (z1 <= 0 under logit-ratio).
 NOT_RELAXABLE = -math.inf
-
-STRICT = "strict"
-MARS = "mars"
-RATIO = "ratio"
-TOPK = "topk"
-TYPICAL = "typical"
-REGRET = "regret"
-RULES = (STRICT, MARS, RATIO, TOPK, TYPICAL, REGRET)
-
-#: Decoding modes a rule may define: greedy; sampling with a deterministic drafter (one-hot
-#: q: n-gram lookup, greedy draft models, EAGLE); sampling with the drafter's probabilities q.
-GREEDY_MODE = "greedy"
-SAMPLING_MODE = "sampling"
-SAMPLING_Q_MODE = "sampling-q"
-MODES = (GREEDY_MODE, SAMPLING_MODE, SAMPLING_Q_MODE)
-
-#: Each rule's main knob (the one calibrate fits) and which way it relaxes: +1 when larger
-#: values relax more, -1 when smaller values do; then the knob's strict end.
-KNOBS = {
-    MARS: ("theta", -1, math.inf),
-    RATIO: ("rho", -1, 1.0),
-    TOPK: ("delta", +1, 0.0),
-    TYPICAL: ("epsilon", -1, 1.0),
-    REGRET: ("budget", +1, 0.0),
-}
-
-#: typical's alpha when not given: the square root of epsilon (Medusa's convention:
-#: posterior_alpha = sqrt(posterior_threshold), 0.09 -> 0.3).
-DEFAULT_TOP_N = 2
 
 
 # ----------------------------------------------------------------------------- rules
@@ -66,7 +49,7 @@ class Rule:
     strict: keep a draft only where the target agrees (greedy: its argmax; sampling: Leviathan
     et al.'s test u < min(1, p(x) / q(x))). Lossless. Modes: all.
 
-    mars (Song et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): at a
+    mars (Shi et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): at a
     position whose margin statistic exceeds ``theta`` accept a draft that is the target's
     top-1 or top-2 token (with p > 0) outright; elsewhere strict. A rejection at such a
     position draws the next token from p itself. Modes: all.
@@ -101,38 +84,30 @@ class Rule:
     A tree sums along the root path. B = 0 is strict. Modes: greedy.
     """
 
+    # The knobs of every rule, each at its rule's strict end (registry.ALL_KNOBS).
     name: str = STRICT
-    theta: float = math.inf
+    theta: float = ALL_KNOBS["theta"].default
     margin: str = LOGIT_RATIO
-    rho: float = 1.0
-    top_n: int = DEFAULT_TOP_N
-    delta: float = 0.0
-    epsilon: float = 1.0
-    alpha: float | None = None
-    budget: float = 0.0
+    rho: float = ALL_KNOBS["rho"].default
+    top_n: int = ALL_KNOBS["top_n"].default
+    delta: float = ALL_KNOBS["delta"].default
+    epsilon: float = ALL_KNOBS["epsilon"].default
+    alpha: float | None = ALL_KNOBS["alpha"].default  # None: sqrt(epsilon)
+    budget: float = ALL_KNOBS["budget"].default
 
     def __post_init__(self) -> None:
-        if self.name not in RULES:
-            raise ValueError(f"unknown verification rule {self.name!r}; expected one of {RULES}")
+        rule_spec(self.name)  # refuses an unknown name
         if self.margin not in MARGINS:
             raise ValueError(f"unknown margin statistic {self.margin!r}; expected one of {MARGINS}")
-        for knob in ("theta", "rho", "delta", "epsilon", "budget"):
-            if math.isnan(getattr(self, knob)):
-                raise ValueError(f"{knob} must be a number, got nan")
-        if not 0.0 < self.rho <= 1.0:
-            raise ValueError(f"--rho must be in (0, 1], got {self.rho}")
-        if self.top_n < 1:
-            raise ValueError(f"--top-n must be at least 1, got {self.top_n}")
-        if self.delta < 0.0:
-            raise ValueError(f"--delta must be at least 0, got {self.delta}")
-        if not 0.0 < self.epsilon <= 1.0:
-            raise ValueError(f"--epsilon must be in (0, 1], got {self.epsilon}")
+        for knob in ALL_KNOBS.values():  # every rule's knobs: a Rule carries all of them
+            value = getattr(self, knob.name)
+            if value is None and knob.name == "alpha":
+                continue
+            problem = knob.problem(value)
+            if problem is not None:
+                raise ValueError(problem)
         if self.alpha is None:
             object.__setattr__(self, "alpha", math.sqrt(self.epsilon))
-        elif not self.alpha > 0.0:  # also refuses nan
-            raise ValueError(f"--alpha must be positive, got {self.alpha}")
-        if self.budget < 0.0:
-            raise ValueError(f"--budget must be at least 0, got {self.budget}")
 
     @classmethod
     def from_theta(cls, theta: float, margin: str = LOGIT_RATIO) -> Rule:
@@ -155,54 +130,43 @@ class Rule:
         return False
 
     @property
+    def spec(self) -> RuleSpec:
+        """The rule's registry entry (marscli.verification.registry)."""
+        return RULEBOOK[self.name]
+
+    @property
     def modes(self) -> tuple[str, ...]:
         """The decoding modes this rule defines (the jobs layer refuses the others)."""
-        return (GREEDY_MODE,) if self.name == REGRET else MODES
+        return self.spec.modes
 
     @property
     def knob(self) -> tuple[str, float] | None:
         """(name, value) of the main knob (the one calibrate fits); None for strict."""
-        return None if self.name == STRICT else (KNOBS[self.name][0], float(getattr(self, KNOBS[self.name][0])))
+        main = self.spec.main
+        return None if main is None else (main, float(getattr(self, main)))
 
     def with_knob(self, value: float) -> Rule:
         """This rule with its main knob set to ``value``."""
-        from dataclasses import replace
-
-        return replace(self, **{KNOBS[self.name][0]: value})
+        return replace(self, **{self.spec.main: value})
 
     @property
     def needs(self) -> frozenset[str]:
         """The PositionFacts fields beyond strict_ok (and guarded) that ``decide`` reads."""
-        return frozenset({
-            STRICT: (),
-            MARS: ("statistics", "in_top2"),
-            RATIO: ("p_draft", "p1"),
-            TOPK: ("p_draft", "p1", "rank"),
-            TYPICAL: ("p_draft", "entropy"),
-            REGRET: ("regret",),
-        }[self.name])
+        return self.spec.needs
 
     def knobs(self) -> dict[str, Any]:
-        """The rule's knobs as written in profiles, results' spec and reports."""
-        if self.name == MARS:
-            return {"theta": self.theta, "margin": self.margin}
-        if self.name == RATIO:
-            return {"rho": self.rho}
-        if self.name == TOPK:
-            return {"top_n": self.top_n, "delta": self.delta}
-        if self.name == TYPICAL:
-            return {"epsilon": self.epsilon, "alpha": self.alpha}
-        if self.name == REGRET:
-            return {"budget": self.budget}
-        return {}
+        """The rule's knobs as written in profiles, results' spec and reports (MARS: theta,
+        then its margin statistic)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in self.spec.knob_names}
+        if self.spec.uses_margin:
+            out["margin"] = self.margin
+        return out
 
     def label(self) -> str:
         """Short name: strict, mars@0.9, ratio@0.5, topk@3:0.1, typical@0.09:0.3, regret@2."""
-        if self.name == STRICT:
-            return STRICT
-        parts = {MARS: (self.theta,), RATIO: (self.rho,), TOPK: (self.top_n, self.delta),
-                 TYPICAL: (self.epsilon, self.alpha), REGRET: (self.budget,)}[self.name]
-        return f"{self.name}@" + ":".join(f"{v:g}" for v in parts)
+        if not self.spec.knobs:
+            return self.name
+        return f"{self.name}@" + ":".join(f"{getattr(self, k):g}" for k in self.spec.knob_names)
 
     def relaxable(self, stat: Any) -> Any:
         """MARS, elementwise: the statistic exceeds theta (all False for a rule that never

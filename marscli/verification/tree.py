@@ -12,11 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from marscli.verification.registry import LOGIT_RATIO, MARS, SAMPLING_MODE, STRICT
 from marscli.verification.rules import (
-    LOGIT_RATIO,
-    MARS,
-    SAMPLING_MODE,
-    STRICT,
     PositionFacts,
     Rule,
     draft_facts,
