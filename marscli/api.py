@@ -19,14 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import io
 import json
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from marscli.config import DEFAULT_MAX_TOKENS, CalibrateConfig, SamplingParams, VerifyConfig
+from marscli.calibration.profiles import dump_profile, parse_profile, save_profile
+from marscli.config import DEFAULT_MAX_TOKENS, CalibrateConfig, GenerationOptions, SamplingParams, VerifyConfig
 from marscli.errors import InputError, UsageError
+from marscli.io.records import find_duplicate_ids, read_requests
+from marscli.jobs.console import Log
+from marscli.jobs.generate import model_name
+from marscli.jobs.openai_format import render
 from marscli.jobs.results import ResultOptions
 from marscli.jobs.setup import (
     Generator,
@@ -37,6 +42,7 @@ from marscli.jobs.setup import (
     choice_options,
     generation_setup,
 )
+from marscli.verification.registry import LOGIT_RATIO
 
 #: What calibrate records as the input's name in a profile made from Python objects.
 PYTHON_INPUT_NAME = "<python>"
@@ -44,48 +50,43 @@ PYTHON_INPUT_NAME = "<python>"
 Record = str | dict[str, Any]
 
 
-def load(target: str | None = None, draft: str | None = None, *, verify: str | None = None,
-         theta: float | None = None, margin: str | None = None, profile: str | None = None,
-         auto_profile: bool = True, batch_size: int = 1, dtype: str = "auto", device: str = "auto",
-         num_draft_tokens: int | None = None, adaptive: bool | None = None,
-         ngram_max: int | None = None, ngram_min: int | None = None, tree_depth: int | None = None,
-         tree_top_k: int | None = None, tree_tokens: int | None = None, device_map: str | None = None,
-         max_memory: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
-         bnb_compute_dtype: str = "auto", offline: bool = False, repeat_guard: int | None = None,
-         repeat_window: int | None = None, max_relaxed_share: float | None = None,
-         no_guard: bool = False, rho: float | None = None, top_n: int | None = None,
-         delta: float | None = None, epsilon: float | None = None, alpha: float | None = None,
-         budget: float | None = None, strict_in: str | None = None,
-         strict_regex: str | None = None, job_corpus: bool | None = None, quiet: bool = True) -> LLM:
+def load(target: str | None = None, draft: str | None = None, *, quiet: bool = True, **options: Any) -> LLM:
     """Load a target (default: the embedded model) and a drafter (default: the profile's, else
     'ngram'; 'none', a draft model, or 'eagle3:PATH'), choose the profile and build the engine.
 
-    The arguments are `marscli generate`'s options, with the same defaults and the same rule:
-    what you pass > the profile (`profile=`, else the newest matching one unless
-    auto_profile=False) > defaults. quiet=False narrates loading on stderr as the CLI does.
-    verify picks the rule (strict, mars, ratio, topk, typical, regret; README "Verification
-    rules"), with its knobs: theta (mars), rho (ratio), top_n and delta (topk), epsilon and
-    alpha (typical), budget (regret), e.g. load(verify="ratio", rho=0.5). strict_in ("code",
-    "answer" or "code,answer") and strict_regex: strict spans (marscli.verification.spans), verified
-    strictly whatever the rule. job_corpus=False: under strict verification the n-gram drafter
-    keeps to each record's own text (by default it also drafts from the call's finished
-    records; outputs are the same either way).
+    The keywords are `marscli generate`'s options (marscli.config.GenerationOptions, the one
+    declaration of them), with the same defaults and the same rule: what you pass > the
+    profile (`profile=`, else the newest matching one unless auto_profile=False) > defaults.
+    verify picks the rule (strict, mars, ratio, topk, typical, regret; docs/verification.md)
+    with its knobs: theta (mars), rho (ratio), top_n and delta (topk), epsilon and alpha
+    (typical), budget (regret), e.g. load(verify="ratio", rho=0.5). strict_in ("code",
+    "answer" or "code,answer") and strict_regex: strict spans, verified strictly whatever the
+    rule. job_corpus=False: under strict verification the n-gram drafter keeps to each
+    record's own text (by default it also drafts from the call's finished records; outputs
+    are the same either way). quiet=False narrates loading on stderr as the CLI does.
     """
-    from marscli.jobs.console import Log
+    try:
+        opts = GenerationOptions(target=target, draft=draft, **options)
+    except TypeError:
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(GenerationOptions)})
+        raise UsageError(f"load() got unknown option(s) {', '.join(unknown)}; the options are "
+                         f"generate's: {', '.join(f.name for f in dataclasses.fields(GenerationOptions))}") from None
+    setup = generation_setup(opts)
+    return LLM(build_generator(setup, Log(quiet).info), setup)
 
-    setup = generation_setup(
-        target=target, draft=draft, verify=verify, theta=theta, margin=margin, profile=profile,
-        no_profile=not auto_profile, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
-        ngram_max=ngram_max, ngram_min=ngram_min, tree_depth=tree_depth, tree_top_k=tree_top_k,
-        tree_tokens=tree_tokens, batch_size=batch_size, dtype=dtype, device=device,
-        device_map=device_map, load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit,
-        max_memory=max_memory, bnb_compute_dtype=bnb_compute_dtype, offline=offline,
-        repeat_guard=repeat_guard, repeat_window=repeat_window,
-        max_relaxed_share=max_relaxed_share, no_guard=no_guard, rho=rho, top_n=top_n, delta=delta,
-        epsilon=epsilon, alpha=alpha, budget=budget, strict_in=strict_in,
-        strict_regex=strict_regex, job_corpus=job_corpus)
-    log = Log(quiet)
-    return LLM(build_generator(setup, log.info), setup)
+
+def _load_signature() -> inspect.Signature:
+    """load's signature as help() and IDEs show it: generate's options as keywords."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("target", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+              inspect.Parameter("draft", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [inspect.Parameter(f.name, kw, default=f.default) for f in dataclasses.fields(GenerationOptions)
+               if f.name not in ("target", "draft")]
+    params.append(inspect.Parameter("quiet", kw, default=True))
+    return inspect.Signature(params)
+
+
+load.__signature__ = _load_signature()  # type: ignore[attr-defined]
 
 
 def records_jsonl(records: Record | Iterable[Record]) -> bytes:
@@ -109,8 +110,6 @@ def records_jsonl(records: Record | Iterable[Record]) -> bytes:
 def records_to_items(records: Record | Iterable[Record] | bytes) -> list:
     """Records -> marscli.io's Requests and RecordErrors, parsed exactly as the lines of a
     JSONL file (the CLI's parser); duplicate ids are refused as the CLI refuses them."""
-    from marscli.io.records import find_duplicate_ids, read_requests
-
     data = records if isinstance(records, bytes) else records_jsonl(records)
     items = list(read_requests(io.BytesIO(data)))
     dup = find_duplicate_ids(items)
@@ -144,9 +143,6 @@ class LLM:
                strict_keys: bool = False, provenance: bool = False) -> Iterator[dict[str, Any]]:
         """Result dicts in input order, each as soon as it and those before it are done.
         provenance=True: each result carries `provenance` (marscli.engine.provenance)."""
-        from marscli.jobs.generate import model_name
-        from marscli.jobs.openai_format import render
-
         check_choices(truncate_prompt=truncate_prompt, output_format=output_format)
         if isinstance(stop, str):
             stop = (stop,)
@@ -178,31 +174,27 @@ class LLM:
         the models and settings, not from the CLI's run fingerprint)."""
         return list(self.stream(records, **sampling))
 
-    def calibrate(self, records: Record | Iterable[Record], *, max_nll_increase: float | None = None,
-                  relax_rate: float | None = None, theta: float | None = None, margin: str = "logit-ratio",
-                  name: str | None = None, output: str | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                  stop: Iterable[str] = (), rule: str = "mars", rho: float | None = None,
-                  top_n: int | None = None, delta: float | None = None, epsilon: float | None = None,
-                  alpha: float | None = None, budget: float | None = None):
+    def calibrate(self, records: Record | Iterable[Record], *, rule: str = "mars",
+                  max_nll_increase: float | None = None, relax_rate: float | None = None,
+                  margin: str = LOGIT_RATIO, name: str | None = None, output: str | None = None,
+                  max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
+                  top_k: int = 0, seed: int = 0, stop: Iterable[str] = (), objective: str = "quality",
+                  **knobs: float | None):
         """Collect margins on `records` under strict verification with this drafter, choose
-        theta (or `rule`'s main knob: ratio rho, topk delta at `top_n`, typical epsilon,
-        regret budget) by one policy (default max_nll_increase=0.02; the main knob given:
-        fixed) and return the profile; with `output`, also write it there (a YAML file
-        generate can use)."""
-        from marscli.calibration.collect import MarginCollector
-        from marscli.jobs.calibrate import choose_policy, choose_rule, collect_margins, margins_profile
-        from marscli.jobs.setup import make_engine
-        from marscli.calibration.profiles import dump_profile, parse_profile, save_profile
+        `rule`'s main knob (mars: theta; ratio: rho; topk: delta at `top_n`; typical: epsilon;
+        regret: budget) by one policy (default max_nll_increase=0.02; the main knob given,
+        e.g. theta=0.9: fixed) and return the profile; with `output`, also write it there (a
+        YAML file generate can use). It is `marscli calibrate`'s collection, on the models
+        already loaded (marscli.jobs.calibrate)."""
+        # torch, imported here: `marscli.LLM` stays light (tests/test_api.py)
+        from marscli.jobs.calibrate import calibration_engine, choose_policy, choose_rule, collect_profile
 
-        check_choices(margin)
         gen = self.generator
         if gen.draft.kind == "none":
             raise UsageError("calibrate needs a drafter: load with draft='ngram' or a draft model")
+        check_choices(margin)
         sampling = SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop))
-        template, fixed, alpha_given = choose_rule(
-            rule, theta=theta, rho=rho, top_n=top_n, delta=delta, epsilon=epsilon, alpha=alpha,
-            budget=budget, margin=margin, greedy=sampling.greedy)
+        template, fixed, alpha_given = choose_rule(rule, margin=margin, greedy=sampling.greedy, **knobs)
         policy, value = choose_policy(max_nll_increase, relax_rate, fixed, knob=template.knob[0])
         data = records_jsonl(records)
         items = records_to_items(data)
@@ -211,31 +203,12 @@ class LLM:
         cfg = CalibrateConfig(input=PYTHON_INPUT_NAME, output=output, name=name, target=self.setup.target,
                               draft=gen.draft, draft_model=self.setup.draft_model, margin=margin,
                               policy=policy, policy_value=value, sampling=sampling,
-                              batch_size=self.setup.batch_size, guard=gen.verify.guard,
+                              batch_size=self.setup.batch_size, guard=gen.verify.guard, objective=objective,
                               rule=template, alpha_given=alpha_given)
-        engine = make_engine(gen.target, gen.draft_loaded, VerifyConfig(guard=gen.verify.guard), gen.draft,
-                             self.setup.batch_size, solo_lengths=True, job_corpus=False)
-        per_record: dict[int, MarginCollector] = {}
-        failed = 0
-
-        def skipped(item, message: str) -> None:
-            nonlocal failed
-            failed += 1
-            per_record.pop(item.index, None)
-
-        def observer_for(item):
-            per_record[item.index] = MarginCollector()
-            return per_record[item.index]
-
-        t0 = time.perf_counter()
-        collect_margins(engine, items, sampling, observer_for, skipped, lambda tokens: None)
-        collector = MarginCollector()
-        for index in sorted(per_record):
-            collector.extend(per_record[index])
-        digest = hashlib.sha256(data).hexdigest()  # as calibrate's of a file with these lines
-        doc = margins_profile(collector, failed, len(items), time.perf_counter() - t0, cfg, gen.target,
-                              gen.draft_loaded, input_name=PYTHON_INPUT_NAME, input_sha256=digest,
-                              costs=engine.costs)
+        engine = calibration_engine(cfg, gen.target, gen.draft_loaded)
+        doc = collect_profile(cfg, engine, items, gen.target, gen.draft_loaded, Log(quiet=True),
+                              input_name=PYTHON_INPUT_NAME,
+                              input_sha256=hashlib.sha256(data).hexdigest())  # as a file of these lines
         if output is not None:
             return save_profile(doc, output)
         return parse_profile(dump_profile(doc), PYTHON_INPUT_NAME)

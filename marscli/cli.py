@@ -13,9 +13,12 @@ interrupted (Ctrl-C); 143 terminated (SIGTERM). A closed stdout (`| head`) exits
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
+import types
+import typing
 from types import SimpleNamespace
 from typing import Annotated, Any, Callable, Optional
 
@@ -23,9 +26,17 @@ import typer
 from rich.console import Console
 
 from marscli import __version__
-from marscli.config import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS
-from marscli.verification.registry import PAPER_THETA
-from marscli.errors import EXIT_INTERRUPTED, MarscliError, UsageError
+from marscli.config import (
+    DEFAULT_MAX_TOKENS,
+    PANEL_OUTPUT,
+    PANEL_POLICY,
+    PANEL_SAMPLING,
+    PANEL_VERIFY,
+    Flag,
+    GenerationOptions,
+)
+from marscli.verification.registry import ALL_KNOBS, OWNER, PAPER_THETA, RULEBOOK
+from marscli.errors import EXIT_INTERRUPTED, MarscliError
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 all records succeeded; 1 runtime failure; 2 usage, configuration or model "
@@ -41,14 +52,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-PANEL_MODEL = "Models"
-PANEL_DRAFT = "Drafting"
-PANEL_VERIFY = "Verification"
-PANEL_SAMPLING = "Sampling"
-PANEL_OUTPUT = "Input and output"
-PANEL_POLICY = "Choosing theta (one policy)"
-
 
 def _fail(err: MarscliError) -> typer.Exit:
     from marscli.jobs.console import stderr_console, who
@@ -84,64 +87,12 @@ def _root(
 
 
 # --------------------------------------------------------------------------- option groups
-# Each group is declared once, as the signature of a function; `options(...)` adds a group's
-# options to a command and hands them to it as one namespace.
-
-
-def _model_group(
-    target: Annotated[Optional[str], typer.Option(help="Target model: a packaged model's short name (`marscli models`), local dir, .gguf file or hub id (downloaded into the Hugging Face cache unless --offline). Default: embedded SmolLM2-135M-Instruct (or the --profile's target).", rich_help_panel=PANEL_MODEL)] = None,
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)] = "auto",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL)] = "auto",
-    offline: Annotated[bool, typer.Option("--offline", help="Never download: a hub id must already be in the local cache (as with HF_HUB_OFFLINE=1).", rich_help_panel=PANEL_MODEL)] = False,
-): ...
-
-
-def _placement_group(
-    device_map: Annotated[Optional[str], typer.Option(help="'auto' to spread the target and the draft model over the GPUs (then the CPU) with accelerate, for models larger than one GPU; also balanced, balanced_low_0, sequential. Under a launcher each process takes its share of the machine's GPUs.", rich_help_panel=PANEL_MODEL)] = None,
-    load_in_8bit: Annotated[bool, typer.Option(help="8-bit weights (bitsandbytes; CUDA, or --device cpu for its slow CPU backend). Applies to the draft model too.", rich_help_panel=PANEL_MODEL)] = False,
-    load_in_4bit: Annotated[bool, typer.Option(help="4-bit NF4 weights (bitsandbytes; CUDA, or --device cpu for its slow CPU backend). Applies to the draft model too.", rich_help_panel=PANEL_MODEL)] = False,
-    max_memory: Annotated[Optional[str], typer.Option(help="With a device map, the most the target may take per device, e.g. '0=20GiB,1=20GiB,cpu=64GiB' (implies --device-map auto).", rich_help_panel=PANEL_MODEL)] = None,
-    bnb_compute_dtype: Annotated[str, typer.Option("--bnb-compute-dtype", help="dtype of the 4-bit matmuls: auto (= --dtype), float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)] = "auto",
-): ...
-
-
-def _draft_group(
-    draft: Annotated[Optional[str], typer.Option(help="Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model (packaged short name, path or hub id), or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).", rich_help_panel=PANEL_DRAFT)] = None,
-    num_draft_tokens: Annotated[Optional[int], typer.Option("--num-draft-tokens", "-k", min=1, max=64, help=f"Most draft tokens per step (K); default {DEFAULT_NUM_DRAFT_TOKENS}.", rich_help_panel=PANEL_DRAFT)] = None,
-    adaptive: Annotated[Optional[bool], typer.Option("--adaptive/--fixed-k", help="Choose each row's draft length per step from how often drafts pass and the measured forward costs (default) or always draft K.", rich_help_panel=PANEL_DRAFT, show_default=False)] = None,
-    ngram_max: Annotated[Optional[int], typer.Option(min=1, max=16, help="Longest suffix n-gram to match (default 3).", rich_help_panel=PANEL_DRAFT)] = None,
-    ngram_min: Annotated[Optional[int], typer.Option(min=1, max=16, help="Shortest suffix n-gram to match (default 1).", rich_help_panel=PANEL_DRAFT)] = None,
-    tree_depth: Annotated[Optional[int], typer.Option("--tree-depth", min=0, max=32, help="EAGLE-3 tree drafting: expansions after the first top-k (EAGLE's depth; paths hold up to depth+1 drafts). Any --tree-* option turns tree drafting on (default depth 7).", rich_help_panel=PANEL_DRAFT)] = None,
-    tree_top_k: Annotated[Optional[int], typer.Option("--tree-top-k", min=1, max=64, help="EAGLE-3 tree drafting: children per expanded node and nodes expanded per level (default 10).", rich_help_panel=PANEL_DRAFT)] = None,
-    tree_tokens: Annotated[Optional[int], typer.Option("--tree-tokens", min=2, max=1024, help="EAGLE-3 tree drafting: tokens per tree counting the root, i.e. tokens-1 draft nodes (EAGLE's total_token; default 60).", rich_help_panel=PANEL_DRAFT)] = None,
-    job_corpus: Annotated[Optional[bool], typer.Option("--job-corpus/--no-job-corpus", help="Strict greedy records: the n-gram drafter also drafts from the job's finished records (default on; outputs are the same either way, the drafts' statistics are not). Sampled records, relaxed rules and calibrate never draft from it.", rich_help_panel=PANEL_DRAFT, show_default=False)] = None,
-    margin: Annotated[Optional[str], typer.Option(help="Margin statistic: 'logit-ratio' (z2/z1, the paper's; default) or 'prob-ratio' (p2/p1).", rich_help_panel=PANEL_VERIFY)] = None,
-): ...
-
-
-def _guard_group(
-    repeat_guard: Annotated[Optional[int], typer.Option("--repeat-guard", min=0, help="Loop guard of relaxed rules: never relax a draft token that completes an N-gram already in the last --repeat-window tokens of the output (0 = off). Default: the profile's, else 4.", rich_help_panel=PANEL_VERIFY)] = None,
-    repeat_window: Annotated[Optional[int], typer.Option("--repeat-window", min=1, help="Tokens of recent output the loop guard looks back over. Default: the profile's, else 256.", rich_help_panel=PANEL_VERIFY)] = None,
-    max_relaxed_share: Annotated[Optional[float], typer.Option("--max-relaxed-share", min=0.0, max=1.0, help="Relaxation budget: a record relaxes at most this share of its max tokens, then is verified strictly (1 = no budget). Default: the profile's, else 0.25.", rich_help_panel=PANEL_VERIFY)] = None,
-    no_guard: Annotated[bool, typer.Option("--no-guard", help="Neither loop guard nor budget: the paper's rule alone.", rich_help_panel=PANEL_VERIFY)] = False,
-): ...
-
-
-def _rule_group(
-    verify: Annotated[Optional[str], typer.Option("--verify", "--rule", help="Verification rule: 'strict' (exact), 'mars' (relax at low-margin positions; --theta), 'ratio' (--rho), 'topk' (--top-n, --delta), 'typical' (--epsilon, --alpha) or 'regret' (--budget; greedy only). See README, Verification rules. Default: mars when a calibrated profile matches the target and drafter, else strict.", rich_help_panel=PANEL_VERIFY)] = None,
-    rho: Annotated[Optional[float], typer.Option("--rho", help="ratio: relax a draft x where p(x) >= R * p1 (0 < R <= 1; 1 = strict).", rich_help_panel=PANEL_VERIFY)] = None,
-    top_n: Annotated[Optional[int], typer.Option("--top-n", help="topk: the draft must be among the target's N most likely tokens (N >= 1; default 2).", rich_help_panel=PANEL_VERIFY)] = None,
-    delta: Annotated[Optional[float], typer.Option("--delta", help="topk: ... and p(x) >= p1 - D (D >= 0; 0 = strict).", rich_help_panel=PANEL_VERIFY)] = None,
-    epsilon: Annotated[Optional[float], typer.Option("--epsilon", help="typical: relax where p(x) > min(E, A * exp(-H(p))) (0 < E <= 1).", rich_help_panel=PANEL_VERIFY)] = None,
-    alpha: Annotated[Optional[float], typer.Option("--alpha", help="typical: A > 0 (default sqrt(E)).", rich_help_panel=PANEL_VERIFY)] = None,
-    budget: Annotated[Optional[float], typer.Option("--budget", help="regret: accept a step's drafts while their summed logit gap z1 - z(x) stays <= B (B >= 0; 0 = strict).", rich_help_panel=PANEL_VERIFY)] = None,
-): ...
-
-
-def _spans_group(
-    strict_in: Annotated[Optional[str], typer.Option("--strict-in", help="Strict spans: verify every position strictly, whatever the rule, inside fenced code blocks ('code') and/or after a final-answer marker such as '####', '\\boxed{' or 'Final answer:' ('answer'); e.g. --strict-in code,answer. Decided from the output before each position (docs/verification.md, 'Strict spans').", rich_help_panel=PANEL_VERIFY)] = None,
-    strict_regex: Annotated[Optional[str], typer.Option("--strict-regex", help="Strict span: a position is verified strictly when this Python regex matches (re.search) the output before it; e.g. '(?i)answer:' for everything after the first 'answer:'.", rich_help_panel=PANEL_VERIFY)] = None,
-): ...
+# The options that load models and build a generator are declared once, as the fields of
+# marscli.config.GenerationOptions (groups model, placement, drafting, guard, rule, spans,
+# profile, batch): a command that adds any of those groups receives one GenerationOptions
+# argument, `opts`. The command line's own groups are declared here, as the signature of a
+# function (sampling, run) or built from the rule registry (calibrate's fixed knobs); a
+# command receives each as one namespace argument of the group's name.
 
 
 def _sampling_group(
@@ -156,30 +107,77 @@ def _sampling_group(
 
 def _run_group(
     limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first N records.", rich_help_panel=PANEL_OUTPUT)] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Records decoded together, each with its own drafts and acceptance; a finished record's place goes to the next one. Same outputs as 1 (the default).", rich_help_panel=PANEL_MODEL)] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.", rich_help_panel=PANEL_OUTPUT)] = False,
 ): ...
 
 
-GROUPS = {"model": _model_group, "placement": _placement_group, "drafting": _draft_group,
-          "guard": _guard_group, "rule": _rule_group, "spans": _spans_group, "sampling": _sampling_group,
-          "run": _run_group}
+def _optional(hint: Any) -> Any:
+    """``X | None`` as typing.Optional[X] (what Typer reads)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) and len(args) == 1:
+        return Optional[args[0]]
+    return hint
+
+
+def _option_param(name: str, default: Any, hint: Any, flag) -> inspect.Parameter:
+    """A keyword parameter whose annotation is the Typer option a marscli.config.Flag describes."""
+    kw: dict[str, Any] = {"help": flag.help, "rich_help_panel": flag.panel}
+    if flag.min is not None:
+        kw["min"] = flag.min
+    if flag.max is not None:
+        kw["max"] = flag.max
+    if flag.flags and "/" in flag.flags[0] and default is None:
+        kw["show_default"] = False  # a tri-state switch: not given is the profile's or the default
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[_optional(hint), typer.Option(*flag.flags, **kw)])
+
+
+def _generation_params(group: str) -> list[inspect.Parameter]:
+    hints = typing.get_type_hints(GenerationOptions)
+    return [_option_param(f.name, f.default, hints[f.name], f.metadata["flag"])
+            for f in dataclasses.fields(GenerationOptions) if f.metadata["flag"].group == group]
+
+
+def _fixed_knob_params() -> list[inspect.Parameter]:
+    """calibrate's fixed-knob options, one per knob of the registry: the main knob given is
+    the fixed policy; the rule's other knobs are kept while its main one is fitted."""
+    params = []
+    for knob in ALL_KNOBS.values():
+        rule = RULEBOOK[OWNER[knob.name]]
+        what = (f"a fixed {knob.name} ({knob.bounds})" if knob.name == rule.main
+                else f"{knob.name} ({knob.bounds}), kept while {rule.main} is fitted")
+        hint = Optional[int] if knob.kind is int else Optional[float]
+        params.append(_option_param(knob.name, None, hint, Flag(
+            "knobs", f"--rule {rule.name}: {what}.", PANEL_POLICY, (knob.option,))))
+    return params
+
+
+GROUPS = {"sampling": lambda: list(inspect.signature(_sampling_group, eval_str=True).parameters.values()),
+          "run": lambda: list(inspect.signature(_run_group, eval_str=True).parameters.values()),
+          "knobs": _fixed_knob_params}
+GENERATION_GROUPS = ("model", "placement", "drafting", "guard", "rule", "spans", "profile", "batch")
 
 
 def options(*names: str):
-    """Add the option groups `names` (keys of GROUPS) to a command: Typer sees their options;
-    the command receives each group as one namespace argument of the group's name."""
+    """Add the option groups `names` to a command: Typer sees their options. Groups of
+    GenerationOptions arrive together as one GenerationOptions argument, `opts` (the fields
+    of groups not added keep their defaults); each of GROUPS as one namespace argument of the
+    group's name."""
 
     def decorate(command):
         own = inspect.signature(command, eval_str=True)
-        members = {n: list(inspect.signature(GROUPS[n], eval_str=True).parameters.values()) for n in names}
-        params = [p for p in own.parameters.values() if p.name not in members]
+        members = {n: (_generation_params(n) if n in GENERATION_GROUPS else GROUPS[n]()) for n in names}
+        generation = [p.name for n in names if n in GENERATION_GROUPS for p in members[n]]
+        params = [p for p in own.parameters.values() if p.name not in members and p.name != "opts"]
         params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in names for p in members[n]]
 
         @functools.wraps(command)
         def wrapper(**kwargs: Any) -> Any:
+            if generation:
+                kwargs["opts"] = GenerationOptions(**{name: kwargs.pop(name) for name in generation})
             for n in names:
-                kwargs[n] = SimpleNamespace(**{p.name: kwargs.pop(p.name) for p in members[n]})
+                if n not in GENERATION_GROUPS:
+                    kwargs[n] = SimpleNamespace(**{p.name: kwargs.pop(p.name) for p in members[n]})
             return command(**kwargs)
 
         wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -193,10 +191,6 @@ def _sampling(s: SimpleNamespace):
     from marscli.config import SamplingParams
 
     return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed, tuple(s.stop or ()))
-
-
-def _tree(d: SimpleNamespace) -> tuple[int | None, int | None, int | None]:
-    return d.tree_depth, d.tree_top_k, d.tree_tokens
 
 
 # --------------------------------------------------------------------------- generate
@@ -222,16 +216,11 @@ def _tree(d: SimpleNamespace) -> tuple[int | None, int | None, int | None]:
         + EXIT_CODES_HELP
     ),
 )
-@options("model", "placement", "drafting", "guard", "rule", "spans", "sampling", "run")
+@options("model", "placement", "drafting", "guard", "rule", "spans", "profile", "batch", "sampling", "run")
 def generate(
     input: Annotated[str, typer.Argument(help="JSONL file of records, or '-' for stdin.")],
-    model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
-    guard: SimpleNamespace, rule: SimpleNamespace, spans: SimpleNamespace, sampling: SimpleNamespace,
-    run: SimpleNamespace,
+    opts: GenerationOptions, sampling: SimpleNamespace, run: SimpleNamespace,
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Write results here instead of stdout.", rich_help_panel=PANEL_OUTPUT)] = None,
-    theta: Annotated[Optional[float], typer.Option(help=f"MARS threshold. Default: the profile's, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)] = None,
-    profile: Annotated[Optional[str], typer.Option(help="Calibration profile (name or YAML path) to take theta, margin, target and drafter from. Default: the newest profile matching the loaded target and drafter.", rich_help_panel=PANEL_VERIFY)] = None,
-    no_profile: Annotated[bool, typer.Option("--no-profile", help="Do not pick a profile automatically.", rich_help_panel=PANEL_VERIFY)] = False,
     timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Include wall-clock timing in results (off: byte-identical reruns).", rich_help_panel=PANEL_OUTPUT)] = True,
     token_ids: Annotated[bool, typer.Option("--token-ids", help="Include the generated token ids in results.", rich_help_panel=PANEL_OUTPUT)] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Finish an interrupted run: keep the results already in -o FILE, append the missing ones. Refused if the settings differ.", rich_help_panel=PANEL_OUTPUT)] = False,
@@ -258,16 +247,14 @@ def generate(
 
     def job() -> int:
         check_choices(truncate_prompt=truncate_prompt, output_format=output_format)
-        setup = generation_setup(theta=theta, profile=profile, no_profile=no_profile,
-                                 batch_size=run.batch_size, **vars(model), **vars(placement), **vars(drafting),
-                                 **vars(guard), **vars(rule), **vars(spans))
+        setup = generation_setup(opts)
         cfg = GenerateConfig(
             input=input, output=output, target=setup.target, draft=setup.draft, draft_model=setup.draft_model,
             verify=setup.verify,
             sampling=choice_options(_sampling(sampling), n, logprobs, top_logprobs, provenance),
             limit=run.limit, timing=timing, token_ids=token_ids, profile=setup.profile,
             auto_profile=setup.auto_profile, resume=resume, fail_fast=fail_fast,
-            truncate_prompt=truncate_prompt, batch_size=run.batch_size, output_format=output_format,
+            truncate_prompt=truncate_prompt, batch_size=opts.batch_size, output_format=output_format,
             strict_keys=strict_keys, spans=setup.spans,
         )
         return run_generate(cfg, Log(run.quiet))
@@ -294,25 +281,17 @@ def generate(
         "3 profile written but some records failed; 130 interrupted."
     ),
 )
-@options("model", "placement", "drafting", "guard", "sampling", "run")
+@options("model", "placement", "drafting", "guard", "batch", "knobs", "sampling", "run")
 def calibrate(
     input: Annotated[str, typer.Argument(help="JSONL calibration prompts (same formats as generate), or '-'.")],
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Profile file to write ('-': stdout). Default: NAME.yaml in the user profile dir, where generate finds it.", rich_help_panel=PANEL_OUTPUT)] = None,
     name: Annotated[Optional[str], typer.Option(help="Profile name. Default: target.drafter.dtype.", rich_help_panel=PANEL_OUTPUT)] = None,
-    max_nll_increase: Annotated[Optional[float], typer.Option(min=0.0, help="Policy (default, 0.02): the most relaxing theta whose estimated cost stays within EPS nats of target log-probability per token.", rich_help_panel=PANEL_POLICY)] = None,
-    relax_rate: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Policy: theta at which this share of verified draft positions is relaxable.", rich_help_panel=PANEL_POLICY)] = None,
-    theta: Annotated[Optional[float], typer.Option(help="Policy: a fixed theta (e.g. the paper's 0.9), recorded as such.", rich_help_panel=PANEL_POLICY)] = None,
+    max_nll_increase: Annotated[Optional[float], typer.Option(min=0.0, help="Policy (default, 0.02): the most relaxing knob whose estimated cost stays within EPS nats of target log-probability per token.", rich_help_panel=PANEL_POLICY)] = None,
+    relax_rate: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Policy: the most relaxing knob whose relax rate (the share of verified draft positions where the rule accepts a draft strict verification rejects) is at most this.", rich_help_panel=PANEL_POLICY)] = None,
     rule: Annotated[str, typer.Option("--rule", help="The rule whose main knob is calibrated: mars (theta), ratio (rho), topk (delta, at --top-n), typical (epsilon; alpha tied to sqrt(epsilon) unless --alpha), regret (budget; greedy only). Giving the main knob itself (--theta, --rho, --delta, --epsilon, --budget) is the fixed policy.", rich_help_panel=PANEL_POLICY)] = "mars",
-    rho: Annotated[Optional[float], typer.Option(help="--rule ratio: a fixed rho in (0, 1].", rich_help_panel=PANEL_POLICY)] = None,
-    top_n: Annotated[Optional[int], typer.Option("--top-n", help="--rule topk: the candidate set's size N, kept while delta is fitted (default 2).", rich_help_panel=PANEL_POLICY)] = None,
-    delta: Annotated[Optional[float], typer.Option(help="--rule topk: a fixed delta >= 0.", rich_help_panel=PANEL_POLICY)] = None,
-    epsilon: Annotated[Optional[float], typer.Option(help="--rule typical: a fixed epsilon in (0, 1].", rich_help_panel=PANEL_POLICY)] = None,
-    alpha: Annotated[Optional[float], typer.Option(help="--rule typical: a fixed alpha > 0 (default: sqrt(epsilon), following it).", rich_help_panel=PANEL_POLICY)] = None,
-    budget: Annotated[Optional[float], typer.Option(help="--rule regret: a fixed budget >= 0 (logits).", rich_help_panel=PANEL_POLICY)] = None,
-    objective: Annotated[str, typer.Option(help="quality: the policy's theta; speed: the fastest theta within the policy's budget (predicted from replayed acceptance and measured step costs). Either way the profile records the predicted speed-up, and generate verifies strictly when relaxing gains under 3%.", rich_help_panel=PANEL_POLICY)] = "quality",
+    objective: Annotated[str, typer.Option(help="quality: the policy's knob; speed: the fastest knob within the policy's budget (predicted from replayed acceptance and measured step costs). Either way the profile records the predicted speed-up, and generate verifies strictly when relaxing gains under 3%.", rich_help_panel=PANEL_POLICY)] = "quality",
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
-    *, model: SimpleNamespace, placement: SimpleNamespace, drafting: SimpleNamespace,
-    guard: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
+    *, opts: GenerationOptions, knobs: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
 ) -> None:
     """Measure the target's margins over prompts and write a profile with a calibrated theta
     (or another rule's knob: --rule).
@@ -322,42 +301,13 @@ def calibrate(
     knob, and picks the knob by one policy. generate then finds the profile for this target
     and drafter.
     """
-    from marscli.config import CalibrateConfig
-    from marscli.jobs.calibrate import choose_policy, choose_rule, run_calibrate
+    from marscli.jobs.calibrate import calibrate_config, run_calibrate
     from marscli.jobs.console import Log
-    from marscli.config import VerifyRequest
-    from marscli.jobs.setup import (
-        check_batch,
-        check_choices,
-        draft_config,
-        guard_request,
-        model_configs,
-        resolve_guard,
-    )
 
     def job() -> int:
-        d = drafting
-        check_choices(d.margin, model.dtype, d.ngram_min, d.ngram_max)
-        smp = _sampling(sampling)
-        template, fixed, alpha_given = choose_rule(
-            rule, theta=theta, rho=rho, top_n=top_n, delta=delta, epsilon=epsilon, alpha=alpha,
-            budget=budget, margin=d.margin or "logit-ratio", greedy=smp.greedy)
-        policy, value = choose_policy(max_nll_increase, relax_rate, fixed, knob=template.knob[0])
-        if objective not in ("quality", "speed"):
-            raise UsageError(f"--objective must be 'quality' or 'speed', got {objective!r}")
-        draft_cfg = draft_config(d.draft, d.num_draft_tokens, d.adaptive, d.ngram_max, d.ngram_min, tree=_tree(d))
-        check_batch(draft_cfg, run.batch_size)
-        if draft_cfg.kind == "none":
-            raise UsageError("calibrate needs a drafter: --draft ngram or a draft model")
-        target_cfg, draft_model_cfg = model_configs(model.target, draft_cfg, model.dtype, model.device,
-                                                    offline=model.offline, **vars(placement))
-        cfg = CalibrateConfig(
-            input=input, output=output, name=name, target=target_cfg, draft=draft_cfg,
-            draft_model=draft_model_cfg, margin=d.margin or "logit-ratio", policy=policy, policy_value=value,
-            sampling=smp, limit=run.limit, plot=plot, batch_size=run.batch_size,
-            guard=resolve_guard(VerifyRequest(**guard_request(**vars(guard))), None),
-            objective=objective, rule=template, alpha_given=alpha_given,
-        )
+        cfg = calibrate_config(input, opts, _sampling(sampling), rule=rule, knobs=vars(knobs),
+                               max_nll_increase=max_nll_increase, relax_rate=relax_rate, objective=objective,
+                               output=output, name=name, limit=run.limit, plot=plot)
         return run_calibrate(cfg, Log(run.quiet))
 
     _run(job)
@@ -446,16 +396,16 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
 @app.command(
     epilog=(
         "Examples:\n\n"
-        "  marscli bench ../shared/data/prompts/sum.jsonl --limit 20 --max-tokens 128 "
+        "  marscli bench examples/sum.jsonl --max-tokens 128 "
         "--methods hf-generate,hf-assisted,ar,strict,mars --theta 0.85,0.9,0.95 --report bench.json\n\n"
         "  marscli bench prompts.jsonl --methods ar,strict,mars@0.9,ratio@0.5,topk@3:0.1,typical@0.1,regret@2\n\n"
         "  marscli bench prompts.jsonl --profile smollm2-135m-instruct.ngram.float32 --plot bench.png\n\n"
-        "  marscli bench ../shared/data/prompts/humaneval.jsonl --limit 20 --max-tokens 128 "
+        "  marscli bench examples/humaneval.jsonl --limit 4 --max-tokens 128 "
         "--methods strict,mars,ratio,topk,typical,regret --match-relax-rate 0.03 --task humaneval\n\n"
         "  marscli bench prompts.jsonl --target ./Llama-3.1-8B-Instruct --draft ./Llama-3.2-1B-Instruct "
         "--temperature 1.0 --seeds 0,1,2\n\n"
         "  marscli bench prompts.jsonl --report - | jq .methods\n\n"
-        "  marscli bench ../shared/data/prompts/humaneval.jsonl --limit 40 --task humaneval "
+        "  marscli bench examples/humaneval.jsonl --task humaneval "
         "--target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --methods strict,mars "
         "--max-tokens 384 --report he.json\n\n"
         "Exit codes: 0 done; 1 a correctness check failed (greedy ar or strict output differs from "
@@ -466,7 +416,7 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
 @options("model", "drafting", "guard", "spans")
 def bench(
     input: Annotated[str, typer.Argument(help="JSONL file of prompts (any format generate reads), or '-' for stdin.")],
-    model: SimpleNamespace, drafting: SimpleNamespace, guard: SimpleNamespace, spans: SimpleNamespace,
+    opts: GenerationOptions,
     methods: Annotated[Optional[str], typer.Option(help="Comma-separated: hf-generate, hf-assisted, ar, strict, mars (one per theta, with the loop guard), mars@THETA (one theta), mars-noguard (one per theta, the paper's rule alone), and the other relaxed rules at their knobs, guarded like mars: ratio@R, topk@N:D, typical@E:A (or typical@E), regret@B (greedy only); with an EAGLE-3 drafter also strict-tree, mars-tree (tree drafting). Default: hf-generate,hf-assisted,ar,strict,mars; with --draft eagle3:... hf-generate,ar,strict,strict-tree,mars,mars-tree.", rich_help_panel=PANEL_VERIFY)] = None,
     theta: Annotated[Optional[str], typer.Option(help=f"MARS thresholds, comma-separated. Default: the --profile's theta, else {PAPER_THETA} (the paper's).", rich_help_panel=PANEL_VERIFY)] = None,
     profile: Annotated[Optional[str], typer.Option(help="Calibration profile (name or path): adds its theta (and supplies margin, target and drafter unless given).", rich_help_panel=PANEL_VERIFY)] = None,
@@ -497,12 +447,11 @@ def bench(
     log = Log(quiet)
 
     def job() -> int:
-        cfg = bench_config(input, methods=methods, theta=theta, profile=profile, temperature=temperature,
+        cfg = bench_config(input, opts, methods=methods, theta=theta, profile=profile, temperature=temperature,
                            seeds=seeds, max_tokens=max_tokens, limit=limit, batch_size=batch_size,
                            report=report, plot=plot, task=task, match_relax_rate=match_relax_rate,
                            calibrate_on=calibrate_on, calibration_records=calibration_records,
-                           note=log.info, **vars(model), **vars(drafting),
-                           **vars(guard), **vars(spans))
+                           note=log.info)
         return run_bench(cfg, log)
 
     _run(job)
@@ -515,7 +464,7 @@ def bench(
     epilog=(
         "Examples:\n\n"
         "  marscli score results.jsonl --task humaneval -o scored.jsonl\n\n"
-        "  marscli score results.jsonl --task gsm8k --prompts ../shared/data/prompts/gsm8k.jsonl > scored.jsonl\n\n"
+        "  marscli score results.jsonl --task gsm8k --prompts examples/gsm8k.jsonl > scored.jsonl\n\n"
         "  marscli score mars.jsonl --task humaneval --against strict.jsonl --summary paired.json -o scored.jsonl\n\n"
         "Exit codes: 0 every record scored; 2 usage or input error; 3 some records could not be "
         "scored (no output, or an id with no problem or reference)."

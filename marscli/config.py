@@ -7,10 +7,10 @@ plain values. Nothing here imports torch, so `marscli --help` stays fast.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from marscli.verification.registry import ALL_KNOBS, LOGIT_RATIO, STRICT
+from marscli.verification.registry import ALL_KNOBS, LOGIT_RATIO, STRICT, verify_help
 
 #: A rule's name (marscli.verification.registry.RULES) and a margin statistic's (MARGINS).
 VerifyMode = str
@@ -233,6 +233,99 @@ class ModelConfig:
     #: Never download: a hub id must already be in the local Hugging Face cache (as with
     #: HF_HUB_OFFLINE=1). False: a hub id not in the cache is downloaded into it.
     offline: bool = False
+
+
+# --------------------------------------------------------------------------- options, declared once
+
+#: Help panels of the command line.
+PANEL_MODEL = "Models"
+PANEL_DRAFT = "Drafting"
+PANEL_VERIFY = "Verification"
+PANEL_SAMPLING = "Sampling"
+PANEL_OUTPUT = "Input and output"
+PANEL_POLICY = "Choosing the knob (one policy)"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a setting is written on the command line (marscli.cli builds its Typer option):
+    its option group, help text and panel, its flags (default: --field-name) and bounds."""
+
+    group: str
+    help: str
+    panel: str
+    flags: tuple[str, ...] = ()
+    min: float | None = None
+    max: float | None = None
+
+
+def _opt(default: Any, group: str, panel: str, help: str, *flags: str, **bounds: float) -> Any:
+    return field(default=default, metadata={"flag": Flag(group, help, panel, flags, **bounds)})
+
+
+def _knob(name: str) -> Any:
+    """A rule's knob as an option of the "rule" group: help and option name from the registry."""
+    knob = ALL_KNOBS[name]
+    return _opt(None, "rule", PANEL_VERIFY, knob.help, knob.option)
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What loads the models and builds a generator: `marscli generate`'s options,
+    ``marscli.load``'s keywords and (its model, drafting, guard and spans groups) bench's.
+    Declared once, here: the command line's Typer options (marscli.cli.options), load's
+    signature and marscli.jobs.setup.generation_setup all come from these fields, so a new
+    option is one field. None means "not given": the profile or the default decides."""
+
+    # model
+    target: str | None = _opt(None, "model", PANEL_MODEL, "Target model: a packaged model's short name (`marscli models`), local dir, .gguf file or hub id (downloaded into the Hugging Face cache unless --offline). Default: embedded SmolLM2-135M-Instruct (or the --profile's target).")
+    dtype: str = _opt("auto", "model", PANEL_MODEL, "auto, float32, bfloat16 or float16.")
+    device: str = _opt("auto", "model", PANEL_MODEL, "auto, cpu, cuda or cuda:N.")
+    offline: bool = _opt(False, "model", PANEL_MODEL, "Never download: a hub id must already be in the local cache (as with HF_HUB_OFFLINE=1).", "--offline")
+    # placement
+    device_map: str | None = _opt(None, "placement", PANEL_MODEL, "'auto' to spread the target and the draft model over the GPUs (then the CPU) with accelerate, for models larger than one GPU; also balanced, balanced_low_0, sequential. Under a launcher each process takes its share of the machine's GPUs.")
+    load_in_8bit: bool = _opt(False, "placement", PANEL_MODEL, "8-bit weights (bitsandbytes; CUDA, or --device cpu for its slow CPU backend). Applies to the draft model too.")
+    load_in_4bit: bool = _opt(False, "placement", PANEL_MODEL, "4-bit NF4 weights (bitsandbytes; CUDA, or --device cpu for its slow CPU backend). Applies to the draft model too.")
+    max_memory: str | None = _opt(None, "placement", PANEL_MODEL, "With a device map, the most the target may take per device, e.g. '0=20GiB,1=20GiB,cpu=64GiB' (implies --device-map auto).")
+    bnb_compute_dtype: str = _opt("auto", "placement", PANEL_MODEL, "dtype of the 4-bit matmuls: auto (= --dtype), float32, bfloat16 or float16.", "--bnb-compute-dtype")
+    # drafting
+    draft: str | None = _opt(None, "drafting", PANEL_DRAFT, "Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model (packaged short name, path or hub id), or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).")
+    num_draft_tokens: int | None = _opt(None, "drafting", PANEL_DRAFT, f"Most draft tokens per step (K); default {DEFAULT_NUM_DRAFT_TOKENS}.", "--num-draft-tokens", "-k", min=1, max=64)
+    adaptive: bool | None = _opt(None, "drafting", PANEL_DRAFT, "Choose each row's draft length per step from how often drafts pass and the measured forward costs (default) or always draft K.", "--adaptive/--fixed-k")
+    ngram_max: int | None = _opt(None, "drafting", PANEL_DRAFT, "Longest suffix n-gram to match (default 3).", min=1, max=16)
+    ngram_min: int | None = _opt(None, "drafting", PANEL_DRAFT, "Shortest suffix n-gram to match (default 1).", min=1, max=16)
+    tree_depth: int | None = _opt(None, "drafting", PANEL_DRAFT, "EAGLE-3 tree drafting: expansions after the first top-k (EAGLE's depth; paths hold up to depth+1 drafts). Any --tree-* option turns tree drafting on (default depth 7).", min=0, max=32)
+    tree_top_k: int | None = _opt(None, "drafting", PANEL_DRAFT, "EAGLE-3 tree drafting: children per expanded node and nodes expanded per level (default 10).", min=1, max=64)
+    tree_tokens: int | None = _opt(None, "drafting", PANEL_DRAFT, "EAGLE-3 tree drafting: tokens per tree counting the root, i.e. tokens-1 draft nodes (EAGLE's total_token; default 60).", min=2, max=1024)
+    job_corpus: bool | None = _opt(None, "drafting", PANEL_DRAFT, "Strict greedy records: the n-gram drafter also drafts from the job's finished records (default on; outputs are the same either way, the drafts' statistics are not). Sampled records, relaxed rules and calibrate never draft from it.", "--job-corpus/--no-job-corpus")
+    margin: str | None = _opt(None, "drafting", PANEL_VERIFY, "Margin statistic: 'logit-ratio' (z2/z1, the paper's; default) or 'prob-ratio' (p2/p1).")
+    # the loop guard
+    repeat_guard: int | None = _opt(None, "guard", PANEL_VERIFY, "Loop guard of relaxed rules: never relax a draft token that completes an N-gram already in the last --repeat-window tokens of the output (0 = off). Default: the profile's, else 4.", min=0)
+    repeat_window: int | None = _opt(None, "guard", PANEL_VERIFY, "Tokens of recent output the loop guard looks back over. Default: the profile's, else 256.", min=1)
+    max_relaxed_share: float | None = _opt(None, "guard", PANEL_VERIFY, "Relaxation budget: a record relaxes at most this share of its max tokens, then is verified strictly (1 = no budget). Default: the profile's, else 0.25.", min=0.0, max=1.0)
+    no_guard: bool = _opt(False, "guard", PANEL_VERIFY, "Neither loop guard nor budget: the paper's rule alone.", "--no-guard")
+    # the rule and its knobs (marscli.verification.registry)
+    verify: str | None = _opt(None, "rule", PANEL_VERIFY, verify_help(), "--verify", "--rule")
+    theta: float | None = _knob("theta")
+    rho: float | None = _knob("rho")
+    top_n: int | None = _knob("top_n")
+    delta: float | None = _knob("delta")
+    epsilon: float | None = _knob("epsilon")
+    alpha: float | None = _knob("alpha")
+    budget: float | None = _knob("budget")
+    # strict spans
+    strict_in: str | None = _opt(None, "spans", PANEL_VERIFY, "Strict spans: verify every position strictly, whatever the rule, inside fenced code blocks ('code') and/or after a final-answer marker such as '####', '\\boxed{' or 'Final answer:' ('answer'); e.g. --strict-in code,answer. Decided from the output before each position (docs/verification.md, 'Strict spans').", "--strict-in")
+    strict_regex: str | None = _opt(None, "spans", PANEL_VERIFY, "Strict span: a position is verified strictly when this Python regex matches (re.search) the output before it; e.g. '(?i)answer:' for everything after the first 'answer:'.", "--strict-regex")
+    # the profile
+    profile: str | None = _opt(None, "profile", PANEL_VERIFY, "Calibration profile (name or YAML path) to take the rule and its knobs, target and drafter from. Default: the newest profile matching the loaded target and drafter.")
+    auto_profile: bool = _opt(True, "profile", PANEL_VERIFY, "Pick a profile matching the target and drafter by itself (default), or not (--no-profile).", "--auto-profile/--no-profile")
+    # batching
+    batch_size: int = _opt(1, "batch", PANEL_MODEL, "Records decoded together, each with its own drafts and acceptance; a finished record's place goes to the next one. Same outputs as 1 (the default).", "--batch-size", min=1)
+
+    @classmethod
+    def group(cls, name: str) -> tuple[str, ...]:
+        """The fields of an option group, in declaration order."""
+        return tuple(f.name for f in fields(cls) if f.metadata["flag"].group == name)
 
 
 @dataclass

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from marscli.bench.methods import parse_methods, read_prompt_records
     from marscli.calibration.policies import relaxed_per_position
+    from marscli.config import GenerationOptions
     from marscli.jobs.bench import bench_config
     from marscli.jobs.bench_match import collect_calibration, fit_to_share
     from marscli.jobs.setup import load_models
@@ -56,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     # The share is a placeholder: only the rule templates and the split come from this config.
-    cfg = bench_config(args.input or args.calibrate_on, methods=args.rules, target=args.target, draft=args.draft,
-                       max_tokens=args.max_tokens, limit=args.limit, dtype=args.dtype, device=args.device,
-                       match_relax_rate=0.5, calibrate_on=args.calibrate_on,
+    opts = GenerationOptions(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    cfg = bench_config(args.input or args.calibrate_on, opts, methods=args.rules,
+                       max_tokens=args.max_tokens, limit=args.limit, match_relax_rate=0.5, calibrate_on=args.calibrate_on,
                        calibration_records=args.calibration_records, note=log)
     (reference,) = parse_methods(args.reference, ())
     ref_rule = reference.verify_rule(cfg.margin)

@@ -49,6 +49,7 @@ from marscli.bench.methods import (
 )
 from marscli.config import (
     GUARD_OFF,
+    GenerationOptions,
     DraftConfig,
     GuardConfig,
     ModelConfig,
@@ -644,38 +645,31 @@ def batch_counters(engine) -> dict[str, Any]:
             "oom_halvings": engine.oom_retries}
 
 
-def bench_config(input: str, *, methods: str | None = None, theta: str | None = None, profile: str | None = None,
-                 temperature: float = 0.0, seeds: str = "0", max_tokens: int = 128, limit: int | None = None,
+def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, methods: str | None = None,
+                 theta: str | None = None, profile: str | None = None, temperature: float = 0.0,
+                 seeds: str = "0", max_tokens: int = 128, limit: int | None = None,
                  batch_size: str | None = None, report: str | None = None, plot: str | None = None,
-                 target: str | None = None, dtype: str = "auto", device: str = "auto", draft: str | None = None,
-                 num_draft_tokens: int | None = None, adaptive: bool | None = None, ngram_max: int | None = None,
-                 ngram_min: int | None = None, tree_depth: int | None = None, tree_top_k: int | None = None,
-                 tree_tokens: int | None = None, margin: str | None = None, offline: bool = False,
-                 repeat_guard: int | None = None, repeat_window: int | None = None,
-                 max_relaxed_share: float | None = None, no_guard: bool = False,
-                 strict_in: str | None = None, strict_regex: str | None = None,
                  task: str | None = None, match_relax_rate: float | None = None, calibrate_on: str | None = None,
-                 calibration_records: int | None = None, job_corpus: bool | None = None,
+                 calibration_records: int | None = None,
                  note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's, except under
-    --match-relax-rate, which fits it)."""
+    --match-relax-rate, which fits it). ``o``: generate's model, drafting, guard and spans
+    options (the others are bench's own: --theta takes a list, --batch-size too)."""
     from marscli.jobs.distributed import launch_from_env
 
     if launch_from_env() is not None:
         raise UsageError("bench times methods against each other in one process: run it "
                          "without a launcher (accelerate launch, torchrun)")
-    check_choices(margin, dtype, ngram_min, ngram_max)
+    check_choices(o.margin, o.dtype, o.ngram_min, o.ngram_max)
     prof = named_profile(profile)
-    resolved = resolve_verification(VerifyRequest("strict", None, margin, **guard_request(
-        repeat_guard, repeat_window, max_relaxed_share, no_guard)), prof)
+    resolved = resolve_verification(VerifyRequest("strict", None, o.margin, **guard_request(o)), prof)
     margin = resolved.margin
     thetas = parse_float_list(theta, "--theta") if theta is not None else ()
     prule = prof.rule if prof is not None else None
     if prule is not None and prule.name == "mars" and prule.theta not in thetas:
         thetas = (*thetas, prule.theta)
-    dcfg = draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min, prof,
-                        tree=(tree_depth, tree_top_k, tree_tokens), job_corpus=job_corpus)
+    dcfg = draft_config(o, prof)
     if methods is None:
         methods = DEFAULT_EAGLE3_METHODS if dcfg.kind == "eagle3" else DEFAULT_METHODS
         if prule is not None and prule.name not in ("mars", "strict"):
@@ -683,9 +677,9 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
     cfg = BenchConfig(
         input=input,
         methods=parse_methods(methods, thetas or (PAPER_THETA,), match=match_relax_rate is not None),
-        target=ModelConfig(target_source(target, prof), dtype, device, offline=offline),
+        target=ModelConfig(target_source(o.target, prof), o.dtype, o.device, offline=o.offline),
         draft=dcfg,
-        draft_model=ModelConfig(dcfg.model, dtype, device, offline=offline) if dcfg.model else None,
+        draft_model=ModelConfig(dcfg.model, o.dtype, o.device, offline=o.offline) if dcfg.model else None,
         margin=margin,
         max_tokens=max_tokens,
         temperature=temperature,
@@ -696,7 +690,7 @@ def bench_config(input: str, *, methods: str | None = None, theta: str | None = 
         batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
         guard=resolved.guard,
         task=task,
-        spans=span_config(strict_in, strict_regex),
+        spans=span_config(o.strict_in, o.strict_regex),
         match_relax_rate=match_relax_rate, calibrate_on=calibrate_on,
         **({"calibration_records": calibration_records} if calibration_records is not None else {}),
     )

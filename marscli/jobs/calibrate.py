@@ -14,11 +14,40 @@ import os
 import sys
 import time
 
-from marscli.config import CalibrateConfig, RecordError, VerifyConfig
+from marscli.calibration.collect import MarginCollector
+from marscli.calibration.profiles import (
+    dump_profile,
+    identity_for_profile,
+    parse_profile,
+    save_profile,
+    user_profile_dir,
+)
+from marscli.calibration.report import plot_profile
+from marscli.calibration.speed import OBJECTIVES
+from marscli.config import (
+    CalibrateConfig,
+    GenerationOptions,
+    RecordError,
+    SamplingParams,
+    VerifyConfig,
+    VerifyRequest,
+)
 from marscli.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RECORDS_FAILED, InputError, MarscliError, UsageError
+from marscli.io.records import read_input
 from marscli.jobs.console import Log, Progress
+from marscli.jobs.distributed import ProgressPump, shard, solo_step
 from marscli.jobs.generate import start_group
-from marscli.jobs.setup import load_models, make_engine
+from marscli.jobs.setup import (
+    check_batch,
+    check_choices,
+    draft_config,
+    guard_request,
+    load_models,
+    make_engine,
+    model_configs,
+    resolve_guard,
+)
+from marscli.verification.registry import LOGIT_RATIO
 
 
 def run_calibrate(cfg: CalibrateConfig, log: Log) -> int:
@@ -111,6 +140,34 @@ def choose_rule(rule: str = "mars", *, margin: str = "logit-ratio", greedy: bool
     return template, fixed, alpha is not None
 
 
+def calibrate_config(input: str, o: GenerationOptions, sampling: SamplingParams, *, rule: str = "mars",
+                     knobs: dict[str, float | None] | None = None, max_nll_increase: float | None = None,
+                     relax_rate: float | None = None, objective: str = "quality", output: str | None = None,
+                     name: str | None = None, limit: int | None = None, plot: str | None = None) -> CalibrateConfig:
+    """calibrate's options -> CalibrateConfig, checked before anything is loaded: the model,
+    placement, drafting, guard and batch options of ``o`` (generate's), the rule whose main
+    knob is fitted and its knobs (``knobs``: registry knob names, None when not given; the
+    main one given is the fixed policy), and one policy."""
+    check_choices(o.margin, o.dtype, o.ngram_min, o.ngram_max)
+    margin = o.margin or LOGIT_RATIO
+    template, fixed, alpha_given = choose_rule(rule, margin=margin, greedy=sampling.greedy, **(knobs or {}))
+    policy, value = choose_policy(max_nll_increase, relax_rate, fixed, knob=template.knob[0])
+    if objective not in OBJECTIVES:
+        raise UsageError(f"--objective must be 'quality' or 'speed', got {objective!r}")
+    draft_cfg = draft_config(o)
+    check_batch(draft_cfg, o.batch_size)
+    if draft_cfg.kind == "none":
+        raise UsageError("calibrate needs a drafter: --draft ngram or a draft model")
+    target_cfg, draft_model_cfg = model_configs(o.target, draft_cfg, o)
+    return CalibrateConfig(
+        input=input, output=output, name=name, target=target_cfg, draft=draft_cfg,
+        draft_model=draft_model_cfg, margin=margin, policy=policy, policy_value=value,
+        sampling=sampling, limit=limit, plot=plot, batch_size=o.batch_size,
+        guard=resolve_guard(VerifyRequest(**guard_request(o)), None),
+        objective=objective, rule=template, alpha_given=alpha_given,
+    )
+
+
 def margins_profile(collector, failed: int, records: int, seconds: float, cfg: CalibrateConfig, target,
                     draft_loaded, *, input_name: str, input_sha256: str | None, costs=None) -> dict:
     """The profile document for the margins collected (theta chosen by cfg's policy; with
@@ -178,44 +235,27 @@ def speed_objective(cal, data, cfg: CalibrateConfig, costs, seconds: float):
     return cal, speed_section(data, family, cal.theta, cfg.objective, costs, SPEED_BATCH_SIZE, values)
 
 
-def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
-    from marscli.calibration.collect import MarginCollector
-    from marscli.calibration.report import plot_profile
-    from marscli.jobs.distributed import shard, solo_step
-    from marscli.io.records import read_input
-    from marscli.calibration.profiles import identity_for_profile, save_profile, user_profile_dir
+def calibration_engine(cfg: CalibrateConfig, target, draft_loaded, note=None):
+    """The engine a calibration collects with: strict, with the guard (the engine records the
+    guard's verdicts for the replay). Rows choose their draft lengths as if alone: the
+    profile is the batch size's neither through the lengths nor through the speed prediction
+    (at batch size 1). No job corpus: the n-gram drafter drafts what it will draft for the
+    relaxed rule, which gets none."""
+    return make_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size,
+                       note or (lambda _: None), solo_lengths=True, job_corpus=False)
 
-    step = group.step if group is not None else solo_step
-    with step("reading the input") as s:
-        items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=True)
-        if not items:
-            raise InputError(f"{cfg.input}: no records to calibrate on")
-        s.value = (input_sha, len(items))
-    if group is not None and len(set(s.values)) > 1:
-        raise group.fail_all("the processes read different inputs: every process must see the "
-                             "same input file")
 
-    with step("loading the models") as s:
-        target, draft_loaded = load_models(cfg.target, cfg.draft_model, log.info, group, cfg.draft.kind)
-        # Strict, with the guard: the engine records the guard's verdicts for the replay. Rows
-        # choose their draft lengths as if alone: the profile is the batch size's neither
-        # through the lengths nor through the speed prediction (at batch size 1). No job corpus:
-        # the n-gram drafter drafts what it will draft for the relaxed rule, which gets none.
-        engine = make_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size,
-                             log.info, solo_lengths=True, job_corpus=False)
-        s.value = (identity_for_profile(target.identity),
-                   identity_for_profile(draft_loaded.identity) if draft_loaded else None)
-    if group is not None and any(v != s.values[0] for v in s.values):
-        differ = [r for r, v in enumerate(s.values) if v != s.values[0]]
-        raise group.fail_all(f"rank(s) {', '.join(map(str, differ))} loaded other models (or "
-                             "dtype, quantization, device type) than rank 0")
-
-    mine = items if group is None else shard(items, group.rank, group.world_size)
-    collector = MarginCollector()
+def collect_profile(cfg: CalibrateConfig, engine, items, target, draft_loaded, log: Log, *, input_name: str,
+                    input_sha256: str | None, total: int | None = None, group=None) -> dict | None:
+    """Collect the margins of ``items`` (this process's share of ``total`` records under a
+    launcher) and build the profile document (marscli.calibration.policies chooses the
+    knob); None on a process other than the main one, which gathers and builds it.
+    KeyboardInterrupt propagates: nothing is written."""
+    total = len(items) if total is None else total
     # One collector per record, merged in input order: the profile does not depend on the
     # batch size or on how many processes shared the records.
     per_record: dict[int, MarginCollector] = {}
-    progress = Progress(log, len(items), label="calibrating")
+    progress = Progress(log, total, label="calibrating")
     failed = 0
     t0 = time.perf_counter()
 
@@ -238,41 +278,67 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
 
     pump = contextlib.nullcontext()
     if group is not None and group.is_main and not log.quiet:
-        from marscli.jobs.distributed import ProgressPump
-
         pump = ProgressPump(group, progress.set)
     try:
         with pump:
-            collect_margins(engine, mine, cfg.sampling, observer_for, skipped, tick)
+            collect_margins(engine, items, cfg.sampling, observer_for, skipped, tick)
             if group is not None:
                 group.mark_done({"failed": failed})
                 group.wait_all_done()
-    except KeyboardInterrupt:
+    finally:
         progress.close()
-        log.info("interrupted: no profile written")
-        return EXIT_INTERRUPTED
     if group is not None:
         gathered = group.gather((per_record, failed), "gathering the margins")
         if gathered is None:
-            return EXIT_OK  # the main process writes the profile
+            return None  # the main process builds the profile
         per_record = {i: c for part, _ in gathered for i, c in part.items()}
         failed = sum(f for _, f in gathered)
+    collector = MarginCollector()
     for index in sorted(per_record):
         collector.extend(per_record[index])
-    progress.close()
-    doc = margins_profile(collector, failed, len(items), time.perf_counter() - t0, cfg, target, draft_loaded,
-                          input_name="-" if cfg.input == "-" else os.path.basename(cfg.input),
-                          input_sha256=input_sha, costs=engine.costs)
-    name = doc["name"]
-    from marscli.calibration.profiles import dump_profile, parse_profile
+    doc = margins_profile(collector, failed, total, time.perf_counter() - t0, cfg, target, draft_loaded,
+                          input_name=input_name, input_sha256=input_sha256, costs=engine.costs)
+    return doc
 
+
+def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
+    step = group.step if group is not None else solo_step
+    with step("reading the input") as s:
+        items, input_sha = read_input(cfg.input, limit=cfg.limit, digest=True)
+        if not items:
+            raise InputError(f"{cfg.input}: no records to calibrate on")
+        s.value = (input_sha, len(items))
+    if group is not None and len(set(s.values)) > 1:
+        raise group.fail_all("the processes read different inputs: every process must see the "
+                             "same input file")
+
+    with step("loading the models") as s:
+        target, draft_loaded = load_models(cfg.target, cfg.draft_model, log.info, group, cfg.draft.kind)
+        engine = calibration_engine(cfg, target, draft_loaded, log.info)
+        s.value = (identity_for_profile(target.identity),
+                   identity_for_profile(draft_loaded.identity) if draft_loaded else None)
+    if group is not None and any(v != s.values[0] for v in s.values):
+        differ = [r for r, v in enumerate(s.values) if v != s.values[0]]
+        raise group.fail_all(f"rank(s) {', '.join(map(str, differ))} loaded other models (or "
+                             "dtype, quantization, device type) than rank 0")
+
+    mine = items if group is None else shard(items, group.rank, group.world_size)
+    try:
+        doc = collect_profile(cfg, engine, mine, target, draft_loaded, log, total=len(items), group=group,
+                              input_name="-" if cfg.input == "-" else os.path.basename(cfg.input),
+                              input_sha256=input_sha)
+    except KeyboardInterrupt:
+        log.info("interrupted: no profile written")
+        return EXIT_INTERRUPTED
+    if doc is None:
+        return EXIT_OK  # the main process writes the profile
     if cfg.output == "-":
         text = dump_profile(doc)
         prof = parse_profile(text, "<stdout>")
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
-        out = cfg.output or str(user_profile_dir() / f"{name}.yaml")
+        out = cfg.output or str(user_profile_dir() / f"{doc['name']}.yaml")
         existed = os.path.exists(out)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         prof = save_profile(doc, out)
@@ -282,6 +348,7 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
     if cfg.plot:
         plot_profile(doc, cfg.plot)
         log.info(f"wrote plot {cfg.plot}")
+    failed = doc["calibration_data"]["failed_records"]
     if failed:
         log.info(f"{failed} of {len(items)} records failed and were left out")
     return EXIT_RECORDS_FAILED if failed else EXIT_OK

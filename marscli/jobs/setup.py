@@ -17,6 +17,7 @@ from typing import Any
 
 from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
+    GenerationOptions,
     SPANS_OFF,
     STRICT_THETA,
     TREE_DEFAULTS,
@@ -112,13 +113,11 @@ def target_source(target: str | None, profile) -> str | None:
     return profile.target_source
 
 
-def draft_config(draft: str | None, k: int | None = None, adaptive: bool | None = None,
-                 ngram_max: int | None = None, ngram_min: int | None = None, profile=None,
-                 tree: tuple[int | None, int | None, int | None] = (None, None, None),
-                 job_corpus: bool | None = None) -> DraftConfig:
-    """Command line > profile > defaults for the drafter. tree: --tree-depth, --tree-top-k,
-    --tree-tokens as given (any of them turns EAGLE-3 tree drafting on). job_corpus:
-    --job-corpus/--no-job-corpus (default on; profiles do not carry it)."""
+def draft_config(o: GenerationOptions, profile=None) -> DraftConfig:
+    """Command line > profile > defaults for the drafter (``o``'s drafting options). Any of
+    --tree-depth, --tree-top-k, --tree-tokens turns EAGLE-3 tree drafting on;
+    --job-corpus/--no-job-corpus: default on, profiles do not carry it."""
+    draft, tree = o.draft, (o.tree_depth, o.tree_top_k, o.tree_tokens)
     pd = profile.data["drafter"] if profile is not None else {}
     if draft is None and pd:
         if pd["kind"] == DRAFT_MODEL:
@@ -148,12 +147,12 @@ def draft_config(draft: str | None, k: int | None = None, adaptive: bool | None 
 
     return DraftConfig(
         kind, model,
-        pick(k, "num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS),
-        pick(ngram_max, "ngram_max", DEFAULT_NGRAM_MAX),
-        pick(ngram_min, "ngram_min", DEFAULT_NGRAM_MIN),
-        pick(adaptive, "adaptive", True),
+        pick(o.num_draft_tokens, "num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS),
+        pick(o.ngram_max, "ngram_max", DEFAULT_NGRAM_MAX),
+        pick(o.ngram_min, "ngram_min", DEFAULT_NGRAM_MIN),
+        pick(o.adaptive, "adaptive", True),
         depth, top_k, tokens,
-        job_corpus is not False,
+        o.job_corpus is not False,
     )
 
 
@@ -163,14 +162,14 @@ def check_batch(draft: DraftConfig, batch_size: int) -> None:
         raise UsageError(TREE_BATCH_MESSAGE)
 
 
-def model_configs(target: str | None, draft: DraftConfig, dtype: str = "auto", device: str = "auto",
-                  device_map: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
-                  max_memory: str | None = None, bnb_compute_dtype: str = "auto", offline: bool = False):
-    """Target and draft model configs. --max-memory bounds the target only: the draft model,
-    loaded after it, is placed by accelerate in the memory left (a device map of its own).
-    offline: a hub id must already be in the local cache (never download)."""
+def model_configs(target: str | None, draft: DraftConfig, o: GenerationOptions):
+    """Target and draft model configs from ``o``'s model and placement options. --max-memory
+    bounds the target only: the draft model, loaded after it, is placed by accelerate in the
+    memory left (a device map of its own). --offline: a hub id must already be in the local
+    cache (never download)."""
     from marscli.models.loading import DEVICE_MAPS, parse_max_memory
 
+    device_map, max_memory, bnb_compute_dtype = o.device_map, o.max_memory, o.bnb_compute_dtype
     if device_map is not None and device_map not in DEVICE_MAPS:
         raise UsageError(f"--device-map must be one of {', '.join(DEVICE_MAPS)}, got {device_map!r}")
     if bnb_compute_dtype not in DTYPES:
@@ -182,10 +181,10 @@ def model_configs(target: str | None, draft: DraftConfig, dtype: str = "auto", d
         except ValueError as e:
             raise UsageError(f"--max-memory {e}") from None
         device_map = device_map or "auto"
-    tcfg = ModelConfig(target, dtype, device, device_map, load_in_8bit, load_in_4bit, pairs, bnb_compute_dtype,
-                       offline)
-    dcfg = (ModelConfig(draft.model, dtype, device, device_map, load_in_8bit, load_in_4bit, None, bnb_compute_dtype,
-                        offline) if draft.model else None)
+    tcfg = ModelConfig(target, o.dtype, o.device, device_map, o.load_in_8bit, o.load_in_4bit, pairs,
+                       bnb_compute_dtype, o.offline)
+    dcfg = (ModelConfig(draft.model, o.dtype, o.device, device_map, o.load_in_8bit, o.load_in_4bit, None,
+                        bnb_compute_dtype, o.offline) if draft.model else None)
     return tcfg, dcfg
 
 
@@ -317,10 +316,10 @@ def resolve_guard(req: VerifyRequest, profile) -> GuardConfig:
         raise UsageError(str(e)) from None
 
 
-def guard_request(repeat_guard: int | None = None, repeat_window: int | None = None,
-                  max_relaxed_share: float | None = None, no_guard: bool = False) -> dict[str, Any]:
+def guard_request(o: GenerationOptions) -> dict[str, Any]:
     """The guard options of generate, calibrate and bench -> VerifyRequest fields."""
-    if no_guard:
+    repeat_guard, repeat_window, max_relaxed_share = o.repeat_guard, o.repeat_window, o.max_relaxed_share
+    if o.no_guard:
         if repeat_guard not in (None, 0) or max_relaxed_share not in (None, 1.0):
             raise UsageError("--no-guard excludes --repeat-guard and --max-relaxed-share")
         repeat_guard, max_relaxed_share = 0, 1.0
@@ -532,41 +531,24 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
     return Generator(target, draft_loaded, setup.draft, verify, prof, engine, setup.batch_size, setup.spans)
 
 
-def generation_setup(*, target: str | None = None, draft: str | None = None, verify: str | None = None,
-                     theta: float | None = None, margin: str | None = None, profile: str | None = None,
-                     no_profile: bool = False, num_draft_tokens: int | None = None,
-                     adaptive: bool | None = None, ngram_max: int | None = None, ngram_min: int | None = None,
-                     tree_depth: int | None = None, tree_top_k: int | None = None,
-                     tree_tokens: int | None = None, batch_size: int = 1, dtype: str = "auto",
-                     device: str = "auto", device_map: str | None = None, load_in_8bit: bool = False,
-                     load_in_4bit: bool = False, max_memory: str | None = None,
-                     bnb_compute_dtype: str = "auto", offline: bool = False,
-                     repeat_guard: int | None = None, repeat_window: int | None = None,
-                     max_relaxed_share: float | None = None, no_guard: bool = False,
-                     rho: float | None = None, top_n: int | None = None, delta: float | None = None,
-                     epsilon: float | None = None, alpha: float | None = None,
-                     budget: float | None = None, strict_in: str | None = None,
-                     strict_regex: str | None = None, job_corpus: bool | None = None) -> ModelSetup:
+def generation_setup(o: GenerationOptions) -> ModelSetup:
     """Options of `marscli generate` (and of marscli.load) -> ModelSetup, checked before
     anything is loaded. Command line > profile > defaults: a --profile supplies the target
     and the drafter's settings that are not given."""
-    check_choices(margin, dtype, ngram_min, ngram_max, verify)
-    knobs = {"rho": rho, "top_n": top_n, "delta": delta, "epsilon": epsilon, "alpha": alpha, "budget": budget}
-    if profile is not None and no_profile:
+    check_choices(o.margin, o.dtype, o.ngram_min, o.ngram_max, o.verify)
+    if o.profile is not None and not o.auto_profile:
         raise UsageError("--profile and --no-profile exclude each other")
-    prof = named_profile(profile)
-    dcfg = draft_config(draft, num_draft_tokens, adaptive, ngram_max, ngram_min, prof,
-                        tree=(tree_depth, tree_top_k, tree_tokens), job_corpus=job_corpus)
-    check_batch(dcfg, batch_size)
-    tcfg, dmcfg = model_configs(target_source(target, prof), dcfg, dtype, device, device_map, load_in_8bit,
-                                load_in_4bit, max_memory, bnb_compute_dtype, offline)
-    guard = guard_request(repeat_guard, repeat_window, max_relaxed_share, no_guard)
-    request = VerifyRequest(verify, theta, margin, **guard, **knobs)
+    prof = named_profile(o.profile)
+    dcfg = draft_config(o, prof)
+    check_batch(dcfg, o.batch_size)
+    tcfg, dmcfg = model_configs(target_source(o.target, prof), dcfg, o)
+    request = VerifyRequest(o.verify, o.theta, o.margin, **guard_request(o),
+                            **{k: getattr(o, k) for k in OTHER_KNOBS})
     check_rule_request(request, prof.rule.name if prof is not None else None,
-                       profile_pending=prof is None and not no_profile and dcfg.kind != DRAFT_NONE)
-    spans = span_config(strict_in, strict_regex)
+                       profile_pending=prof is None and o.auto_profile and dcfg.kind != DRAFT_NONE)
+    spans = span_config(o.strict_in, o.strict_regex)
     return ModelSetup(tcfg, dcfg, dmcfg, request,
-                      str(prof.path) if prof is not None else None, not no_profile, batch_size, spans)
+                      str(prof.path) if prof is not None else None, o.auto_profile, o.batch_size, spans)
 
 
 def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:

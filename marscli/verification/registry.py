@@ -135,7 +135,7 @@ class RuleSpec:
         return f"'{self.name}'" + (f" ({'; '.join(parts)})" if parts else "")
 
 
-THETA = Knob("theta", "T", float, math.inf, "theta", "a number", lambda v: True,
+THETA = Knob("theta", "T", float, math.inf, "e.g. the paper's 0.9", "a number", lambda v: True,
              "mars: relax where the margin statistic exceeds theta. Default: the profile's, else "
              f"{PAPER_THETA} (the paper's).",
              round_values=(0.5, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99))
