@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from marscli._version import __version__
 
 #: Public names served lazily from marscli.api.
 _API = ("load", "LLM")

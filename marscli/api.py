@@ -23,26 +23,23 @@ import inspect
 import io
 import json
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from marscli.calibration.profiles import dump_profile, parse_profile, save_profile
-from marscli.config import DEFAULT_MAX_TOKENS, CalibrateConfig, GenerationOptions, SamplingParams, VerifyConfig
-from marscli.errors import InputError, UsageError
-from marscli.io.records import find_duplicate_ids, read_requests
-from marscli.jobs.console import Log
-from marscli.jobs.generate import model_name
-from marscli.jobs.openai_format import render
-from marscli.jobs.results import ResultOptions
-from marscli.jobs.setup import (
-    Generator,
-    ModelSetup,
-    build_generator,
-    check_choices,
-    check_rule_modes,
-    choice_options,
-    generation_setup,
+from marscli.config import (
+    DEFAULT_MAX_TOKENS,
+    CalibrateConfig,
+    GenerationOptions,
+    SamplingParams,
+    VerifyConfig,
 )
+from marscli.errors import InputError, UsageError
 from marscli.verification.registry import LOGIT_RATIO
+
+if TYPE_CHECKING:
+    from marscli.jobs.setup import Generator, ModelSetup
+
+# marscli.jobs (and through it torch and transformers) is imported inside the functions below:
+# `marscli.LLM` and `import marscli` stay light (tests/test_api.py), as `marscli --help` does.
 
 #: What calibrate records as the input's name in a profile made from Python objects.
 PYTHON_INPUT_NAME = "<python>"
@@ -65,6 +62,9 @@ def load(target: str | None = None, draft: str | None = None, *, quiet: bool = T
     record's own text (by default it also drafts from the call's finished records; outputs
     are the same either way). quiet=False narrates loading on stderr as the CLI does.
     """
+    from marscli.jobs.console import Log
+    from marscli.jobs.setup import build_generator, generation_setup
+
     try:
         opts = GenerationOptions(target=target, draft=draft, **options)
     except TypeError:
@@ -110,6 +110,8 @@ def records_jsonl(records: Record | Iterable[Record]) -> bytes:
 def records_to_items(records: Record | Iterable[Record] | bytes) -> list:
     """Records -> marscli.io's Requests and RecordErrors, parsed exactly as the lines of a
     JSONL file (the CLI's parser); duplicate ids are refused as the CLI refuses them."""
+    from marscli.io.records import find_duplicate_ids, read_requests
+
     data = records if isinstance(records, bytes) else records_jsonl(records)
     items = list(read_requests(io.BytesIO(data)))
     dup = find_duplicate_ids(items)
@@ -143,6 +145,11 @@ class LLM:
                strict_keys: bool = False, provenance: bool = False) -> Iterator[dict[str, Any]]:
         """Result dicts in input order, each as soon as it and those before it are done.
         provenance=True: each result carries `provenance` (marscli.engine.provenance)."""
+        from marscli.jobs.generate import model_name
+        from marscli.jobs.openai_format import render
+        from marscli.jobs.results import ResultOptions
+        from marscli.jobs.setup import check_choices, check_rule_modes, choice_options
+
         check_choices(truncate_prompt=truncate_prompt, output_format=output_format)
         if isinstance(stop, str):
             stop = (stop,)
@@ -186,8 +193,19 @@ class LLM:
         e.g. theta=0.9: fixed) and return the profile; with `output`, also write it there (a
         YAML file generate can use). It is `marscli calibrate`'s collection, on the models
         already loaded (marscli.jobs.calibrate)."""
-        # torch, imported here: `marscli.LLM` stays light (tests/test_api.py)
-        from marscli.jobs.calibrate import calibration_engine, choose_policy, choose_rule, collect_profile
+        from marscli.calibration.profiles import (
+            dump_profile,
+            parse_profile,
+            save_profile,
+        )
+        from marscli.jobs.calibrate import (
+            calibration_engine,
+            choose_policy,
+            choose_rule,
+            collect_profile,
+        )
+        from marscli.jobs.console import Log
+        from marscli.jobs.setup import check_choices
 
         gen = self.generator
         if gen.draft.kind == "none":

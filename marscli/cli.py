@@ -25,7 +25,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 from rich.console import Console
 
-from marscli import __version__
+from marscli._version import __version__
 from marscli.config import (
     DEFAULT_MAX_TOKENS,
     PANEL_OUTPUT,
@@ -33,10 +33,12 @@ from marscli.config import (
     PANEL_SAMPLING,
     PANEL_VERIFY,
     Flag,
+    GenerateConfig,
     GenerationOptions,
+    SamplingParams,
 )
-from marscli.verification.registry import ALL_KNOBS, OWNER, PAPER_THETA, RULEBOOK
 from marscli.errors import EXIT_INTERRUPTED, MarscliError
+from marscli.verification.registry import ALL_KNOBS, OWNER, PAPER_THETA, RULEBOOK
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 all records succeeded; 1 runtime failure; 2 usage, configuration or model "
@@ -187,9 +189,7 @@ def options(*names: str):
     return decorate
 
 
-def _sampling(s: SimpleNamespace):
-    from marscli.config import SamplingParams
-
+def _sampling(s: SimpleNamespace) -> SamplingParams:
     return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed, tuple(s.stop or ()))
 
 
@@ -240,7 +240,6 @@ def generate(
     Per-line max_tokens, temperature, top_p, top_k, seed, stop, n, logprobs and top_logprobs
     override the options. One JSON result per input line is written in input order.
     """
-    from marscli.config import GenerateConfig
     from marscli.jobs.console import Log
     from marscli.jobs.generate import run_generate
     from marscli.jobs.setup import check_choices, choice_options, generation_setup
@@ -324,7 +323,12 @@ def profile_list() -> None:
     """Profiles in the user profile dir and the packaged ones, in search order."""
     from rich.table import Table
 
-    from marscli.calibration.profiles import ProfileError, iter_profile_files, load_profile, profile_dirs
+    from marscli.calibration.profiles import (
+        ProfileError,
+        iter_profile_files,
+        load_profile,
+        profile_dirs,
+    )
 
     table = Table(title="search order: " + ", ".join(str(d) for d in profile_dirs()), title_justify="left")
     for col in ("name", "target", "dtype", "drafter", "rule", "knob", "policy", "file"):
@@ -358,8 +362,8 @@ def profile_show(
     plot: Annotated[Optional[str], typer.Option(help="Draw the histogram and curve to this PNG.")] = None,
 ) -> None:
     """A profile's choice, summary, histogram and trade-off curve."""
-    from marscli.jobs.calibrate import show_profile
     from marscli.calibration.profiles import resolve_profile
+    from marscli.jobs.calibrate import show_profile
 
     try:
         p = resolve_profile(name)
@@ -375,8 +379,8 @@ def profile_show(
 @profile_app.command("validate")
 def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YAML files.")]) -> None:
     """Check profile files against the schema; exit 2 naming the file and key of the first problem."""
-    from marscli.jobs.console import stderr_console
     from marscli.calibration.profiles import load_profile
+    from marscli.jobs.console import stderr_console
 
     code = 0
     for f in files:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from marscli.verification.registry import ALL_KNOBS, LOGIT_RATIO, STRICT, verify_help
+from marscli.verification.registry import ALL_KNOBS, LOGIT_RATIO, STRICT, Rule, verify_help
 
 #: A rule's name (marscli.verification.registry.RULES) and a margin statistic's (MARGINS).
 VerifyMode = str
@@ -155,8 +155,6 @@ class VerifyConfig:
     def rule(self):
         """The rulebook's Rule for this configuration (strict never relaxes, whatever theta).
         Raises ValueError for a knob out of its range (jobs.setup turns it into a usage error)."""
-        from marscli.verification.rules import Rule  # torch: this module stays light
-
         return Rule(self.mode, margin=self.margin, **{k: getattr(self, k) for k in ALL_KNOBS})
 
     @classmethod

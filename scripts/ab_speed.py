@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, MARSCLI_PROFILE_DIR=str(work / "user-profiles"))
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    for name, tree in trees.items():
+    for _name, tree in trees.items():
         probe = subprocess.run([sys.executable, "-c", "import marscli; print(marscli.__file__)"],
                                env=dict(env, PYTHONPATH=str(tree)), capture_output=True, text=True, cwd=work)
         if not Path(probe.stdout.strip() or "/").resolve().is_relative_to(tree):
@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     print(f"- A: {trees['A']} @ {git_head(trees['A'])}")
     print(f"- B: {trees['B']} @ {git_head(trees['B'])}")
     print(f"- {args.records} records, --max-tokens {args.max_tokens}, {args.repeats} runs per tree and case "
-          f"(ABBA order, {args.warmup} untimed warm-up per tree); {os.cpu_count()} CPUs, threads per run: {args.threads or 'torch default'}; "
+          f"(ABBA order, {args.warmup} untimed warm-up per tree); {os.cpu_count()} CPUs, "
+          f"threads per run: {args.threads or 'torch default'}; "
           f"load average {load_before} before, {load()} after")
     print("- tok/s: marscli's own figure (generation only); B/A: median of per-pair ratios; "
           "wall: whole process, model load included")

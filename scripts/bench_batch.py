@@ -138,7 +138,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"batch {bs}: {row['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
     base = rows[0]["tokens_per_s"]
-    print(f"{rows[0]['records']} records ({rows[0]['distinct_prompts']} distinct, {rows[0]['prompt_tokens']} prompt tokens), "
+    print(f"{rows[0]['records']} records ({rows[0]['distinct_prompts']} distinct, "
+          f"{rows[0]['prompt_tokens']} prompt tokens), "
           f"max {args.max_tokens} new tokens, ngram K<={args.num_draft_tokens}, strict greedy, "
           f"{rows[0]['device']}, {args.dtype}\n")
     dbase = rows[0]["decode_tokens_per_s"]

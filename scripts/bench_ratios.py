@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     rows = report.get("throughput") or []
     tp = {(r["method"], r["batch_size"]): r["tokens_per_s"] for r in rows}
     mars = sorted({m for m, _ in tp if m.startswith("mars")})
-    print("| batch | ar | strict | " + " | ".join(mars) + " | strict / ar | " + " | ".join(f"{m} / ar" for m in mars) + " |")
+    print("| batch | ar | strict | " + " | ".join(mars) + " | strict / ar | "
+          + " | ".join(f"{m} / ar" for m in mars) + " |")
     print("|---" * (3 + 2 * len(mars) + 1) + "|")
     for bs in sorted({b for _, b in tp}):
         ar, strict = tp.get(("ar", bs)), tp.get(("strict", bs))

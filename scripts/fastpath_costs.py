@@ -75,7 +75,8 @@ def main() -> None:
     print("new tokens | before min | before q25 | now min | now q25 | now/before (min)")
     for n in tokens:
         b, a = sorted(times[(n, True)]), sorted(times[(n, False)])
-        print(f"{n:10d} | {b[0] * 1e3:10.1f} | {b[q] * 1e3:10.1f} | {a[0] * 1e3:7.1f} | {a[q] * 1e3:7.1f} | {a[0] / b[0]:.2f}")
+        print(f"{n:10d} | {b[0] * 1e3:10.1f} | {b[q] * 1e3:10.1f} | {a[0] * 1e3:7.1f} | {a[q] * 1e3:7.1f} "
+              f"| {a[0] / b[0]:.2f}")
 
 
 if __name__ == "__main__":

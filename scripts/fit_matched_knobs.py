@@ -33,8 +33,10 @@ import time
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibrate-on", required=True, help="calibration prompts (JSONL, any format bench reads)")
-    ap.add_argument("--reference", required=True, help="the method whose relaxed share the rules match, e.g. mars@0.8604")
-    ap.add_argument("--rules", default="ratio,topk,typical,regret", help="rule templates, as bench --match-relax-rate takes them")
+    ap.add_argument("--reference", required=True,
+                    help="the method whose relaxed share the rules match, e.g. mars@0.8604")
+    ap.add_argument("--rules", default="ratio,topk,typical,regret",
+                    help="rule templates, as bench --match-relax-rate takes them")
     ap.add_argument("--input", help="the prompts bench will measure (their prompts are dropped from the split)")
     ap.add_argument("--limit", type=int, help="with --input: its first N records")
     ap.add_argument("--calibration-records", type=int, default=20)
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     # The share is a placeholder: only the rule templates and the split come from this config.
     opts = GenerationOptions(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
     cfg = bench_config(args.input or args.calibrate_on, opts, methods=args.rules,
-                       max_tokens=args.max_tokens, limit=args.limit, match_relax_rate=0.5, calibrate_on=args.calibrate_on,
+                       max_tokens=args.max_tokens, limit=args.limit, match_relax_rate=0.5,
+                       calibrate_on=args.calibrate_on,
                        calibration_records=args.calibration_records, note=log)
     (reference,) = parse_methods(args.reference, ())
     ref_rule = reference.verify_rule(cfg.margin)

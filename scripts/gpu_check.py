@@ -276,7 +276,8 @@ def main(argv=None) -> int:
                 del target, head
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    print(f"{'path':8s} {'mode':12s} {'B':>3s} {'tok/s':>9s} {'tau':>5s} {'ovh ms':>7s} {'speed-up':>8s} {'ideal':>6s} same")
+    print(f"{'path':8s} {'mode':12s} {'B':>3s} {'tok/s':>9s} {'tau':>5s} {'ovh ms':>7s} {'speed-up':>8s} "
+          f"{'ideal':>6s} same")
     for r in rows:
         if "error" in r:
             print(f"{r['path']:8s} {r.get('mode', '-'):12s} {r.get('batch', 0):3d} ERROR {r['error'][:80]}")

@@ -19,8 +19,8 @@ import json
 import sys
 import time
 
-from marscli.config import DEFAULT_GUARD_WINDOW
 from marscli.bench.metrics import common_prefix_len
+from marscli.config import DEFAULT_GUARD_WINDOW
 
 
 def parse_config(name: str) -> dict:

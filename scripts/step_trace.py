@@ -128,7 +128,7 @@ def main(argv=None):
             engine = make_engine(target, None, VerifyConfig(), dcfg, B)
             prompts = [engine.fit_prompt(engine.tokenize(it), truncate="left", max_tokens=args.max_tokens)[0]
                        for it in records]
-            list(engine.run([0], lambda i: (prompts[i][-64:], SamplingParams(max_tokens=8))))  # warm-up
+            list(engine.run([0], lambda i, p=prompts: (p[i][-64:], SamplingParams(max_tokens=8))))  # warm-up
             steps, wall, tokens = trace(engine, prompts, args.max_tokens)
             n = sum(len(t) for t in tokens.values())
             summarize("ar" if kind == "none" else f"strict ({kind})", B, steps, wall, n)

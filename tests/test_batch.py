@@ -6,10 +6,10 @@ several batch sizes, and asserts token-for-token equality (float32 tiny random m
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-
-import dataclasses
 
 import marscli.engine.scheduler as scheduler_mod
 import marscli.models.kvcache as kv_mod
@@ -201,7 +201,8 @@ def test_batched_draft_model(target, draft, vcfg):
             assert isinstance(bd, BatchedModelDrafter)
             engine = Engine(target, bd, vcfg.rule, dcfg, bs)
             got = dict(engine.run(range(len(prompts)),
-                                  lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
+                                  lambda i, samplings=samplings: (target.tokenizer(prompts[i]).input_ids,
+                                                                  samplings[i])))
             assert_same(ref, [got[i] for i in range(len(prompts))])
 
 
@@ -378,11 +379,13 @@ def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkey
     assert ref.read_bytes().startswith(partial) and len(partial) < len(ref.read_bytes())
     monkeypatch.setattr(Engine, "_step", real)
     # Resume with another batch size: the results do not depend on it.
-    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--resume", "--batch-size", 2, *CLI_RUN, "--fixed-k", "--no-job-corpus")
+    r = _gen(src, "--target", tiny_model_dir, "-o", out, "--resume", "--batch-size", 2, *CLI_RUN, "--fixed-k",
+             "--no-job-corpus")
     assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
     assert out.read_bytes() == ref.read_bytes()
 
-    r = _gen(src, "--target", tiny_model_dir, "--batch-size", 4, "--fail-fast", *CLI_RUN, "--fixed-k", "--no-job-corpus")
+    r = _gen(src, "--target", tiny_model_dir, "--batch-size", 4, "--fail-fast", *CLI_RUN, "--fixed-k",
+             "--no-job-corpus")
     assert r.exit_code == EXIT_RECORDS_FAILED
     assert "stopped at the first failed record (--fail-fast)" in r.stderr
 

@@ -9,10 +9,15 @@ import pytest
 from typer.testing import CliRunner
 
 from marscli.bench import methods as bench_mod
-from marscli.jobs import bench as bench_job
-from marscli.bench.methods import MethodSpec, parse_float_list, parse_int_list, parse_methods
+from marscli.bench.methods import (
+    MethodSpec,
+    parse_float_list,
+    parse_int_list,
+    parse_methods,
+)
 from marscli.cli import app
 from marscli.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError
+from marscli.jobs import bench as bench_job
 
 PROMPTS = [
     {"question_id": 1, "category": "demo",

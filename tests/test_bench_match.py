@@ -15,7 +15,7 @@ from marscli.cli import app
 from marscli.config import GUARD_OFF, ModelConfig, VerifyConfig
 from marscli.errors import EXIT_OK, EXIT_USAGE, UsageError
 from marscli.jobs.bench_match import read_calibration
-from marscli.verification.rules import Rule
+from marscli.verification.registry import Rule
 
 TEXTS = [
     "hello world, hello marscli; the cat sat on the mat. hello world, hello",
@@ -141,14 +141,19 @@ def test_fit_script_matches_every_rule_to_the_reference_methods_share(prompts, t
     import importlib.util
     from pathlib import Path
 
-    from marscli.calibration.policies import RELAXED, match_relax_rate, relaxed_per_position
+    from marscli.calibration.policies import (
+        RELAXED,
+        match_relax_rate,
+        relaxed_per_position,
+    )
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "fit_matched_knobs.py"
     spec = importlib.util.spec_from_file_location("fit_matched_knobs", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "knobs.json"
-    assert mod.main(["--calibrate-on", str(prompts), "--reference", "mars@0.9", "--rules", "ratio,topk@3,typical,regret",
+    assert mod.main(["--calibrate-on", str(prompts), "--reference", "mars@0.9",
+                     "--rules", "ratio,topk@3,typical,regret",
                      "--target", str(tiny_model_dir), "--max-tokens", str(MAX_TOKENS), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     data = independent_collection(prompts, 0, tiny_model_dir)

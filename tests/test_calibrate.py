@@ -25,7 +25,7 @@ from marscli.calibration.report import histogram_text
 from marscli.config import SamplingParams
 from marscli.engine.sequence import StepObservation
 from marscli.verification.chain import mars_greedy, speculative_sampling, strict_greedy
-from marscli.verification.rules import Rule
+from marscli.verification.registry import Rule
 
 V, K = 12, 5
 
@@ -63,7 +63,8 @@ def test_greedy_replay_equals_mars_verifier(margin):
         want = [int(mars_greedy(d, lg, theta, margin).num_accepted[0]) if math.isfinite(theta)
                 else int(strict_greedy(d, lg).num_accepted[0]) for d, lg in steps]
         assert rep.num_accepted.tolist() == want, theta
-        relaxed = sum(int(mars_greedy(d, lg, theta, margin).relaxed.sum()) for d, lg in steps) if math.isfinite(theta) else 0
+        relaxed = (sum(int(mars_greedy(d, lg, theta, margin).relaxed.sum()) for d, lg in steps)
+                   if math.isfinite(theta) else 0)
         assert rep.relaxed == relaxed
     # Relaxing must change something on this data, or the comparison above proves little.
     assert data.replay(0.0, margin).tau > data.replay(math.inf, margin).tau
@@ -216,8 +217,8 @@ def calib_prompts(tmp_path):
 def test_calibrate_writes_a_profile_generate_picks_up(tiny_model_dir, calib_prompts, tmp_path):
     from typer.testing import CliRunner
 
-    from marscli.cli import app
     from marscli.calibration.profiles import load_profile, user_profile_dir
+    from marscli.cli import app
 
     runner = CliRunner()
     plot = tmp_path / "c.png"
@@ -271,8 +272,12 @@ def test_calibrate_writes_a_profile_generate_picks_up(tiny_model_dir, calib_prom
 def test_profile_for_another_dtype_is_not_picked(tiny_model_dir, calib_prompts, tmp_path):
     from typer.testing import CliRunner
 
+    from marscli.calibration.profiles import (
+        load_profile,
+        save_profile,
+        user_profile_dir,
+    )
     from marscli.cli import app
-    from marscli.calibration.profiles import load_profile, save_profile, user_profile_dir
 
     runner = CliRunner()
     r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir), "--theta", "0.9"])
@@ -308,13 +313,14 @@ def test_calibrate_with_a_draft_model_and_sampling(tiny_model_dir, tiny_draft_di
     """The sampling path (draft probabilities q from a model drafter) and model-drafter matching."""
     from typer.testing import CliRunner
 
-    from marscli.cli import app
     from marscli.calibration.profiles import load_profile
+    from marscli.cli import app
 
     runner = CliRunner()
     out = tmp_path / "p.yaml"
     r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir), "--draft",
-                            str(tiny_draft_dir), "--fixed-k", "-k", "3", "--temperature", "0.8", "--seed", "3", "-o", str(out),
+                            str(tiny_draft_dir), "--fixed-k", "-k", "3", "--temperature", "0.8", "--seed", "3",
+                            "-o", str(out),
                             "--max-nll-increase", "0.05", "--quiet"])
     assert r.exit_code == 0, r.stderr
     d = load_profile(out).data
@@ -340,8 +346,8 @@ def test_batched_calibration_writes_the_same_profile(tiny_model_dir, calib_promp
     floats only by the last bits of batched float32 matmuls (the logits are not bit-equal)."""
     from typer.testing import CliRunner
 
-    from marscli.cli import app
     from marscli.calibration.profiles import load_profile
+    from marscli.cli import app
 
     with open(calib_prompts, "a") as f:
         f.write("{broken\n")  # a skipped record keeps its count

@@ -15,10 +15,9 @@ from test_calibrate import _step
 from test_rules import RankDrafter
 
 from marscli.calibration.collect import MarginCollector, MarginData
-from marscli.calibration.report import build_profile
 from marscli.calibration.policies import (
-    analyse,
     RuleFamily,
+    analyse,
     critical_values,
     curve_values,
     match_relax_rate,
@@ -27,11 +26,6 @@ from marscli.calibration.policies import (
     rule_curve,
     walk,
 )
-from marscli.config import DraftConfig, GuardConfig, ModelConfig, SamplingParams
-from marscli.drafters.base import RowDrafters
-from marscli.engine.scheduler import Engine
-from marscli.engine.sequence import StepObservation
-from marscli.models.loading import load_model
 from marscli.calibration.profiles import (
     ProfileError,
     default_profile_name,
@@ -41,9 +35,14 @@ from marscli.calibration.profiles import (
     save_profile,
     user_profile_dir,
 )
-from marscli.verification.registry import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL
-from marscli.verification.rules import Rule
+from marscli.calibration.report import build_profile
+from marscli.config import DraftConfig, GuardConfig, ModelConfig, SamplingParams
+from marscli.drafters.base import RowDrafters
+from marscli.engine.scheduler import Engine
+from marscli.engine.sequence import StepObservation
+from marscli.models.loading import load_model
 from marscli.verification.chain import verify
+from marscli.verification.registry import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
 
 K = 5
 
@@ -395,7 +394,7 @@ def test_a_profile_per_rule_round_trips(template, tmp_path):
     assert again.knob == (rule.knob[0], rule.knob[1]) and prof.rule_name == template.name
     if template.name != MARS:
         with pytest.raises(ProfileError, match="not mars"):
-            again.theta
+            _ = again.theta
 
 
 def test_an_old_profile_without_rule_loads_as_mars(tmp_path):

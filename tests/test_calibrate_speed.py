@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_calibrate import calib_prompts, synthetic  # noqa: F401 - a fixture
 
+from marscli.calibration.policies import RuleFamily
 from marscli.calibration.speed import (
     MIN_RELAXED_GAIN,
     fastest_within_budget,
@@ -18,7 +19,6 @@ from marscli.calibration.speed import (
     speed_curve,
     speed_section,
 )
-from marscli.calibration.policies import RuleFamily
 from marscli.engine.costs import StepCosts
 
 MARS_LR = RuleFamily.mars("logit-ratio")
@@ -78,8 +78,8 @@ def test_profile_records_speed_and_generate_follows_it(tiny_model_dir, calib_pro
     import yaml
     from typer.testing import CliRunner
 
-    from marscli.cli import app
     from marscli.calibration.profiles import load_profile
+    from marscli.cli import app
 
     runner = CliRunner()
     out = tmp_path / "p.yaml"
@@ -116,8 +116,8 @@ def test_profiles_without_speed_still_load(tiny_model_dir, calib_prompts, tmp_pa
     import yaml
     from typer.testing import CliRunner
 
-    from marscli.cli import app
     from marscli.calibration.profiles import ProfileError, load_profile
+    from marscli.cli import app
 
     out = tmp_path / "p.yaml"
     _calibrate(CliRunner(), app, calib_prompts, tiny_model_dir, out, "--relax-rate", "0.3")

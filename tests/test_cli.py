@@ -17,13 +17,13 @@ def runner():
 
 
 def write_jsonl(path, lines):
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path
 
 
 def parse_stdout(out: str) -> list[dict]:
-    lines = [l for l in out.splitlines() if l.strip()]
-    return [json.loads(l) for l in lines]  # every stdout line must be JSON
+    lines = [line for line in out.splitlines() if line.strip()]
+    return [json.loads(line) for line in lines]  # every stdout line must be JSON
 
 
 def test_generate_writes_jsonl_in_order(runner, tiny_model_dir, tmp_path):
@@ -145,7 +145,8 @@ def test_output_file_and_no_timing_is_byte_identical(runner, tiny_model_dir, tmp
 
 def test_mars_default_theta_is_announced(runner, tiny_model_dir, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
-    r = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--verify", "mars", "--max-tokens", "2"])
+    r = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--verify", "mars",
+                            "--max-tokens", "2"])
     assert r.exit_code == EXIT_OK
     assert "theta = 0.9" in r.stderr
     assert parse_stdout(r.stdout)[0]["spec"]["theta"] == 0.9

@@ -9,6 +9,7 @@ import pytest
 
 import marscli.engine.costs as costs_mod
 from marscli.config import DraftConfig, ModelConfig, VerifyConfig
+from marscli.engine import build_engine
 from marscli.engine.costs import (
     COSTS_ENV,
     MEASURE_NEW_TOKENS,
@@ -18,9 +19,14 @@ from marscli.engine.costs import (
     read_costs,
     step_costs,
 )
-from marscli.engine import build_engine
 from marscli.errors import UsageError
-from marscli.models.fastpath import BODY_ROWS, HEAD_ROWS, ONE_ROW, PACKED_FROM, packed_enabled
+from marscli.models.fastpath import (
+    BODY_ROWS,
+    HEAD_ROWS,
+    ONE_ROW,
+    PACKED_FROM,
+    packed_enabled,
+)
 from marscli.models.loading import load_model
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from marscli.engine.costs import StepCosts, static_costs
 from marscli.drafters.base import (
     PROBE_AFTER_STEPS,
     AcceptanceTracker,
@@ -18,6 +17,7 @@ from marscli.drafters.base import (
     expected_tokens,
 )
 from marscli.drafters.ngram import NgramDrafter
+from marscli.engine.costs import StepCosts, static_costs
 
 
 def flat(L: int) -> float:

@@ -10,7 +10,6 @@ equal transformers' greedy generate() token for token, in float32, for chains an
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 
@@ -415,7 +414,7 @@ def test_chain_adaptive_and_batched_equal_single(target, heads, references, head
     batch = Engine(target, bd, VerifyConfig().rule, cfg, 3)
     for s in (SamplingParams(max_tokens=MAX_NEW), SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=5)):
         a = {p: single.generate_ids(target.tokenizer(p).input_ids, s) for p in PROMPTS}
-        b = dict(batch.run(PROMPTS, lambda p: (target.tokenizer(p).input_ids, s)))
+        b = dict(batch.run(PROMPTS, lambda p, s=s: (target.tokenizer(p).input_ids, s)))
         assert {p: r.token_ids for p, r in a.items()} == {p: r.token_ids for p, r in b.items()}
         assert all(a[p].stats.to_dict() == b[p].stats.to_dict() for p in PROMPTS)
         if s.greedy:
@@ -509,7 +508,7 @@ def reference_tree_mars(tree, logits, theta, margin):
     toks, pars = tree.tokens.tolist(), tree.parents.tolist()
     ok, relaxed, best = [], [], (0, 0)
     length, nrelax = [], []
-    for i, (t, p) in enumerate(zip(toks, pars)):
+    for _i, (t, p) in enumerate(zip(toks, pars)):
         r = p + 1
         top1 = t == int(t1[r])
         rel = not top1 and t == int(t2[r]) and float(stat[r]) > theta
@@ -643,7 +642,7 @@ def test_cli_mismatched_head_fails_with_one_line(tiny_model_dir, random_dir, tmp
     r = CliRunner().invoke(app, ["generate", str(src), "--target", str(tiny_model_dir),
                                  "--draft", f"eagle3:{random_dir}"])
     assert r.exit_code == 2, r.stderr
-    line = [l for l in r.stderr.splitlines() if l.startswith("marscli: error:")]
+    line = [x for x in r.stderr.splitlines() if x.startswith("marscli: error:")]
     assert len(line) == 1 and "fc.weight" in line[0] and str(random_dir) in line[0]
 
 

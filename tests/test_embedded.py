@@ -78,8 +78,8 @@ def test_shipped_profiles_validate_and_match_their_models(embedded_model):
 def test_calibrate_then_generate_on_the_embedded_model(use_embedded_cache, tmp_path):
     from typer.testing import CliRunner
 
-    from marscli.cli import app
     from marscli.calibration.profiles import load_profile, user_profile_dir
+    from marscli.cli import app
 
     src = tmp_path / "calib.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in first_turns("humaneval.jsonl", 2)))

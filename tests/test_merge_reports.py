@@ -110,5 +110,6 @@ def test_quality_only_keeps_common_methods_and_drops_speed(tmp_path):
     assert merged["methods"]["mars@0.9"]["task"]["vs_baseline"]["flips"] == {"down": 2, "up": 0, "same": 3}
     assert "left out, not run in every chunk: ar" in proc.stdout
     # without the flag the same chunks are refused, naming the setting
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(pa), str(pb)], capture_output=True, text=True, cwd=ROOT, check=False)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(pa), str(pb)], capture_output=True, text=True, cwd=ROOT,
+                          check=False)
     assert proc.returncode == 2 and "settings.methods differs" in proc.stderr

@@ -1,4 +1,5 @@
-"""marscli.bench.metrics and marscli.scoring.rouge on hand-made inputs, and the target NLL against a hand computation."""
+"""marscli.bench.metrics and marscli.scoring.rouge on hand-made inputs, and the target NLL against a
+hand computation."""
 
 from __future__ import annotations
 

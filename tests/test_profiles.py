@@ -12,9 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from marscli.calibration.policies import RuleFamily, analyse
-from marscli.calibration.report import build_profile
-from marscli.config import DraftConfig, SamplingParams
-from marscli.errors import EXIT_USAGE
 from marscli.calibration.profiles import (
     ProfileError,
     drafter_description,
@@ -26,6 +23,9 @@ from marscli.calibration.profiles import (
     save_profile,
     user_profile_dir,
 )
+from marscli.calibration.report import build_profile
+from marscli.config import DraftConfig, SamplingParams
+from marscli.errors import EXIT_USAGE
 from tests.test_calibrate import synthetic
 
 IDENTITY = {

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from marscli.config import DraftConfig, ModelConfig, Request, SamplingParams, VerifyConfig
+from marscli.config import (
+    DraftConfig,
+    ModelConfig,
+    Request,
+    SamplingParams,
+    VerifyConfig,
+)
 from marscli.models.sources import QWEN_CODER_DRAFT, QWEN_CODER_TARGET, cache_root
 
 pytestmark = pytest.mark.qwen
@@ -53,7 +59,8 @@ def pair_outputs():
         out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
                                     eos_token_id=list(target.eos_token_ids))  # [1, P + new]
         oracle.append(out[0, len(ids):].tolist())
-    engine = build_engine(target, draft, VerifyConfig(), DraftConfig(kind="model", model=QWEN_CODER_DRAFT, adaptive=True))
+    engine = build_engine(target, draft, VerifyConfig(),
+                          DraftConfig(kind="model", model=QWEN_CODER_DRAFT, adaptive=True))
     results = []
     for _, ids in prompts:
         results.append(engine.generate_ids(ids, SamplingParams(max_tokens=MAX_NEW)))

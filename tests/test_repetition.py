@@ -24,10 +24,16 @@ from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
 from marscli.models.loading import load_model
-from marscli.verification.guard import NgramIndex, ends_in_loop, loop_period, repeat_flags, repeat_share
-from marscli.verification.registry import MARS
-from marscli.verification.rules import Rule, margin_statistic, top2
 from marscli.verification.chain import verify
+from marscli.verification.guard import (
+    NgramIndex,
+    ends_in_loop,
+    loop_period,
+    repeat_flags,
+    repeat_share,
+)
+from marscli.verification.registry import MARS, Rule
+from marscli.verification.rules import margin_statistic, top2
 from marscli.verification.tree import verify_tree
 from tests.test_engine import RunnerUpDrafter
 
@@ -288,7 +294,7 @@ def test_replay_with_guard_and_budget_equals_the_guarded_verifier():
     K = 4
     col = MarginCollector()
     steps = []
-    for s in range(300):
+    for _s in range(300):
         logits = torch.randn(1, K + 1, V, generator=gen) * 3 + 1
         order = logits[0, :K].argsort(dim=-1, descending=True)
         col_ix = torch.randint(0, 2, (K,), generator=gen)  # top-1 or top-2 drafts
@@ -361,8 +367,8 @@ def test_guard_travels_from_calibrate_to_profile_to_results(tiny_model_dir, tmp_
 
     from typer.testing import CliRunner
 
-    from marscli.cli import app
     from marscli.calibration.profiles import load_profile, user_profile_dir
+    from marscli.cli import app
 
     runner = CliRunner()
     src = tmp_path / "p.jsonl"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from marscli.config import SamplingParams, VerifyConfig
-from marscli.verification.registry import LOGIT_RATIO, MARS, PROB_RATIO, STRICT
-from marscli.verification.rules import PositionFacts, Rule
 from marscli.verification.chain import step_uniforms, verify, verify_rows
+from marscli.verification.registry import LOGIT_RATIO, MARS, PROB_RATIO, STRICT, Rule
+from marscli.verification.rules import PositionFacts, decide, relaxable
 
 V = 10
 
@@ -21,8 +21,8 @@ def test_strict_never_relaxes_whatever_its_theta():
     stat = torch.tensor([0.1, 0.99, math.inf])
     for theta in (-1.0, 0.0, 0.5, math.inf):
         assert not Rule(STRICT, theta).relaxes
-        assert not Rule(STRICT, theta).relaxable(stat).any()
-    assert Rule(MARS, 0.5).relaxable(stat).tolist() == [False, True, True]
+        assert not relaxable(Rule(STRICT, theta), stat).any()
+    assert relaxable(Rule(MARS, 0.5), stat).tolist() == [False, True, True]
     assert not Rule(MARS, math.inf).relaxes  # MARS at +inf behaves as strict
     assert VerifyConfig("strict", 0.2).rule == Rule(STRICT, 0.2)  # the name decides, not theta
 
@@ -40,8 +40,8 @@ def test_decide_is_the_same_on_numpy_and_torch():
     in_top2 = rng.uniform(size=(50, 6)) < 0.6
     strict_ok = in_top2 & (rng.uniform(size=(50, 6)) < 0.5)
     for rule in (Rule(STRICT), Rule(MARS, 0.4, PROB_RATIO), Rule(MARS, 0.9, PROB_RATIO)):
-        a = rule.decide(PositionFacts({PROB_RATIO: stat}, in_top2, strict_ok))
-        b = rule.decide(PositionFacts({PROB_RATIO: torch.tensor(stat)}, torch.tensor(in_top2),
+        a = decide(rule, PositionFacts({PROB_RATIO: stat}, in_top2, strict_ok))
+        b = decide(rule, PositionFacts({PROB_RATIO: torch.tensor(stat)}, torch.tensor(in_top2),
                                       torch.tensor(strict_ok)))
         assert (a.ok == b.ok.numpy()).all() and (a.relaxable == b.relaxable.numpy()).all()
         # the law itself: relaxable positions take any top-2 draft, the others the strict check
@@ -95,5 +95,5 @@ def test_theta_is_compared_in_float64():
     """float32(0.3) = 0.30000001 exceeds theta = 0.3; a float32 comparison rounds theta up to
     the same float and says it does not (hypothesis found this case)."""
     stat32 = torch.tensor([0.3], dtype=torch.float32)
-    assert bool(Rule(MARS, 0.3, PROB_RATIO).relaxable(stat32)[0])
-    assert bool(Rule(MARS, 0.3, PROB_RATIO).relaxable(stat32.double().numpy())[0])
+    assert bool(relaxable(Rule(MARS, 0.3, PROB_RATIO), stat32)[0])
+    assert bool(relaxable(Rule(MARS, 0.3, PROB_RATIO), stat32.double().numpy())[0])

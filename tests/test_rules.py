@@ -18,11 +18,17 @@ from marscli.config import DraftConfig, ModelConfig, SamplingParams
 from marscli.drafters.base import DrafterBase, RowDrafters
 from marscli.engine.scheduler import Engine
 from marscli.models.loading import load_model
-from marscli.verification.tree import DraftTree
-from marscli.verification.registry import MARS, MODES, REGRET, RULES, STRICT, GREEDY_MODE
-from marscli.verification.rules import Rule
 from marscli.verification.chain import sample_from, sampling_probs, verify
-from marscli.verification.tree import verify_tree
+from marscli.verification.registry import (
+    GREEDY_MODE,
+    MARS,
+    MODES,
+    REGRET,
+    RULES,
+    STRICT,
+    Rule,
+)
+from marscli.verification.tree import DraftTree, verify_tree
 
 V = 10
 
@@ -282,7 +288,8 @@ LAW_CASES = [
 def test_per_token_rule_sampling_meets_its_analytic_law_and_a_broken_one_does_not(rule, z, x):
     logits = torch.tensor(z) * 2
     law = per_token_law(rule, logits, x, temperature=0.7)
-    tv = lambda h: 0.5 * float((h - law).abs().sum())
+    def tv(h):
+        return 0.5 * float((h - law).abs().sum())
     small, big = emitted_histogram(rule, logits, x, 0.7, 4000), emitted_histogram(rule, logits, x, 0.7, 64000)
     assert tv(big) < 0.015
     assert tv(big) <= tv(small) + 0.005  # the distance shrinks (or stays at noise) with samples
@@ -411,8 +418,9 @@ def test_engine_equals_the_no_cache_reference_loop(target, rule):
 def test_engine_batch_rows_equal_single_runs(target, rule):
     k = 3
     cfg = DraftConfig(kind="model", model="x", num_draft_tokens=k, adaptive=False)
-    make = lambda bs: Engine(target, RowDrafters(lambda: RankDrafter(target.model, k)), rule, cfg,
-                             batch_size=bs)
+    def make(bs):
+        return Engine(target, RowDrafters(lambda: RankDrafter(target.model, k)), rule, cfg,
+                                 batch_size=bs)
     prompts = [target.tokenizer(t).input_ids for t in PROMPTS]
     sp = SamplingParams(max_tokens=24)
     single = [make(1).generate_ids(ids, sp).token_ids for ids in prompts]

@@ -17,8 +17,7 @@ from marscli.cli import app
 from marscli.config import GUARD_OFF, GuardConfig, VerifyConfig, VerifyRequest
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE, UsageError
 from marscli.jobs.setup import verify_desc
-from marscli.verification.registry import ALL_KNOBS, OTHER_KNOBS, RULEBOOK
-from marscli.verification.rules import Rule
+from marscli.verification.registry import ALL_KNOBS, OTHER_KNOBS, RULEBOOK, Rule
 
 #: A prompt whose n-grams repeat, so the ngram drafter has drafts to verify.
 PROMPT = "hello world, hello marscli; the cat sat on the mat. hello world, hello the cat sat on the"
@@ -231,7 +230,13 @@ def test_api_load_takes_the_rule_and_its_knobs(tiny_model_dir):
 
 
 def test_fingerprint_holds_the_rule_and_its_knobs():
-    from marscli.config import DraftConfig, GenerateConfig, ModelConfig, SamplingParams, VerifyRequest
+    from marscli.config import (
+        DraftConfig,
+        GenerateConfig,
+        ModelConfig,
+        SamplingParams,
+        VerifyRequest,
+    )
     from marscli.io.resume import fingerprint_diff
     from marscli.jobs.fingerprint import run_fingerprint
 
@@ -285,7 +290,8 @@ def test_bench_parses_every_method_spelling():
 
 
 def test_bench_runs_every_rule_and_reports_its_knobs(runner, tiny_model_dir, tmp_path):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "1", "prompt": PROMPT}, {"id": "2", "prompt": "one two one two"}])
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "1", "prompt": PROMPT},
+                                                 {"id": "2", "prompt": "one two one two"}])
     out = tmp_path / "bench.json"
     methods = "strict,ratio@0.5,topk@3:0.1,typical@0.1,regret@2,mars@0.5"
     r = runner.invoke(app, ["bench", str(prompts), "--target", str(tiny_model_dir), "--max-tokens", "8",

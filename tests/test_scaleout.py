@@ -27,10 +27,10 @@ import yaml
 from typer.testing import CliRunner
 
 from marscli.cli import app
-from marscli.jobs.distributed import Group, Launch, RankLost, launch_from_env, shard
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE, UsageError
 from marscli.io.results import OutputLock, find_parts, merge_results, part_path
 from marscli.io.resume import sidecar_path
+from marscli.jobs.distributed import Group, Launch, RankLost, launch_from_env, shard
 
 ROOT = Path(__file__).resolve().parents[1]
 N_RECORDS = 24

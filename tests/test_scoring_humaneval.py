@@ -98,7 +98,8 @@ def test_writes_outside_the_temporary_directory_do_not_land(tmp_path, monkeypatc
 
 
 def test_the_childs_directory_is_removed_and_fresh(problems):
-    program = "import os\nassert sorted(os.listdir('.')) == ['.stderr', 'program.py']\nopen('left.txt', 'w').write('x')\n"
+    program = ("import os\nassert sorted(os.listdir('.')) == ['.stderr', 'program.py']\n"
+               "open('left.txt', 'w').write('x')\n")
     assert he.run_program(program, FAST).passed
     assert he.run_program(program, FAST).passed  # the second run does not see the first's file
 

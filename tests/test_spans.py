@@ -17,9 +17,23 @@ import re
 import pytest
 import torch
 
-from marscli.config import DraftConfig, ModelConfig, SamplingParams, SpanConfig, VerifyConfig
+from marscli.config import (
+    DraftConfig,
+    ModelConfig,
+    SamplingParams,
+    SpanConfig,
+    VerifyConfig,
+)
 from marscli.drafters.base import RowDrafters
-from marscli.engine.provenance import BONUS, CORRECTION, DRAFT, RELAXED, TARGET, Provenance, step_kinds
+from marscli.engine.provenance import (
+    BONUS,
+    CORRECTION,
+    DRAFT,
+    RELAXED,
+    TARGET,
+    Provenance,
+    step_kinds,
+)
 from marscli.engine.scheduler import Engine
 from marscli.models.loading import load_model
 from marscli.verification.spans import (
@@ -354,10 +368,9 @@ def test_spans_cost_nothing_for_strict_rules(target):
 def test_tree_steps_report_provenance_and_respect_spans(target):
     """A tree step through verify_tree: the accepted path's nodes are drafts, then the
     correction or bonus; no relaxed node lies in a span."""
-    from marscli.verification.tree import DraftTree
     from marscli.engine.tree_forward import tree_forward
-    from marscli.verification.rules import Rule
-    from marscli.verification.tree import verify_tree
+    from marscli.verification.registry import Rule
+    from marscli.verification.tree import DraftTree, verify_tree
 
     V = target.model.config.vocab_size
     pieces = fence_pieces(V)

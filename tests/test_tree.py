@@ -18,13 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import marscli.verification.tree as mvt
-from marscli.models.kvcache import compact_cache
-from marscli.verification.tree import ROOT, DraftTree
 from marscli.engine.tree_forward import check_tree_support, tree_forward, tree_inputs
+from marscli.models.kvcache import compact_cache
+from marscli.verification.chain import sample_from, sampling_probs, verify
 from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
 from marscli.verification.rules import NOT_RELAXABLE
-from marscli.verification.chain import sample_from, sampling_probs, verify
-from marscli.verification.tree import verify_tree
+from marscli.verification.tree import ROOT, DraftTree, verify_tree
 
 V = 10
 NINF = -math.inf

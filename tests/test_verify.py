@@ -17,8 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import marscli.verification.chain as mv
-from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
-from marscli.verification.rules import NOT_RELAXABLE, margin_statistic, top2
 from marscli.verification.chain import (
     VerifyResult,
     mars_greedy,
@@ -28,6 +26,8 @@ from marscli.verification.chain import (
     strict_greedy,
     verify,
 )
+from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
+from marscli.verification.rules import NOT_RELAXABLE, margin_statistic, top2
 
 V = 10
 NINF = -math.inf

@@ -12,6 +12,7 @@ from typing import Any
 
 from marscli.bench import metrics
 from marscli.bench.methods import FORWARD_TIMING_REPEATS, MIB
+from marscli.models.kvcache import cache_kw, new_cache, rollback
 
 
 class ForwardCounter:
@@ -46,8 +47,6 @@ def quiet_transformers() -> Iterator[None]:
 def forward_times(model, device, ids: list[int], max_n: int) -> list[float]:
     """Median seconds of one forward pass over n = 1..max_n new tokens after `ids` (cached)."""
     import torch
-
-    from marscli.models.kvcache import cache_kw, new_cache, rollback
 
     cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in range(max_n)]

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from marscli.bench import metrics
-from marscli.scoring import rouge
 from marscli.config import (
     SPANS_OFF,
     DraftConfig,
@@ -58,7 +57,19 @@ from marscli.config import (
     SpanConfig,
 )
 from marscli.errors import EXIT_RUNTIME, InputError, UsageError
-from marscli.verification.registry import MARS, PAPER_THETA, RELAXING_RULES, RULEBOOK, STRICT
+from marscli.io.records import find_duplicate_ids, open_input, read_requests
+from marscli.scoring import rouge
+from marscli.scoring.compare import check_ready
+from marscli.verification.guard import repetition_stats
+from marscli.verification.registry import (
+    MARS,
+    PAPER_THETA,
+    RELAXING_RULES,
+    RULEBOOK,
+    SAMPLING_MODE,
+    STRICT,
+    Rule,
+)
 
 HF_GENERATE = "hf-generate"
 HF_ASSISTED = "hf-assisted"
@@ -127,7 +138,6 @@ class MethodSpec:
 
     def verify_rule(self, margin: str):
         """The marscli.verification.rules.Rule this method verifies with, or None (hf-*, ar)."""
-        from marscli.verification.rules import Rule
 
         if self.rule is not None:
             return self.rule
@@ -210,7 +220,6 @@ def rule_method(name: str, match: bool = False) -> MethodSpec:
     Rule.label(). A bad spelling or a knob out of range is a usage error naming the method.
     ``match``: the main knob may be left out ('ratio', 'topk@3'; fitted later), and the
     method keeps the name written until it is."""
-    from marscli.verification.rules import Rule
 
     kind, _, text = name.partition("@")
     spec = RULEBOOK[kind]
@@ -267,8 +276,6 @@ def parse_int_list(text: str, option: str) -> tuple[int, ...]:
 
 def check_config(cfg: BenchConfig) -> None:
     if not cfg.greedy:
-        from marscli.verification.registry import SAMPLING_MODE
-
         greedy_only = [m.name for m in cfg.methods if m.rule is not None and SAMPLING_MODE not in m.rule.modes]
         if greedy_only:
             raise UsageError(f"{', '.join(greedy_only)}: the rule is defined for greedy decoding only; "
@@ -299,7 +306,6 @@ def check_config(cfg: BenchConfig) -> None:
         raise UsageError(f"--batch-size takes integers >= 1, got {','.join(map(str, cfg.batch_sizes))}")
     if cfg.batch_sizes and not any(m.kind in BATCHED_METHODS for m in cfg.methods):
         raise UsageError("--batch-size measures " + ", ".join(BATCHED_METHODS) + "; none is in --methods")
-    from marscli.scoring.compare import check_ready
 
     check_ready(cfg.task, [m.kind for m in cfg.methods])
     if cfg.plot == "-":
@@ -328,7 +334,6 @@ def read_prompt_records(source: str, limit: int | None,
     --match-relax-rate's calibration split) -> ([(request, reference text)], skipped,
     number of records whose per-record sampling overrides are ignored). Records count as
     --limit counts them: every input record, unparsable ones included."""
-    from marscli.io.records import find_duplicate_ids, read_requests
 
     data = _read_bytes(source)
     lines = data.split(b"\n")
@@ -354,7 +359,6 @@ def read_prompt_records(source: str, limit: int | None,
 
 
 def _read_bytes(source: str) -> bytes:
-    from marscli.io.records import open_input
 
     if source == "-":
         return sys.stdin.buffer.read()
@@ -394,8 +398,6 @@ class Run:
     def repetition(self) -> dict[str, Any]:
         """repeat_share and ends_in_loop of the output (marscli.verification.guard), computed once."""
         if getattr(self, "_repetition", None) is None:
-            from marscli.verification.guard import repetition_stats
-
             self._repetition = repetition_stats(self.tokens)
         return self._repetition
 

@@ -12,15 +12,23 @@ import os
 import sys
 from typing import Any
 
-from marscli.bench.methods import MARS, MARS_METHODS, MARS_TREE, STRICT_TREE, BenchConfig, Log
+from marscli.bench.methods import (
+    MARS,
+    MARS_METHODS,
+    MARS_TREE,
+    STRICT_TREE,
+    BenchConfig,
+    Log,
+)
 from marscli.errors import MarscliError, UsageError
+from marscli.io.results import atomic_write_text
+from marscli.scoring.compare import render_task_table
 
 #: Width of the tables when stderr is not a terminal: one row per line.
 REPORT_WIDTH = 200
 
 
 def write_outputs(cfg: BenchConfig, report: dict[str, Any], log: Log) -> None:
-    from marscli.io.results import atomic_write_text
 
     text = json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
     if cfg.report == "-":
@@ -126,7 +134,8 @@ def render_tables(report: dict[str, Any], console) -> None:
             t.add_column(header, justify="left" if header == "method" else "right")
         for r in tp:
             t.add_row(r["method"], str(r["batch_size"]), str(r["completion_tokens"]), _fmt(r["seconds"], ".1f"),
-                      _fmt(r["tokens_per_s"], ".1f"), _fmt(r["speedup_vs_first_batch_size"], ".2f") + ("x" if r["speedup_vs_first_batch_size"] else ""),
+                      _fmt(r["tokens_per_s"], ".1f"),
+                      _fmt(r["speedup_vs_first_batch_size"], ".2f") + ("x" if r["speedup_vs_first_batch_size"] else ""),
                       _fmt(r["acceptance_length"], ".2f"), f"{r['outputs_equal_first_batch_size']}/{r['prompts']}",
                       _fmt(r.get("prefill_seconds"), ".1f"), _fmt(r.get("peak_kv_cache_mib"), ".1f"),
                       _fmt(r["peak_rss_mib"], ".0f"))
@@ -139,11 +148,10 @@ def render_tables(report: dict[str, Any], console) -> None:
     c = report["correctness"]
     if c["checked"]:
         verdict = "OK" if not c["failures"] else f"{c['failures']} FAILURES"
-        console.print(f"exactness of {', '.join(c['methods'])} against {c['reference']} (greedy, token for token): {verdict}",
+        console.print(f"exactness of {', '.join(c['methods'])} against {c['reference']} "
+                      f"(greedy, token for token): {verdict}",
                       markup=False, soft_wrap=True)
     if report.get("task"):
-        from marscli.scoring.compare import render_task_table
-
         render_task_table(report["task"], console)
     for note in report["notes"]:
         if "no ROUGE-L" in note or "ignores them" in note or "generation_config" in note:

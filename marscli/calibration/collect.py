@@ -39,7 +39,27 @@ from typing import Any
 import numpy as np
 
 from marscli.config import GUARD_OFF, GuardConfig
-from marscli.verification.registry import LOGIT_RATIO, MARGINS
+from marscli.verification.chain import sampling_probs, strict_sampling_accepts
+from marscli.verification.registry import (
+    GREEDY_MODE,
+    LOGIT_RATIO,
+    MARGINS,
+    MARS,
+    PROB_RATIO,
+    SAMPLING_MODE,
+    TYPICAL,
+    Rule,
+)
+from marscli.verification.rules import (
+    PositionFacts,
+    decide,
+    draft_facts,
+    margin_statistic,
+    over_budget,
+    relaxed_positions,
+    top2,
+)
+from marscli.verification.tree import ROOT
 
 RANK_TOP1, RANK_TOP2, RANK_OTHER = 1, 2, 3
 
@@ -67,10 +87,6 @@ class MarginCollector:
 
     def __call__(self, obs) -> None:
         import torch
-
-        from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
-        from marscli.verification.rules import draft_facts, margin_statistic, top2
-        from marscli.verification.chain import sampling_probs, strict_sampling_accepts
 
         self.sampled = self.sampled or not obs.sampling.greedy
         if getattr(obs, "tree", None) is not None:
@@ -132,11 +148,6 @@ class MarginCollector:
         node on the path and every sibling of a path node (children of the rows the path
         passed through, the last one included) also goes to tree_nodes."""
         import torch
-
-        from marscli.verification.tree import ROOT
-        from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
-        from marscli.verification.rules import draft_facts, margin_statistic, top2
-        from marscli.verification.chain import sampling_probs
 
         tree, L, res, s = obs.tree, obs.tree_logits.float(), obs.result, obs.sampling
         self.max_tokens = s.max_tokens
@@ -378,8 +389,6 @@ class MarginData:
     def facts(self, rule) -> Any:
         """The recorded facts as verify.PositionFacts of [S, Kmax] numpy arrays, for ``rule``
         (with the loop guard's verdicts when the data's guard is on)."""
-        from marscli.verification.registry import MARS, GREEDY_MODE, SAMPLING_MODE, TYPICAL
-        from marscli.verification.rules import PositionFacts
 
         if self.sampled and SAMPLING_MODE not in rule.modes:
             raise ValueError(f"the {rule.name} rule is defined for {GREEDY_MODE} decoding only; "
@@ -398,19 +407,17 @@ class MarginData:
         """Every step of the collection run, verified by ``rule`` (a verify.Rule; or a theta
         and a margin: MARS there, strict at +inf) instead, with the data's loop guard and
         relaxation budget. Each position is judged by verify's own Rule.decide."""
-        from marscli.verification.registry import LOGIT_RATIO, MARS
-        from marscli.verification.rules import Rule, relaxed_positions
 
         if not isinstance(rule, Rule):
             rule = Rule(MARS, float(rule), margin or LOGIT_RATIO)
         g = self.grid()
         S, P = self.steps, self.positions
         facts = self.facts(rule)
-        decision = rule.decide(facts)
+        decision = decide(rule, facts)
         if self.guard.budgeted and rule.relaxes and S:
             facts.guarded = self._budget_guard(decision, g) | (
                 False if facts.guarded is None else facts.guarded)
-            decision = rule.decide(facts)
+            decision = decide(rule, facts)
         relaxable = g["valid"] & decision.relaxable
         ok = decision.ok & g["valid"]
         n = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(S, dtype=np.int64)
@@ -437,7 +444,6 @@ class MarginData:
         the verifier's ``over_budget`` finds them step by step. Up to the step that spends it,
         a record's steps are those of the replay without a budget, so the relaxations made
         before each step are min(unbudgeted count so far, budget)."""
-        from marscli.verification.rules import over_budget
 
         wants = decision.ok & decision.relaxable & ~g["strict_ok"] & g["valid"]  # [S, K]
         ok = decision.ok & g["valid"]

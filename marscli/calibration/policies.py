@@ -36,10 +36,32 @@ from typing import Any
 
 import numpy as np
 
-from marscli.calibration.collect import RANK_OTHER, RANK_TOP1, RANK_TOP2, MarginData, Replay, significant
-from marscli.calibration.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE, RANK_KEYS
-from marscli.verification.registry import KNOBS, MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, RuleSpec
-from marscli.verification.rules import Rule
+from marscli.calibration.collect import (
+    RANK_OTHER,
+    RANK_TOP1,
+    RANK_TOP2,
+    MarginData,
+    Replay,
+    significant,
+)
+from marscli.calibration.profiles import (
+    POLICY_FIXED,
+    POLICY_MAX_NLL,
+    POLICY_RELAX_RATE,
+    RANK_KEYS,
+)
+from marscli.verification.registry import (
+    KNOBS,
+    MARS,
+    RATIO,
+    REGRET,
+    STRICT,
+    TOPK,
+    TYPICAL,
+    Rule,
+    RuleSpec,
+)
+from marscli.verification.rules import statistic
 
 #: Default policy parameter: at most 0.02 nats of target log-probability given up per token.
 DEFAULT_MAX_NLL_INCREASE = 0.02
@@ -295,7 +317,7 @@ def rule_curve(data: MarginData, family: RuleFamily, values: list[float]) -> lis
 def rule_statistic(data: MarginData, rule: Rule) -> np.ndarray:
     """[P] the number each position is judged by (the verifier's Rule.statistic on the facts)."""
     g = data.grid()
-    return np.asarray(rule.statistic(data.facts(rule)))[g["valid"]]
+    return np.asarray(statistic(rule, data.facts(rule)))[g["valid"]]
 
 
 def rule_histogram(data: MarginData, rule: Rule, bins: int = HIST_BINS) -> dict[str, Any]:
@@ -315,7 +337,8 @@ def rule_histogram(data: MarginData, rule: Rule, bins: int = HIST_BINS) -> dict[
         below[key] = int((v < 0).sum())
         c, _ = np.histogram(np.clip(v[v >= 0], 0.0, hi), bins=edges)
         counts[key] = [int(x) for x in c]
-    return {"statistic": rule.spec.statistic or rule.margin, "edges": [round(float(e), 6) for e in edges], "below": below, "counts": counts}
+    return {"statistic": rule.spec.statistic or rule.margin, "edges": [round(float(e), 6) for e in edges],
+            "below": below, "counts": counts}
 
 
 # --------------------------------------------------------------------------- the result

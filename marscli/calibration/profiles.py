@@ -25,8 +25,17 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
+from marscli.config import GuardConfig
 from marscli.errors import UsageError
-from marscli.verification.registry import ALL_KNOBS, MARGINS, MARS, RELAXING_RULES, RULEBOOK
+from marscli.io.results import atomic_write_text
+from marscli.verification.registry import (
+    ALL_KNOBS,
+    MARGINS,
+    MARS,
+    RELAXING_RULES,
+    RULEBOOK,
+    Rule,
+)
 
 SCHEMA_VERSION = 1
 PROFILE_SUFFIXES = (".yaml", ".yml")
@@ -307,7 +316,6 @@ _SCHEMA = _mapping({
 
 def _check_verification(v: dict, path: str) -> None:
     """The knobs present are exactly the rule's, each in its range (verify.Rule checks)."""
-    from marscli.verification.rules import Rule
 
     rule = v.get("rule", MARS)
     want = RULE_KNOB_KEYS[rule]
@@ -414,7 +422,6 @@ class Profile:
     def rule(self):
         """The calibrated verify.Rule with the profile's knobs (the loop guard is apart:
         ``guard``)."""
-        from marscli.verification.rules import Rule
 
         v = self.data["verification"]
         return Rule(self.rule_name, **{k: v[k] for k in RULE_KNOB_KEYS[self.rule_name]})
@@ -442,7 +449,6 @@ class Profile:
     def guard(self):
         """The loop guard the profile was calibrated with (a GuardConfig), or None for a
         profile from before the guard."""
-        from marscli.config import GuardConfig
 
         g = self.data["verification"].get("guard")
         if g is None:
@@ -536,7 +542,6 @@ def load_profile(path: str | os.PathLike) -> Profile:
 
 def save_profile(data: dict[str, Any], path: str | os.PathLike) -> Profile:
     """Validate ``data`` and write it atomically (temp file in the same folder, then rename)."""
-    from marscli.io.results import atomic_write_text
 
     text = dump_profile(data)
     prof = parse_profile(text, str(path), Path(path))  # what we write must read back

@@ -8,9 +8,16 @@ from typing import Any
 
 import numpy as np
 
+from marscli._version import __version__
 from marscli.calibration.collect import MarginData
 from marscli.calibration.policies import Calibration
-from marscli.calibration.profiles import RANK_KEYS
+from marscli.calibration.profiles import (
+    MAIN_KNOB,
+    RANK_KEYS,
+    SCHEMA_VERSION,
+    identity_for_profile,
+)
+from marscli.errors import UsageError
 
 
 def curve_table(profile_data: dict[str, Any], title: str | None = None):
@@ -41,7 +48,6 @@ def curve_table(profile_data: dict[str, Any], title: str | None = None):
 
 def chosen_knob(profile_data: dict[str, Any]) -> tuple[str, float]:
     """(name, value) of a profile document's main knob (theta for mars)."""
-    from marscli.calibration.profiles import MAIN_KNOB
 
     v = profile_data["verification"]
     name = MAIN_KNOB[v.get("rule", "mars")]
@@ -86,8 +92,6 @@ def plot_profile(profile_data: dict[str, Any], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from marscli.errors import UsageError
-
         raise UsageError("--plot needs matplotlib: pip install 'marscli[plot]'") from None
     hist = profile_data["histogram"]
     knob, theta = chosen_knob(profile_data)
@@ -141,9 +145,6 @@ def build_profile(*, name: str, cal: Calibration, data: MarginData, target_ident
                   input_sha256: str | None, seconds: float) -> dict[str, Any]:
     """The profile document (schema_version 1) for a calibration."""
     import datetime as dt
-
-    from marscli import __version__
-    from marscli.calibration.profiles import SCHEMA_VERSION, identity_for_profile
 
     return {
         "schema_version": SCHEMA_VERSION,

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from marscli.verification.registry import STRICT, Rule
+
 OBJECTIVE_QUALITY = "quality"
 OBJECTIVE_SPEED = "speed"
 OBJECTIVES = (OBJECTIVE_QUALITY, OBJECTIVE_SPEED)
@@ -43,8 +45,6 @@ def plain_step_units(data, costs, batch_size: int) -> float:
 
 def _replay(data, family, value: float):
     """The replay of ``family``'s rule at ``value`` (strict at +inf)."""
-    from marscli.verification.registry import STRICT
-    from marscli.verification.rules import Rule
 
     return data.replay(Rule(STRICT) if value == math.inf else family.at(value))
 

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from marscli.errors import ModelLoadError
+from marscli.models.sources import KIND_DIR, fingerprint_or_none, resolve_source
 
 DRAFT_PREFIX = "eagle3:"
 CONFIG_FILE = "config.json"
@@ -159,7 +160,7 @@ class HeadConfig:
 
 def expected_shapes(cfg: HeadConfig, n_features: int) -> dict[str, tuple[int, ...]]:
     """Required checkpoint keys and their shapes (n_features: the fc input width)."""
-    H, I = cfg.hidden_size, cfg.intermediate_size
+    H, inter = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     m = "midlayer."
     return {
@@ -171,9 +172,9 @@ def expected_shapes(cfg: HeadConfig, n_features: int) -> dict[str, tuple[int, ..
         m + "self_attn.v_proj.weight": (kv, 2 * H),
         m + "self_attn.o_proj.weight": (H, q),
         m + "post_attention_layernorm.weight": (H,),
-        m + "mlp.gate_proj.weight": (I, H),
-        m + "mlp.up_proj.weight": (I, H),
-        m + "mlp.down_proj.weight": (H, I),
+        m + "mlp.gate_proj.weight": (inter, H),
+        m + "mlp.up_proj.weight": (inter, H),
+        m + "mlp.down_proj.weight": (H, inter),
         "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H),
     }
@@ -245,7 +246,10 @@ class Eagle3Head(nn.Module):
     def __init__(self, cfg: HeadConfig, n_features: int, feature_layers: tuple[int, ...],
                  shared_embed: nn.Embedding | None = None):
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+        from transformers.models.llama.modeling_llama import (
+            LlamaRMSNorm,
+            LlamaRotaryEmbedding,
+        )
 
         self.cfg = cfg
         self.feature_layers = tuple(feature_layers)
@@ -440,8 +444,8 @@ def check_head(sd: dict[str, torch.Tensor], cfg: HeadConfig, target_model, where
     sd = norm
 
     t_cfg = target_model.config
-    t_hidden = int(getattr(t_cfg, "hidden_size"))
-    t_layers = int(getattr(t_cfg, "num_hidden_layers"))
+    t_hidden = int(t_cfg.hidden_size)
+    t_layers = int(t_cfg.num_hidden_layers)
     t_vocab = _target_width(target_model)
     layers = cfg.feature_layers or default_feature_layers(t_layers)
     bad = [i for i in layers if not 0 <= i < t_layers]
@@ -551,7 +555,6 @@ def build_head(sd: dict[str, torch.Tensor], cfg: HeadConfig, target_model,
 
 def resolve_head_folder(source: str) -> tuple[Path, str, str, str | None]:
     """A head source (folder or hub id from the local cache) -> (folder, name, kind, revision)."""
-    from marscli.models.sources import KIND_DIR, resolve_source
 
     if source.lower().endswith(".gguf"):
         raise ModelLoadError(f"EAGLE-3 head {source}: a .gguf file is not an EAGLE-3 head; pass the "
@@ -564,7 +567,6 @@ def resolve_head_folder(source: str) -> tuple[Path, str, str, str | None]:
 
 def load_head(source: str, target, *, log=None) -> LoadedHead:
     """Load an EAGLE-3 head for `target` (a LoadedModel); ModelLoadError on any mismatch."""
-    from marscli.models.sources import fingerprint_or_none
 
     folder, name, kind, revision = resolve_head_folder(source)
     cfg_path = folder / CONFIG_FILE

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from marscli.config import DraftConfig
 from marscli.drafters.base import BatchedDrafter, Drafter, RowDrafters
+from marscli.drafters.eagle3 import BatchedEagle3Drafter, Eagle3Drafter, TreeShape
+from marscli.drafters.model import BatchedModelDrafter, ModelDrafter
+from marscli.drafters.ngram import JobCorpus, NgramDrafter, NoDrafter
+from marscli.models.fastpath import install_cpu_fastpath
 from marscli.models.kvcache import sliding_layers
 
 
 def _tree_shape(draft_cfg: DraftConfig):
-    from marscli.drafters.eagle3 import TreeShape
 
     if not draft_cfg.tree:
         return None
@@ -18,13 +21,9 @@ def _tree_shape(draft_cfg: DraftConfig):
 def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None) -> Drafter:
     """One record's drafter for draft_cfg (draft_model: a LoadedModel for kind "model", an
     EAGLE-3 head for kind "eagle3"; corpus: the job's JobCorpus, for kind "ngram")."""
-    from marscli.drafters.model import ModelDrafter
-    from marscli.drafters.ngram import NgramDrafter, NoDrafter
 
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if draft_cfg.kind == "eagle3":
-        from marscli.drafters.eagle3 import Eagle3Drafter
-
         if draft_model is None:
             raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.drafters.eagle3_head.load_head)")
         head = getattr(draft_model, "head", draft_model)
@@ -37,8 +36,6 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None)
     if draft_model is None:
         raise ValueError("a model drafter needs a loaded draft model")
     if draft_model.device.type == "cpu":
-        from marscli.models.fastpath import install_cpu_fastpath
-
         install_cpu_fastpath(draft_model.model)
     return ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, vocab_size=vocab)
 
@@ -51,18 +48,13 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     row. job_corpus: n-gram drafters share a JobCorpus of the job's finished records."""
     one = build_drafter(draft_cfg, target, draft_model)
     if batch_size > 1 and draft_cfg.kind == "eagle3" and not draft_cfg.tree:
-        from marscli.drafters.eagle3 import BatchedEagle3Drafter
-
         return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size)
     if batch_size > 1 and draft_cfg.kind == "model" and not sliding_layers(draft_model.model):
         # (windowed layers cannot be rolled back per row: those get a ModelDrafter per row)
-        from marscli.drafters.model import BatchedModelDrafter
 
         return BatchedModelDrafter(one.model, one.k_max, vocab_size=one.vocab_size)
     corpus = None
     if job_corpus and draft_cfg.kind == "ngram":
-        from marscli.drafters.ngram import JobCorpus
-
         corpus = JobCorpus(draft_cfg.ngram_max, draft_cfg.ngram_min)
     return RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model, corpus),
                        feature_layers=one.feature_layers, tree=_tree_shape(draft_cfg), corpus=corpus)

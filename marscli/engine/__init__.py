@@ -12,6 +12,11 @@
 from __future__ import annotations
 
 from marscli.config import DraftConfig, VerifyConfig
+from marscli.drafters.factory import build_drafters
+from marscli.engine.costs import step_costs
+from marscli.engine.scheduler import Engine
+from marscli.errors import UsageError
+from marscli.verification.registry import STRICT
 
 
 def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: DraftConfig,
@@ -31,11 +36,6 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     the drafts the relaxed rule will get), True turns it on whatever the rule.
     Raises UsageError for what the engine cannot run (trees or sliding-window models at
     batch size > 1)."""
-    from marscli.drafters.factory import build_drafters
-    from marscli.engine.scheduler import Engine
-    from marscli.errors import UsageError
-
-    from marscli.verification.registry import STRICT
 
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,
                               job_corpus=(draft_cfg.job_corpus and verify_cfg.rule.name == STRICT)
@@ -47,8 +47,6 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
         raise UsageError(str(e)) from None
     engine.solo_lengths = solo_lengths
     if draft_cfg.kind != "none" and draft_cfg.adaptive and not draft_cfg.tree:
-        from marscli.engine.costs import step_costs
-
         try:  # after the engine installed its CPU kernels: the costs of the forwards it runs
             engine.costs = step_costs(target, draft_model, draft_cfg.kind, batch_size,
                                       note=note or (lambda _: None))

@@ -32,6 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marscli.models.fastpath import signature as fastpath_signature
+from marscli.models.kvcache import HoleCache, rollback
+from marscli.models.sources import cache_root
+
 COSTS_ENV = "MARSCLI_COSTS"
 COSTS_MEASURE = "measure"
 COSTS_REMEASURE = "remeasure"
@@ -161,8 +165,6 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
     after a warm-up round: the shape's cost, not the machine's load."""
     import torch
 
-    from marscli.models.kvcache import HoleCache, rollback
-
     vocab = vocab or model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
@@ -206,8 +208,6 @@ def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identi
     """What a measurement depends on: the weights, device, dtype, software and threads."""
     import torch
 
-    from marscli.models.fastpath import signature as fastpath_signature
-
     ident = target.identity
     return {
         "format": COSTS_FORMAT,
@@ -233,7 +233,6 @@ def key_hash(key: dict[str, Any]) -> str:
 
 
 def costs_path(key: dict[str, Any]) -> Path:
-    from marscli.models.sources import cache_root
 
     return cache_root() / "costs" / f"{key_hash(key)}.json"
 

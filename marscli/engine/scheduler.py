@@ -37,17 +37,39 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import torch
 
-from marscli.config import GUARD_OFF, DraftConfig, GuardConfig, Request, SamplingParams, SpanConfig
-from marscli.drafters.base import BatchedDrafter, DraftOffer, Proposal, choose_draft_lengths
-from marscli.engine import logprobs as lp
+import marscli.engine.logprobs as lp
+from marscli.config import (
+    GUARD_OFF,
+    DraftConfig,
+    GuardConfig,
+    Request,
+    SamplingParams,
+    SpanConfig,
+)
+from marscli.drafters.base import (
+    BatchedDrafter,
+    DraftOffer,
+    Proposal,
+    choose_draft_lengths,
+)
+from marscli.drafters.eagle3_head import FeatureTap
+from marscli.engine.costs import static_costs
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
-from marscli.engine.sequence import GenerationResult, RowSettings, Sequence, StepObservation
 from marscli.engine.provenance import float_bits, step_kinds
+from marscli.engine.sequence import (
+    GenerationResult,
+    RowSettings,
+    Sequence,
+    StepObservation,
+)
+from marscli.engine.tree_forward import check_tree_support, tree_forward
+from marscli.errors import UsageError
+from marscli.models.fastpath import install_cpu_fastpath
 from marscli.models.kvcache import HoleCache, compact_cache, sliding_layers
-from marscli.verification.spans import SpanRule
-from marscli.verification.rules import Rule
 from marscli.verification.chain import verify_rows
-from marscli.verification.tree import verify_tree
+from marscli.verification.registry import Rule
+from marscli.verification.spans import SpanRule
+from marscli.verification.tree import DraftTree, verify_tree
 
 Observer = Callable[[StepObservation], None]
 #: prefill_key(item) -> (key, last) or None: rows of the same key have the same prompt and
@@ -101,8 +123,6 @@ class Engine:
         self.rule = rule
         self.batch_size = batch_size
         if costs is None:
-            from marscli.engine.costs import static_costs
-
             costs = static_costs(self.device.type)
         self.costs = costs
         self.adaptive = draft_cfg.adaptive
@@ -112,9 +132,6 @@ class Engine:
         k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
         self.tree = drafters.tree
         if self.tree is not None:
-            from marscli.errors import UsageError
-            from marscli.engine.tree_forward import check_tree_support
-
             if batch_size > 1:
                 raise ValueError("draft trees run one record at a time (batch size 1); "
                                  "use chain drafting to batch")
@@ -131,8 +148,6 @@ class Engine:
         # reads; every target forward pass then captures them (no second pass).
         self.tap = None
         if drafters.feature_layers:
-            from marscli.drafters.eagle3_head import FeatureTap
-
             self.tap = FeatureTap(self.model, drafters.feature_layers)
         self.last_features: torch.Tensor | None = None  # [B, S, F] from the newest forward pass
         tok = target.tokenizer
@@ -144,8 +159,6 @@ class Engine:
                     "batched decoding does not support models with sliding-window attention "
                     f"layers (layers {sliding[:4]}...); use --batch-size 1")
         if self.device.type == "cpu":
-            from marscli.models.fastpath import install_cpu_fastpath
-
             install_cpu_fastpath(self.model)
         self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
         self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
@@ -558,8 +571,6 @@ class Engine:
         """One step with a draft tree (batch size 1): one target pass over root + all nodes
         (tree mask and tree position ids), verification along the tree, then only the
         accepted path stays in the cache."""
-        from marscli.verification.tree import DraftTree
-        from marscli.engine.tree_forward import tree_forward
 
         r = self.rows[0]
         seq = r.seq

@@ -16,9 +16,9 @@ import torch
 
 from marscli.config import GUARD_OFF, GuardConfig, SamplingParams
 from marscli.engine.provenance import Provenance
+from marscli.verification.chain import step_uniforms
 from marscli.verification.guard import NgramIndex
 from marscli.verification.spans import SpanTracker
-from marscli.verification.chain import step_uniforms
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

@@ -29,12 +29,10 @@ transformers 5 and a custom 4D mask (what ``tree_inputs`` builds and why):
 
 from __future__ import annotations
 
-
 import torch
 
 from marscli.models.kvcache import cache_kw, check_plain_layers
 from marscli.verification.tree import DraftTree
-
 
 #: Attention implementations known to take the additive 4D float mask as is.
 #: marscli_gqa_sdpa is marscli's CPU attention (marscli.models.fastpath): torch's SDPA, which takes

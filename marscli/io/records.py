@@ -53,7 +53,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
-from marscli.config import Request, RecordError
+from marscli.config import RecordError, Request
 from marscli.errors import InputError
 
 #: Longest accepted input line, newline excluded. Longer lines become `line_too_long` errors

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TextIO
 
-from marscli.config import Request, RecordError
+from marscli.config import RecordError, Request
 from marscli.errors import MarscliError, OutputInUseError, UsageError
 from marscli.io.records import json_type
 

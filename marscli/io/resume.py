@@ -20,7 +20,8 @@ import uuid
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
-from marscli.config import Request, RecordError
+from marscli._version import __version__
+from marscli.config import RecordError, Request
 from marscli.errors import MarscliError, UsageError
 from marscli.io.records import MAX_LINE_BYTES, is_number, reject_constant, show_value
 from marscli.io.results import (
@@ -107,7 +108,6 @@ def read_sidecar(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def write_sidecar(path: str | os.PathLike, fingerprint: dict[str, Any], *, note: str = "") -> None:
-    from marscli import __version__
 
     doc = {"format": SIDECAR_FORMAT, "written_by": f"marscli {__version__}", "note": note,
            "fingerprint": fingerprint}

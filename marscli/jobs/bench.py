@@ -14,9 +14,14 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from marscli import __version__
+from marscli._version import __version__
 from marscli.bench import metrics
-from marscli.scoring import rouge
+from marscli.bench.measure import (
+    ForwardCounter,
+    forward_times,
+    peak_rss_mib,
+    quiet_transformers,
+)
 from marscli.bench.methods import (
     AR,
     BATCHED_METHODS,
@@ -47,10 +52,11 @@ from marscli.bench.methods import (
     round_or_none,
     summarize,
 )
+from marscli.bench.report import REPORT_WIDTH, json_safe, render_tables, write_outputs
 from marscli.config import (
     GUARD_OFF,
-    GenerationOptions,
     DraftConfig,
+    GenerationOptions,
     GuardConfig,
     ModelConfig,
     Request,
@@ -58,12 +64,17 @@ from marscli.config import (
     VerifyConfig,
     VerifyRequest,
 )
+from marscli.engine.sequence import RecordFailure
 from marscli.errors import EXIT_OK, InputError, UsageError
-from marscli.verification.registry import PAPER_THETA
-from marscli.jobs.bench_match import check_match, fit_methods, match_section, read_calibration
+from marscli.jobs.bench_match import (
+    check_match,
+    fit_methods,
+    match_section,
+    read_calibration,
+)
 from marscli.jobs.console import UNIT_RUNS, Progress
 from marscli.jobs.console import Log as Narration
-from marscli.bench.measure import ForwardCounter, forward_times, peak_rss_mib, quiet_transformers
+from marscli.jobs.distributed import launch_from_env
 from marscli.jobs.setup import (
     chain_or_tree,
     check_choices,
@@ -76,7 +87,10 @@ from marscli.jobs.setup import (
     span_config,
     target_source,
 )
-from marscli.bench.report import REPORT_WIDTH, json_safe, render_tables, write_outputs
+from marscli.scoring import rouge
+from marscli.scoring.compare import task_report
+from marscli.verification.registry import PAPER_THETA
+
 
 def method_verification(kind: str, theta: float | None, margin: str,
                         guard: GuardConfig = GUARD_OFF, rule=None) -> VerifyConfig:
@@ -208,8 +222,6 @@ class Bench:
     # ---------------------------------------------------------------- protocol
 
     def encode(self, records: Sequence[tuple[Request, str | None]]) -> tuple[list[BenchPrompt], list[dict]]:
-        from marscli.engine.sequence import RecordFailure
-
         prompts, skipped = [], []
         for req, ref in records:
             try:
@@ -603,7 +615,6 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
 
 def _task_section(bench: Bench, runs: Sequence[Run]) -> dict[str, Any]:
     """bench --task: every run's task score and each method against strict (marscli.scoring)."""
-    from marscli.scoring.compare import task_report
 
     bench.log(f"scoring {len(runs)} outputs for {bench.cfg.task}")
     tok = bench.target.tokenizer
@@ -656,7 +667,6 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
     defaults (target, drafter, margin; the profile's theta joins --theta's, except under
     --match-relax-rate, which fits it). ``o``: generate's model, drafting, guard and spans
     options (the others are bench's own: --theta takes a list, --batch-size too)."""
-    from marscli.jobs.distributed import launch_from_env
 
     if launch_from_env() is not None:
         raise UsageError("bench times methods against each other in one process: run it "

@@ -28,8 +28,15 @@ from marscli.bench.methods import (
     MethodSpec,
     read_prompt_records,
 )
+from marscli.bench.metrics import ratio
+from marscli.bench.report import json_safe
+from marscli.calibration.collect import MarginCollector
+from marscli.calibration.policies import RELAXED, match_relax_rate, relaxed_per_position
 from marscli.config import GUARD_OFF, Request, VerifyConfig
+from marscli.engine.sequence import RecordFailure
 from marscli.errors import InputError, UsageError
+from marscli.jobs.setup import chain_or_tree, make_engine
+from marscli.verification.registry import MARS, Rule
 
 Log = Callable[[str], None]
 #: How the measured run's relaxed share is counted (the report's notes say it too).
@@ -117,15 +124,12 @@ class Match:
 def collect_split(engine, prompts: Sequence[list[int]], sampling) -> tuple[Any, int]:
     """Strict decoding of every prompt with a margin collector each, merged in input order
     -> (the merged collector, failed records)."""
-    from marscli.calibration.collect import MarginCollector
 
     per: dict[int, MarginCollector] = {}
 
     def observer_for(item):
         per[item[0]] = MarginCollector()  # a restart starts afresh
         return per[item[0]]
-
-    from marscli.engine.sequence import RecordFailure
 
     failed = 0
     for (i, _), res in engine.run(list(enumerate(prompts)), lambda it: (it[1], sampling), observer_for=observer_for):
@@ -154,8 +158,6 @@ def collect_calibration(cfg: BenchConfig, calibration: Sequence[tuple[Request, s
                         measured: Sequence[tuple[Request, str | None]], target, draft, log: Log) -> Split:
     """Strict decoding of the calibration split by the bench's target and drafter (batch size
     1, solo draft lengths, no job corpus), prompts equal to a measured one left out."""
-    from marscli.engine.sequence import RecordFailure
-    from marscli.jobs.setup import chain_or_tree, make_engine
 
     # No job corpus: the relaxed methods whose knobs this fits draft from their own text only.
     engine = make_engine(target, draft, VerifyConfig(guard=cfg.guard), chain_or_tree(cfg.draft, False), 1,
@@ -196,7 +198,6 @@ def fit_to_share(data, template, share: float, name: str) -> tuple[Any, dict[str
     """``template`` (a marscli.verification.rules.Rule) with its main knob fitted to relax at most ``share``
     of ``data``'s verified draft positions (by the relaxed drafts its replay accepts), and what
     the fit found on the calibration data (the report's entry; ``name``: the method as written)."""
-    from marscli.calibration.policies import RELAXED, match_relax_rate, relaxed_per_position
 
     rule = match_relax_rate(data, [template], share, by=RELAXED)[0]
     at = data.replay(rule)
@@ -211,8 +212,6 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
                 log: Log) -> tuple[BenchConfig, Match]:
     """The bench config with every MATCHED_METHODS method at its fitted knob (renamed to its
     label), and what was matched."""
-    from marscli.verification.registry import MARS
-    from marscli.verification.rules import Rule
 
     split = collect_calibration(cfg, calibration, measured, target, draft, log)
     data, s = split.data, cfg.match_relax_rate
@@ -253,8 +252,6 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
 def match_section(match: Match, per_method: dict[str, dict[str, Any]], log: Log) -> dict[str, Any]:
     """The report's ``match_relax_rate`` section, each method's measured relaxed share beside
     the calibration's (one stderr line each)."""
-    from marscli.bench.metrics import ratio
-    from marscli.bench.report import json_safe
 
     methods = {}
     for label, fit in match.methods.items():

@@ -15,15 +15,35 @@ import sys
 import time
 
 from marscli.calibration.collect import MarginCollector
+from marscli.calibration.policies import (
+    DEFAULT_MAX_NLL_INCREASE,
+    RuleFamily,
+    analyse,
+    curve_values,
+)
 from marscli.calibration.profiles import (
+    POLICY_FIXED,
+    POLICY_MAX_NLL,
+    POLICY_RELAX_RATE,
+    default_profile_name,
     dump_profile,
     identity_for_profile,
     parse_profile,
     save_profile,
     user_profile_dir,
 )
-from marscli.calibration.report import plot_profile
-from marscli.calibration.speed import OBJECTIVES
+from marscli.calibration.report import (
+    build_profile,
+    curve_table,
+    histogram_text,
+    plot_profile,
+)
+from marscli.calibration.speed import (
+    OBJECTIVES,
+    fastest_within_budget,
+    speed_curve,
+    speed_section,
+)
 from marscli.config import (
     CalibrateConfig,
     GenerationOptions,
@@ -32,7 +52,15 @@ from marscli.config import (
     VerifyConfig,
     VerifyRequest,
 )
-from marscli.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RECORDS_FAILED, InputError, MarscliError, UsageError
+from marscli.engine.sequence import RecordFailure
+from marscli.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_RECORDS_FAILED,
+    InputError,
+    MarscliError,
+    UsageError,
+)
 from marscli.io.records import read_input
 from marscli.jobs.console import Log, Progress
 from marscli.jobs.distributed import ProgressPump, shard, solo_step
@@ -47,7 +75,13 @@ from marscli.jobs.setup import (
     model_configs,
     resolve_guard,
 )
-from marscli.verification.registry import LOGIT_RATIO
+from marscli.verification.registry import (
+    ALL_KNOBS,
+    LOGIT_RATIO,
+    RELAXING_RULES,
+    RULEBOOK,
+    Rule,
+)
 
 
 def run_calibrate(cfg: CalibrateConfig, log: Log) -> int:
@@ -66,7 +100,6 @@ def collect_margins(engine, items, sampling, observer_for, skipped, tick) -> Non
     Records that cannot be parsed or generated are `skipped(item, message)`; a failure of
     the run itself (not of one record) is raised. Every batch size goes through engine.run.
     """
-    from marscli.engine.sequence import RecordFailure
 
     valid = []
     for item in items:
@@ -92,8 +125,6 @@ def choose_policy(max_nll_increase: float | None = None, relax_rate: float | Non
     """The one policy that picks the knob (theta, or ``knob``: another rule's main knob,
     whose fixed value comes in ``theta``) -> (name, value); the default:
     --max-nll-increase 0.02."""
-    from marscli.calibration.policies import DEFAULT_MAX_NLL_INCREASE
-    from marscli.calibration.profiles import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
 
     chosen = [(n, v) for n, v in ((POLICY_MAX_NLL, max_nll_increase), (POLICY_RELAX_RATE, relax_rate),
                                   (POLICY_FIXED, theta)) if v is not None]
@@ -112,8 +143,6 @@ def choose_rule(rule: str = "mars", *, margin: str = "logit-ratio", greedy: bool
     when not given) -> (rule template, fixed knob value or None, alpha given). The main knob
     given (--theta, --rho, --delta, --epsilon, --budget) is the fixed policy; the others
     (--top-n, --alpha) are kept while the main one is fitted."""
-    from marscli.verification.registry import ALL_KNOBS, RELAXING_RULES, RULEBOOK
-    from marscli.verification.rules import Rule
 
     if rule not in RELAXING_RULES:
         raise UsageError(f"--rule must be one of {', '.join(RELAXING_RULES)}; got {rule!r}")
@@ -172,9 +201,6 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
                     draft_loaded, *, input_name: str, input_sha256: str | None, costs=None) -> dict:
     """The profile document for the margins collected (theta chosen by cfg's policy; with
     the engine's step costs, its predicted speed too: marscli.calibration.speed)."""
-    from marscli.calibration.policies import analyse
-    from marscli.calibration.profiles import default_profile_name
-    from marscli.calibration.report import build_profile
 
     data = collector.data(records=records - failed, failed=failed, guard=cfg.guard)
     if data.positions == 0:
@@ -204,7 +230,6 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
 def rule_family(cfg: CalibrateConfig):
     """The rule whose main knob cfg calibrates, with that knob free (MARS for cfg.margin when
     cfg names no rule)."""
-    from marscli.calibration.policies import RuleFamily
 
     if cfg.rule is None:
         return RuleFamily.mars(cfg.margin)
@@ -219,10 +244,6 @@ def speed_objective(cal, data, cfg: CalibrateConfig, costs, seconds: float):
     """(calibration, the profile's speed section): with cfg.objective "speed" the fastest
     knob value within the policy's budget replaces the policy's own choice."""
     import dataclasses
-
-    from marscli.calibration.policies import analyse, curve_values
-    from marscli.calibration.profiles import POLICY_FIXED
-    from marscli.calibration.speed import fastest_within_budget, speed_curve, speed_section
 
     family = rule_family(cfg)
     values = curve_values(data, family, (cal.theta,))
@@ -356,7 +377,6 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
 
 def show_profile(p, con) -> None:
     """A profile's choice, summary, histogram and trade-off curve, on `con` (a rich Console)."""
-    from marscli.calibration.report import curve_table, histogram_text
 
     d = p.data
     s = d["summary"]

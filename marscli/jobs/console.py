@@ -91,7 +91,12 @@ class Progress:
         self.bar = None
         self._lock = threading.Lock()
         if not log.quiet and log.console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
             from rich.progress import Progress as Bar
 
             columns = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]

@@ -26,7 +26,18 @@ from marscli.errors import (
     MarscliError,
     UsageError,
 )
+from marscli.io.records import read_input
+from marscli.io.resume import RunOutput, fingerprint_diff
 from marscli.jobs.console import Log, Progress, silence_stdout
+from marscli.jobs.distributed import (
+    Group,
+    ProgressPump,
+    ids_digest,
+    launch_from_env,
+    shard,
+    solo_step,
+)
+from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint
 from marscli.jobs.openai_format import render
 from marscli.jobs.results import (
     ERR_GENERATION_FAILED,
@@ -35,7 +46,13 @@ from marscli.jobs.results import (
     Totals,
     ignored_keys_note,
 )
-from marscli.jobs.setup import ModelSetup, build_generator, check_rule_modes, drafter_desc, verify_desc
+from marscli.jobs.setup import (
+    ModelSetup,
+    build_generator,
+    check_rule_modes,
+    drafter_desc,
+    verify_desc,
+)
 
 
 class Stop(BaseException):
@@ -104,7 +121,6 @@ class StopSignals:
 
 def start_group(log: Log, input_path: str):
     """The process group of a launched run (accelerate launch, torchrun), or None alone."""
-    from marscli.jobs.distributed import Group, launch_from_env
 
     launch = launch_from_env()
     if launch is None:
@@ -179,11 +195,6 @@ class GenerateRun:
         self.done_before = 0
 
     def execute(self) -> int:
-        from marscli.jobs.distributed import ids_digest, solo_step
-        from marscli.io.records import read_input
-        from marscli.io.resume import RunOutput
-        from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint
-
         cfg, log, group = self.cfg, self.log, self.group
         step = group.step if group is not None else solo_step
         if cfg.verify.mode is not None:  # a rule asked for: its decoding modes, before anything else
@@ -250,8 +261,6 @@ class GenerateRun:
         results = gen.results(mine, cfg.sampling, options)
         pump = contextlib.nullcontext()
         if group is not None and group.is_main and not log.quiet:
-            from marscli.jobs.distributed import ProgressPump
-
             pump = ProgressPump(group, self.progress.set)
         with pump:
             for item, result, seconds in results:
@@ -299,8 +308,6 @@ class GenerateRun:
     # ------------------------------------------------------------------ data parallel
 
     def _check_same_run(self, fingerprints: list[dict]) -> None:
-        from marscli.io.resume import fingerprint_diff
-
         for r, fp in enumerate(fingerprints):
             diffs = fingerprint_diff(fingerprints[0], fp)
             if diffs:
@@ -312,7 +319,6 @@ class GenerateRun:
     def _open_parts(self, fingerprint: dict, todo: list):
         """Main process: prepare the output; every process: open its part file (after checking
         it sees what the main process wrote); returns (writer, this rank's records)."""
-        from marscli.jobs.distributed import shard
 
         group, output = self.group, self.output
         with group.step("opening the output") as s:

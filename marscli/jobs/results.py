@@ -24,7 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from marscli.config import RecordError, SamplingParams
+from marscli.engine.sequence import RecordFailure
+from marscli.io.records import ERR_RECORD
+from marscli.jobs.openai_format import logprobs_content
 from marscli.verification.guard import repetition_stats
+from marscli.verification.registry import mode_problem
 
 #: Error types of records whose generation failed (the others come from marscli.io / engine).
 ERR_GENERATION_FAILED = "generation_failed"
@@ -63,8 +67,6 @@ def failure_result(item, exc: BaseException) -> dict:
     """The error result line for a record whose preparation or generation raised `exc`."""
     import torch
 
-    from marscli.engine.sequence import RecordFailure
-
     if isinstance(exc, RecordFailure):
         return error_result(item, exc.type, exc.message)
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
@@ -78,11 +80,7 @@ def check_record_mode(rule, sampling: SamplingParams) -> None:
     """A record whose own settings (temperature) ask for a decoding mode the run's rule does
     not define (regret: greedy only) is an invalid record: its error result, the run goes on.
     The run's own settings were refused before it started (jobs.setup.check_rule_modes)."""
-    from marscli.engine.sequence import RecordFailure
-    from marscli.io.records import ERR_RECORD
-    from marscli.jobs.setup import rule_mode_problem
-
-    problem = rule_mode_problem(rule, sampling.temperature)
+    problem = mode_problem(rule if isinstance(rule, str) else rule.name, sampling.temperature)
     if problem is not None:
         raise RecordFailure(ERR_RECORD, f"temperature {sampling.temperature:g}: {problem}")
 
@@ -116,7 +114,6 @@ def request_result(item, results: list, dropped: int, options: ResultOptions, sp
                    decode) -> dict:
     """The result line of a request from its choices' GenerationResults (choice order);
     decode(token id) -> its text, for logprobs."""
-    from marscli.jobs.openai_format import logprobs_content
 
     first = results[0]
     out = result_line(item, first, dropped, options, spec_meta)

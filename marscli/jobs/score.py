@@ -14,7 +14,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from marscli.bench.report import json_safe
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, MarscliError, UsageError
+from marscli.io.results import atomic_write_text
 from marscli.jobs.console import Log
 from marscli.scoring import humaneval, stats
 from marscli.scoring.tasks import (
@@ -105,7 +107,6 @@ def paired(records: list[dict], scores: list[TaskScore], base_records: list[dict
 
 def run_score(cfg: ScoreConfig, log: Log) -> int:
     """Score, write the records, print the summary; exit 3 when some records were not scored."""
-    from marscli.io.results import atomic_write_text
 
     check_config(cfg)
     refs = read_references(cfg.prompts) if cfg.prompts else {}
@@ -148,8 +149,6 @@ def run_score(cfg: ScoreConfig, log: Log) -> int:
             f", recovery {comp['recovery']:.3f} [{comp['recovery_ci95'][0]:.3f}, {comp['recovery_ci95'][1]:.3f}]")
         log.always(f"against {cfg.against}: {stats.verdict(comp)}{rec}")
     if cfg.summary:
-        from marscli.bench.report import json_safe
-
         try:
             atomic_write_text(cfg.summary, json.dumps(json_safe(summary), indent=2) + "\n")
         except OSError as e:

@@ -15,13 +15,22 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from marscli.calibration.profiles import (
+    ProfileError,
+    drafter_description,
+    find_matching_profile,
+    load_profile,
+    match_problems,
+    resolve_profile,
+)
+from marscli.calibration.speed import strict_reason
 from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
-    GenerationOptions,
     SPANS_OFF,
     STRICT_THETA,
     TREE_DEFAULTS,
     DraftConfig,
+    GenerationOptions,
     GuardConfig,
     ModelConfig,
     SamplingParams,
@@ -29,7 +38,20 @@ from marscli.config import (
     VerifyConfig,
     VerifyRequest,
 )
+from marscli.drafters.eagle3 import DEFAULT_TREE
+from marscli.drafters.eagle3_head import load_head
+from marscli.engine import build_engine
 from marscli.errors import UsageError
+from marscli.jobs.distributed import place_device, rank_max_memory
+from marscli.jobs.openai_format import OUTPUT_FORMATS
+from marscli.jobs.results import generate_results
+from marscli.models.loading import (
+    DEVICE_MAPS,
+    check_vocab_compatible,
+    load_model,
+    max_memory_dict,
+    parse_max_memory,
+)
 from marscli.verification.registry import (
     MARGINS,
     MARS,
@@ -39,7 +61,9 @@ from marscli.verification.registry import (
     RULEBOOK,
     RULES,
     STRICT,
+    mode_problem,
 )
+from marscli.verification.spans import compile_regex, parse_strict_in
 
 DRAFT_NONE = "none"
 DRAFT_NGRAM = "ngram"
@@ -80,7 +104,6 @@ def check_choices(margin: str | None = None, dtype: str = "auto", ngram_min: int
                   ngram_max: int | None = None, verify: str | None = None,
                   truncate_prompt: str = "none", output_format: str = "default") -> None:
     """Values Typer cannot check by itself (free strings of a fixed set, pairs)."""
-    from marscli.jobs.openai_format import OUTPUT_FORMATS
 
     if output_format not in OUTPUT_FORMATS:
         raise UsageError(f"--output-format must be 'default' or 'openai', got {output_format!r}")
@@ -101,7 +124,6 @@ def named_profile(name: str | None):
     """The profile asked for by name or path (--profile), or None."""
     if name is None:
         return None
-    from marscli.calibration.profiles import resolve_profile
 
     return resolve_profile(name)
 
@@ -167,7 +189,6 @@ def model_configs(target: str | None, draft: DraftConfig, o: GenerationOptions):
     bounds the target only: the draft model, loaded after it, is placed by accelerate in the
     memory left (a device map of its own). --offline: a hub id must already be in the local
     cache (never download)."""
-    from marscli.models.loading import DEVICE_MAPS, parse_max_memory
 
     device_map, max_memory, bnb_compute_dtype = o.device_map, o.max_memory, o.bnb_compute_dtype
     if device_map is not None and device_map not in DEVICE_MAPS:
@@ -214,8 +235,9 @@ def check_rule_request(req: VerifyRequest, profile_rule: str | None = None,
         if req.theta is not None:
             raise UsageError(f"--theta belongs to --verify mars, not --verify {mode}")
     owners = {OWNER[k] for k in given}
-    verify_config(VerifyConfig(**{"mode": mode or (owners.pop() if len(owners) == 1 else STRICT),
-                                  **{k: getattr(req, k) for k in given}})).rule  # noqa: B018 - range check
+    # building the Rule checks every knob's range (Rule.__post_init__)
+    verify_config(VerifyConfig(mode=mode or (owners.pop() if len(owners) == 1 else STRICT),
+                               **{k: getattr(req, k) for k in given}))
 
 
 def verify_config(cfg: VerifyConfig) -> VerifyConfig:
@@ -238,8 +260,6 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
     """
     import dataclasses
 
-    from marscli.calibration.profiles import ProfileError
-
     prule = profile.rule if profile is not None else None
     check_rule_request(req, prule.name if prule is not None else None)
     guard = resolve_guard(req, profile)
@@ -249,7 +269,6 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
         speed = profile.speed
         if (req.mode is None and req.theta is None and not given and speed is not None
                 and speed["verify_strictly"]):
-            from marscli.calibration.speed import strict_reason
 
             note(f"profile {profile.describe()}: {strict_reason(speed)}: verifying strictly "
                  f"(--verify {mode} relaxes anyway)")
@@ -284,24 +303,9 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
 def check_rule_modes(rule, sampling: SamplingParams, what: str = "--temperature") -> None:
     """A rule that does not define this decoding mode (regret: greedy only) is a usage error.
     rule: a marscli.verification.rules.Rule or a rule's name."""
-    problem = rule_mode_problem(rule, sampling.temperature)
+    problem = mode_problem(rule if isinstance(rule, str) else rule.name, sampling.temperature)
     if problem is not None:
         raise UsageError(f"{what} {sampling.temperature:g}: {problem}")
-
-
-def rule_mode_problem(rule, temperature: float) -> str | None:
-    """Why `rule` cannot decode at `temperature`, or None (marscli.verification.rules.Rule.modes)."""
-    from marscli.verification.registry import GREEDY_MODE, SAMPLING_MODE
-    from marscli.verification.rules import Rule
-
-    if isinstance(rule, str):
-        rule = Rule(rule)
-    mode = GREEDY_MODE if temperature == 0.0 else SAMPLING_MODE
-    if mode in rule.modes:
-        return None
-    if rule.modes == (GREEDY_MODE,):
-        return f"the {rule.name} rule is defined for greedy decoding only (temperature 0)"
-    return f"the {rule.name} rule does not define {mode} decoding (only {', '.join(rule.modes)})"
 
 
 def resolve_guard(req: VerifyRequest, profile) -> GuardConfig:
@@ -330,7 +334,6 @@ def guard_request(o: GenerationOptions) -> dict[str, Any]:
 def span_config(strict_in: str | None = None, strict_regex: str | None = None) -> SpanConfig:
     """--strict-in KINDS and --strict-regex PATTERN -> SpanConfig (checked: the kinds exist,
     the pattern compiles)."""
-    from marscli.verification.spans import compile_regex, parse_strict_in
 
     try:
         kinds = parse_strict_in(strict_in)
@@ -349,8 +352,6 @@ def place(model: ModelConfig | None, group) -> ModelConfig | None:
     --device-map."""
     if model is None or group is None:
         return model
-    from marscli.jobs.distributed import place_device, rank_max_memory
-    from marscli.models.loading import max_memory_dict
 
     if model.device_map is not None:
         share = rank_max_memory(group.launch, max_memory_dict(model.max_memory))
@@ -364,14 +365,11 @@ def load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, note: No
     """Load the target and (if any) the draft model or EAGLE-3 head (kind "eagle3"); check
     that they fit each other. Under a launcher each model goes to this rank's device(s), the
     draft model's share reckoned with the memory the target left."""
-    from marscli.models.loading import check_vocab_compatible, load_model
 
     t0 = time.perf_counter()
     target = load_model(place(target_cfg, group), role="target", log=note)
     draft = None
     if draft_cfg is not None and kind == DRAFT_EAGLE3:
-        from marscli.drafters.eagle3_head import load_head
-
         draft = load_head(str(draft_cfg.source), target, log=note)
     elif draft_cfg is not None:
         draft = load_model(place(draft_cfg, group), role="draft", log=note)
@@ -383,12 +381,6 @@ def load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, note: No
 def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | None = None,
                    auto: bool = True, verify_mode: str | None = None, note: Note = _silent):
     """The profile a generation runs with: the one asked for, else the newest matching one."""
-    from marscli.calibration.profiles import (
-        drafter_description,
-        find_matching_profile,
-        load_profile,
-        match_problems,
-    )
 
     drafter = drafter_description(draft.kind, draft_loaded.identity if draft_loaded else None)
     if profile is not None:
@@ -418,7 +410,6 @@ def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, 
                 note: Note = _silent, solo_lengths: bool = False, spans: SpanConfig = SPANS_OFF,
                 job_corpus: bool | None = None):
     """The engine of a job: marscli.engine.build_engine, the one constructor."""
-    from marscli.engine import build_engine
 
     return build_engine(target, draft_loaded, verify, draft, batch_size=batch_size, note=note,
                         solo_lengths=solo_lengths, spans=spans, job_corpus=job_corpus)
@@ -512,7 +503,6 @@ class Generator:
     def results(self, items: Iterable, sampling: SamplingParams, options) -> Iterator[tuple[Any, dict, float]]:
         """(item, result line, seconds generating) per record, as records finish; see
         marscli.jobs.results.generate_results."""
-        from marscli.jobs.results import generate_results
 
         return generate_results(self.engine, items, sampling, options, self.spec_meta, self.batch_size)
 
@@ -560,7 +550,6 @@ def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
         return replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
     if draft.tree:
         return draft
-    from marscli.drafters.eagle3 import DEFAULT_TREE
 
     return replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
                    tree_tokens=DEFAULT_TREE.tokens)

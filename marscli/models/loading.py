@@ -34,7 +34,6 @@ from transformers import (
 
 from marscli.config import ModelConfig
 from marscli.errors import ModelLoadError, VocabMismatchError
-
 from marscli.models.sources import (
     KIND_EMBEDDED,
     KIND_GGUF,

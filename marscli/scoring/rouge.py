@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+
 def reference_text(record: dict[str, Any]) -> str | None:
     """The reference answer of a prompt-set record for its FIRST turn, as one text.
 

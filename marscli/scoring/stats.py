@@ -27,7 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from marscli.verification.guard import LOOP_MIN_REPEATS, LOOP_MIN_SPAN, LOOP_MIN_SPAN_CHARS  # noqa: F401
+from marscli.verification.guard import (  # noqa: F401
+    LOOP_MIN_REPEATS,
+    LOOP_MIN_SPAN,
+    LOOP_MIN_SPAN_CHARS,
+)
+from marscli.verification.guard import ends_in_loop as loops
 
 #: Bootstrap resamples: the Monte Carlo error of a 95% percentile is then ~0.2% of its width.
 BOOTSTRAP_RESAMPLES = 10_000
@@ -195,7 +200,6 @@ def ends_in_loop(seq: Sequence[Any] | str, *, min_repeats: int = LOOP_MIN_REPEAT
     """Does `seq` end in a repeated n-gram loop? The one definition marscli uses everywhere
     (``marscli.verification.guard.ends_in_loop``: results' `spec`, bench, scoring): token ids, or the
     characters of a str."""
-    from marscli.verification.guard import ends_in_loop as loops
 
     kw: dict[str, Any] = {"min_repeats": min_repeats}
     if min_span is not None:

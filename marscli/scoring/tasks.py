@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from marscli.scoring import rouge
 from marscli.errors import InputError, UsageError
-from marscli.scoring import gsm8k, humaneval
+from marscli.io.records import open_input
+from marscli.scoring import gsm8k, humaneval, rouge
 
 HUMANEVAL = "humaneval"
 GSM8K = "gsm8k"
@@ -106,7 +106,6 @@ def output_texts(rec: dict[str, Any]) -> list[str] | None:
 
 def read_jsonl(path: str, what: str) -> list[dict[str, Any]]:
     """Every non-blank line of a JSONL file as an object; a bad line is a one-line error."""
-    from marscli.io.records import open_input
 
     out = []
     with open_input(path) as f:

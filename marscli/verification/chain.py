@@ -28,7 +28,7 @@ facts' builders live in marscli.verification.rules and are re-exported here):
 1. The chain walk (``verify``) or the tree walk gathers, per verified draft position, what
    the target says: the margin statistics, whether the draft is among the target's top two
    with p > 0 (``in_top2``) and whether the strict check accepts it on its own (``strict_ok``).
-2. ``Rule.decide(facts)`` judges every position on its own: ``ok`` and ``relaxable``. It uses
+2. ``rules.decide(rule, facts)`` judges every position on its own: ``ok`` and ``relaxable``. It uses
    elementwise operators only, so calibration's numpy replay (marscli.calibration.collect) calls the
    very same function on recorded facts.
 3. The walk (``verify`` for chains, ``marscli.verification.tree.verify_tree`` for trees) keeps the accepted prefix/path
@@ -53,15 +53,16 @@ from typing import Any
 
 import torch
 
-from marscli.verification.registry import LOGIT_RATIO, MARS, SAMPLING_MODE, STRICT
+from marscli.verification.registry import LOGIT_RATIO, MARS, SAMPLING_MODE, STRICT, Rule
 from marscli.verification.rules import (
     NOT_RELAXABLE,
     PositionFacts,
-    Rule,
+    decide,
     draft_facts,
     margin_statistic,
     over_budget,
     relaxed_positions,
+    statistic,
     top2,
 )
 
@@ -303,10 +304,10 @@ def verify(
     if per_token:
         probs_k = torch.softmax(logits_k.float(), dim=-1) if greedy else p[:, :K]
         facts = chain_facts(rule, logits_k, drafts, probs_k, strict_ok, valid)
-        stat = rule.statistic(facts).float()
+        stat = statistic(rule, facts).float()
     else:
         facts = PositionFacts({rule.margin: stat}, in_top2, strict_ok)
-    decision = rule.decide(facts)
+    decision = decide(rule, facts)
     refused = None
     if rule.relaxes and (guard is not None or relax_left is not None):
         # Would-be relaxations (judged on their own) that the guard or the budget refuses.
@@ -315,7 +316,7 @@ def verify(
         if relax_left is not None:
             guarded = guarded | over_budget(wants, relax_left.to(wants.device))
         facts.guarded = guarded
-        decision = rule.decide(facts)
+        decision = decide(rule, facts)
         n_ok = _prefix_len(decision.ok & valid)
         at = n_ok.clamp(max=max(K - 1, 0)).unsqueeze(1)
         refused = ((wants & guarded).gather(1, at).squeeze(1) & (n_ok < K)) if K > 0 else None

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 STRICT = "strict"
 MARS = "mars"
@@ -187,11 +188,115 @@ KNOBS = {r.name: (r.main, r.direction, r.strict_end) for r in RULEBOOK.values() 
 DEFAULT_TOP_N = TOP_N.default
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A verification rule and its knob values: the value every layer passes around (the
+    command line's --verify and knobs, profiles, results' spec, bench's methods). A Rule
+    carries every rule's knobs, each at its strict end unless given; only its own matter.
+    What each rule accepts, its formula and source: marscli.verification.rules.
+    """
+
+    # The knobs of every rule, each at its rule's strict end (registry.ALL_KNOBS).
+    name: str = STRICT
+    theta: float = ALL_KNOBS["theta"].default
+    margin: str = LOGIT_RATIO
+    rho: float = ALL_KNOBS["rho"].default
+    top_n: int = ALL_KNOBS["top_n"].default
+    delta: float = ALL_KNOBS["delta"].default
+    epsilon: float = ALL_KNOBS["epsilon"].default
+    alpha: float | None = ALL_KNOBS["alpha"].default  # None: sqrt(epsilon)
+    budget: float = ALL_KNOBS["budget"].default
+
+    def __post_init__(self) -> None:
+        rule_spec(self.name)  # refuses an unknown name
+        if self.margin not in MARGINS:
+            raise ValueError(f"unknown margin statistic {self.margin!r}; expected one of {MARGINS}")
+        for knob in ALL_KNOBS.values():  # every rule's knobs: a Rule carries all of them
+            value = getattr(self, knob.name)
+            if value is None and knob.name == "alpha":
+                continue
+            problem = knob.problem(value)
+            if problem is not None:
+                raise ValueError(problem)
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", math.sqrt(self.epsilon))
+
+    @classmethod
+    def from_theta(cls, theta: float, margin: str = LOGIT_RATIO) -> Rule:
+        """MARS at theta, or strict for theta = +inf (the older keyword interface)."""
+        return cls(STRICT if theta == math.inf else MARS, theta, margin)
+
+    @property
+    def relaxes(self) -> bool:
+        """Whether any position can be relaxed (never: strict, or a rule at its strict end)."""
+        if self.name == MARS:
+            return self.theta != math.inf
+        if self.name == RATIO:
+            return self.rho < 1.0
+        if self.name == TOPK:
+            return self.delta > 0.0 and self.top_n > 1
+        if self.name == TYPICAL:
+            return not (self.epsilon >= 1.0 and self.alpha == math.inf)
+        if self.name == REGRET:
+            return self.budget > 0.0
+        return False
+
+    @property
+    def spec(self) -> RuleSpec:
+        """The rule's registry entry (marscli.verification.registry)."""
+        return RULEBOOK[self.name]
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The decoding modes this rule defines (the jobs layer refuses the others)."""
+        return self.spec.modes
+
+    @property
+    def knob(self) -> tuple[str, float] | None:
+        """(name, value) of the main knob (the one calibrate fits); None for strict."""
+        main = self.spec.main
+        return None if main is None else (main, float(getattr(self, main)))
+
+    def with_knob(self, value: float) -> Rule:
+        """This rule with its main knob set to ``value``."""
+        return replace(self, **{self.spec.main: value})
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """The PositionFacts fields beyond strict_ok (and guarded) that ``decide`` reads."""
+        return self.spec.needs
+
+    def knobs(self) -> dict[str, Any]:
+        """The rule's knobs as written in profiles, results' spec and reports (MARS: theta,
+        then its margin statistic)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in self.spec.knob_names}
+        if self.spec.uses_margin:
+            out["margin"] = self.margin
+        return out
+
+    def label(self) -> str:
+        """Short name: strict, mars@0.9, ratio@0.5, topk@3:0.1, typical@0.09:0.3, regret@2."""
+        if not self.spec.knobs:
+            return self.name
+        return f"{self.name}@" + ":".join(f"{getattr(self, k):g}" for k in self.spec.knob_names)
+
+
 def rule_spec(name: str) -> RuleSpec:
     """The registry entry of rule ``name`` (ValueError naming the rules for another name)."""
     if name not in RULEBOOK:
         raise ValueError(f"unknown verification rule {name!r}; expected one of {RULES}")
     return RULEBOOK[name]
+
+
+def mode_problem(rule: str, temperature: float) -> str | None:
+    """Why rule ``rule`` cannot decode at ``temperature``, or None (RuleSpec.modes)."""
+    spec = rule_spec(rule)
+    mode = GREEDY_MODE if temperature == 0.0 else SAMPLING_MODE
+    if mode in spec.modes:
+        return None
+    if spec.greedy_only:
+        return f"the {rule} rule is defined for greedy decoding only (temperature 0)"
+    return f"the {rule} rule does not define {mode} decoding (only {', '.join(spec.modes)})"
 
 
 def verify_help() -> str:

@@ -1,243 +1,149 @@
 """The per-position judgement of every verification rule (the rulebook's core).
 
-``Rule`` (a rule and its knobs), the facts it judges a verified draft position by
-(``PositionFacts``: margin statistics, p(x), p1, rank, entropy, summed regret; built by
-``top2``/``margin_statistic`` and ``draft_facts``), and ``Rule.decide``, elementwise, so the
-verifier's walks (marscli.verification.chain, marscli.verification.tree) and calibration's numpy replay
-(marscli.calibration.collect) call the very same function. The words are fixed in marscli.verification.chain's
-docstring; everything here is re-exported from there.
+The facts a rule judges a verified draft position by (``PositionFacts``: margin statistics,
+p(x), p1, rank, entropy, summed regret; built by ``top2``/``margin_statistic`` and
+``draft_facts``), each rule's formula (``relaxable`` for MARS, one small function per
+per-token rule in ``CONDITIONS``) and ``decide``, elementwise, so the verifier's walks
+(marscli.verification.chain, marscli.verification.tree) and calibration's numpy replay
+(marscli.calibration.collect) call the very same function. A rule's name and knobs (the
+``Rule`` value) are the registry's (marscli.verification.registry); the words are fixed in
+marscli.verification's docstring.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from marscli.verification.registry import (
-    LOGIT_RATIO,
-    MARGINS,
-    MARS,
-    PROB_RATIO,
-    RATIO,
-    REGRET,
-    STRICT,
-    TOPK,
-    TYPICAL,
-    ALL_KNOBS,
-    RULEBOOK,
-    RuleSpec,
-    rule_spec,
-)
+from marscli.verification.registry import LOGIT_RATIO, MARGINS, MARS, PROB_RATIO, RATIO, REGRET, TOPK, TYPICAL, Rule
 
 #: Statistic value of positions that can never be relaxed (z1 <= 0 under logit-ratio).
 NOT_RELAXABLE = -math.inf
 
 
-# ----------------------------------------------------------------------------- rules
+# ----------------------------------------------------------------------------- the judgement
+# Notation: at a verified draft position, target logits z, target probabilities p (at the
+# sampling temperature and filters; temperature 1 when decoding greedily), p1 >= p2 the top
+# two, x the draft token. Every function is elementwise over arrays of one shape: torch
+# tensors in the verifier, numpy arrays in calibration's replay. Comparisons are made in
+# float64: a float32 statistic against theta in float32 would round theta (0.3 ->
+# 0.30000001) and call a statistic of 0.30000001 not above 0.3; calibration's replay, in
+# float64, would disagree with the verifier.
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A verification rule and its knobs. Notation: at a verified draft position, target
-    logits z, target probabilities p (at the sampling temperature and filters; temperature 1
-    when decoding greedily), p1 >= p2 the top two, x the draft token.
+def relaxable(rule: Rule, stat: Any) -> Any:
+    """MARS (Shi et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): a
+    position is relaxable where its margin statistic exceeds ``theta``; there a draft that is
+    the target's top-1 or top-2 token (with p > 0) is accepted outright, elsewhere the strict
+    check decides, and a rejection at a relaxable position draws the next token from p
+    itself. All False for a rule that never relaxes this way (every rule but MARS)."""
+    if isinstance(stat, torch.Tensor):
+        stat = stat.double()
+    return stat > (rule.theta if rule.relaxes and rule.name == MARS else math.inf)
 
-    strict: keep a draft only where the target agrees (greedy: its argmax; sampling: Leviathan
-    et al.'s test u < min(1, p(x) / q(x))). Lossless. Modes: all.
 
-    mars (Shi et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): at a
-    position whose margin statistic exceeds ``theta`` accept a draft that is the target's
-    top-1 or top-2 token (with p > 0) outright; elsewhere strict. A rejection at such a
-    position draws the next token from p itself. Modes: all.
+# The per-token rules: each has a condition on the position's facts; a draft is accepted when
+# the strict check accepts it OR the condition holds (unless the loop guard or the budget
+# forbids relaxing there). A rejection is always judged by the strict check, so the next
+# token comes from the strict residual. With a deterministic drafter (one-hot q) the law of
+# the token emitted at a position whose draft is x is therefore: x itself when the condition
+# holds, else exactly p (the strict law).
 
-    The four rules below relax per draft token: each has a condition ``relaxes_at`` on the
-    position's facts; a draft is accepted when the strict check accepts it OR the condition
-    holds (unless the loop guard or the budget forbids relaxing there). A rejection is always
-    judged by the strict check, so the next token comes from the strict residual. With a
-    deterministic drafter (one-hot q) the law of the token emitted at a position whose draft
-    is x is therefore: x itself when the condition holds, else exactly p (the strict law).
 
-    ratio (``rho`` = R in (0, 1]): relax where p(x) >= R * p1, x at any rank with p(x) > 0.
+def _ratio(rule: Rule, facts: PositionFacts) -> Any:
+    """ratio (``rho`` = R in (0, 1]): relax where p(x) >= R * p1, x at any rank with p(x) > 0.
     R = 1 is strict. When sampling, any R < 1 accepts a draft that is the target's top-1
-    outright (strict rejection sampling keeps it with probability p1 only), so the family
-    is strict only at R = 1 itself; topk with D > 0 likewise. (Speculative cascades' deferral rule, Narasimhan et al. 2024, and the
-    "relative probability" acceptance of several MLX engines.) Modes: all.
+    outright (strict rejection sampling keeps it with probability p1 only), so the family is
+    strict only at R = 1 itself; topk with D > 0 likewise. (Speculative cascades' deferral
+    rule, Narasimhan et al. 2024, and the "relative probability" acceptance of several MLX
+    engines.)"""
+    px = _float64(facts.p_draft)
+    return (px >= rule.rho * _float64(facts.p1)) & (px > 0)
 
-    topk (``top_n`` = N >= 1, ``delta`` = D >= 0): relax where x is among the target's N most
-    likely tokens (rank = 1 + the number of tokens with a larger logit) and
+
+def _topk(rule: Rule, facts: PositionFacts) -> Any:
+    """topk (``top_n`` = N >= 1, ``delta`` = D >= 0): relax where x is among the target's N
+    most likely tokens (rank = 1 + the number of tokens with a larger logit) and
     p(x) >= p1 - D (TensorRT-LLM's relaxed acceptance for DeepSeek MTP: candidate set of the
-    top-N, probability within delta of the top-1). D = 0 (or N = 1) is strict. Modes: all.
+    top-N, probability within delta of the top-1). D = 0 (or N = 1) is strict."""
+    px = _float64(facts.p_draft)
+    return (facts.rank <= rule.top_n) & (px >= _float64(facts.p1) - rule.delta) & (px > 0)
 
-    typical (``epsilon`` = E in (0, 1], ``alpha`` = A > 0; A defaults to sqrt(E)): relax where
-    p(x) > min(E, A * exp(-H(p))), H the entropy of p in nats (Medusa's typical acceptance,
-    Cai et al. 2024, Section 2.3.1, once vLLM's TypicalAcceptanceSampler). The first position
-    that fails gets the target's token (greedy) or a draw whose law is p (sampling). With
-    E = 1 and A = +inf the threshold is 1 and nothing relaxes: strict. Modes: all.
 
-    regret (``budget`` = B >= 0; greedy only): accept the drafts of a step while the step's
-    summed regret sum_i (z1_i - z(x_i)) over the drafts so far stays <= B (approximate
-    speculative decoding's logit-gap budget; invariant to a constant shift of the logits).
-    A tree sums along the root path. B = 0 is strict. Modes: greedy.
-    """
+def _typical(rule: Rule, facts: PositionFacts) -> Any:
+    """typical (``epsilon`` = E in (0, 1], ``alpha`` = A > 0; A defaults to sqrt(E)): relax
+    where p(x) > min(E, A * exp(-H(p))), H the entropy of p in nats (Medusa's typical
+    acceptance, Cai et al. 2024, Section 2.3.1, once vLLM's TypicalAcceptanceSampler). The
+    first position that fails gets the target's token (greedy) or a draw whose law is p
+    (sampling). With E = 1 and A = +inf the threshold is 1 and nothing relaxes: strict."""
+    px, h = _float64(facts.p_draft), _float64(facts.entropy)
+    lib = torch if isinstance(h, torch.Tensor) else np
+    threshold = lib.minimum(lib.exp(-h) * rule.alpha, lib.full_like(h, rule.epsilon)) \
+        if rule.alpha != math.inf else lib.full_like(h, rule.epsilon)
+    return px > threshold
 
-    # The knobs of every rule, each at its rule's strict end (registry.ALL_KNOBS).
-    name: str = STRICT
-    theta: float = ALL_KNOBS["theta"].default
-    margin: str = LOGIT_RATIO
-    rho: float = ALL_KNOBS["rho"].default
-    top_n: int = ALL_KNOBS["top_n"].default
-    delta: float = ALL_KNOBS["delta"].default
-    epsilon: float = ALL_KNOBS["epsilon"].default
-    alpha: float | None = ALL_KNOBS["alpha"].default  # None: sqrt(epsilon)
-    budget: float = ALL_KNOBS["budget"].default
 
-    def __post_init__(self) -> None:
-        rule_spec(self.name)  # refuses an unknown name
-        if self.margin not in MARGINS:
-            raise ValueError(f"unknown margin statistic {self.margin!r}; expected one of {MARGINS}")
-        for knob in ALL_KNOBS.values():  # every rule's knobs: a Rule carries all of them
-            value = getattr(self, knob.name)
-            if value is None and knob.name == "alpha":
-                continue
-            problem = knob.problem(value)
-            if problem is not None:
-                raise ValueError(problem)
-        if self.alpha is None:
-            object.__setattr__(self, "alpha", math.sqrt(self.epsilon))
+def _regret(rule: Rule, facts: PositionFacts) -> Any:
+    """regret (``budget`` = B >= 0; greedy only): accept the drafts of a step while the
+    step's summed regret sum_i (z1_i - z(x_i)) over the drafts so far stays <= B (approximate
+    speculative decoding's logit-gap budget; invariant to a constant shift of the logits). A
+    tree sums along the root path. B = 0 is strict."""
+    return _float64(facts.regret) <= rule.budget
 
-    @classmethod
-    def from_theta(cls, theta: float, margin: str = LOGIT_RATIO) -> Rule:
-        """MARS at theta, or strict for theta = +inf (the older keyword interface)."""
-        return cls(STRICT if theta == math.inf else MARS, theta, margin)
 
-    @property
-    def relaxes(self) -> bool:
-        """Whether any position can be relaxed (never: strict, or a rule at its strict end)."""
-        if self.name == MARS:
-            return self.theta != math.inf
-        if self.name == RATIO:
-            return self.rho < 1.0
-        if self.name == TOPK:
-            return self.delta > 0.0 and self.top_n > 1
-        if self.name == TYPICAL:
-            return not (self.epsilon >= 1.0 and self.alpha == math.inf)
-        if self.name == REGRET:
-            return self.budget > 0.0
-        return False
+#: Each per-token rule's condition (MARS relaxes by its margin statistic: ``relaxable``).
+CONDITIONS = {RATIO: _ratio, TOPK: _topk, TYPICAL: _typical, REGRET: _regret}
 
-    @property
-    def spec(self) -> RuleSpec:
-        """The rule's registry entry (marscli.verification.registry)."""
-        return RULEBOOK[self.name]
 
-    @property
-    def modes(self) -> tuple[str, ...]:
-        """The decoding modes this rule defines (the jobs layer refuses the others)."""
-        return self.spec.modes
+def relaxes_at(rule: Rule, facts: PositionFacts) -> Any:
+    """Elementwise bool: a per-token rule's condition (ratio, topk, typical, regret), before
+    the guard."""
+    if rule.name not in CONDITIONS:
+        raise ValueError(f"rule {rule.name!r} has no per-token condition")
+    return CONDITIONS[rule.name](rule, facts)
 
-    @property
-    def knob(self) -> tuple[str, float] | None:
-        """(name, value) of the main knob (the one calibrate fits); None for strict."""
-        main = self.spec.main
-        return None if main is None else (main, float(getattr(self, main)))
 
-    def with_knob(self, value: float) -> Rule:
-        """This rule with its main knob set to ``value``."""
-        return replace(self, **{self.spec.main: value})
+def statistic(rule: Rule, facts: PositionFacts) -> Any:
+    """The number each position is judged by, for reports and provenance: MARS its margin
+    statistic; ratio p(x)/p1; topk p1 - p(x); typical p(x); regret the summed regret so far;
+    strict the margin statistic if known, else nothing."""
+    if rule.name == RATIO:
+        return facts.p_draft / facts.p1
+    if rule.name == TOPK:
+        return facts.p1 - facts.p_draft
+    if rule.name == TYPICAL:
+        return facts.p_draft
+    if rule.name == REGRET:
+        return facts.regret
+    return facts.statistics.get(rule.margin)
 
-    @property
-    def needs(self) -> frozenset[str]:
-        """The PositionFacts fields beyond strict_ok (and guarded) that ``decide`` reads."""
-        return self.spec.needs
 
-    def knobs(self) -> dict[str, Any]:
-        """The rule's knobs as written in profiles, results' spec and reports (MARS: theta,
-        then its margin statistic)."""
-        out: dict[str, Any] = {k: getattr(self, k) for k in self.spec.knob_names}
-        if self.spec.uses_margin:
-            out["margin"] = self.margin
-        return out
-
-    def label(self) -> str:
-        """Short name: strict, mars@0.9, ratio@0.5, topk@3:0.1, typical@0.09:0.3, regret@2."""
-        if not self.spec.knobs:
-            return self.name
-        return f"{self.name}@" + ":".join(f"{getattr(self, k):g}" for k in self.spec.knob_names)
-
-    def relaxable(self, stat: Any) -> Any:
-        """MARS, elementwise: the statistic exceeds theta (all False for a rule that never
-        relaxes this way: every rule but MARS).
-
-        Compared in float64: a float32 statistic against theta in float32 would round theta
-        (0.3 -> 0.30000001) and call a statistic of 0.30000001 not above 0.3; calibration's
-        replay, in float64, would disagree with the verifier."""
-        if isinstance(stat, torch.Tensor):
-            stat = stat.double()
-        return stat > (self.theta if self.relaxes and self.name == MARS else math.inf)
-
-    def relaxes_at(self, facts: PositionFacts) -> Any:
-        """Elementwise bool: the per-token rules' condition (ratio, topk, typical, regret),
-        before the guard. Compared in float64 (see ``relaxable``)."""
-        f = _float64
-        if self.name == RATIO:
-            px = f(facts.p_draft)
-            return (px >= self.rho * f(facts.p1)) & (px > 0)
-        if self.name == TOPK:
-            px = f(facts.p_draft)
-            return (facts.rank <= self.top_n) & (px >= f(facts.p1) - self.delta) & (px > 0)
-        if self.name == TYPICAL:
-            px, h = f(facts.p_draft), f(facts.entropy)
-            lib = torch if isinstance(h, torch.Tensor) else _np()
-            threshold = lib.minimum(lib.exp(-h) * self.alpha, lib.full_like(h, self.epsilon)) \
-                if self.alpha != math.inf else lib.full_like(h, self.epsilon)
-            return px > threshold
-        if self.name == REGRET:
-            return f(facts.regret) <= self.budget
-        raise ValueError(f"rule {self.name!r} has no per-token condition")
-
-    def statistic(self, facts: PositionFacts) -> Any:
-        """The number each position is judged by, for reports and provenance: MARS its
-        margin statistic; ratio p(x)/p1; topk p1 - p(x); typical p(x); regret the summed
-        regret so far; strict the margin statistic if known, else nothing."""
-        if self.name == RATIO:
-            return facts.p_draft / facts.p1
-        if self.name == TOPK:
-            return facts.p1 - facts.p_draft
-        if self.name == TYPICAL:
-            return facts.p_draft
-        if self.name == REGRET:
-            return facts.regret
-        return facts.statistics.get(self.margin)
-
-    def decide(self, facts: PositionFacts) -> Decision:
-        """Judge every position on its own (the caller keeps the accepted prefix or path).
-        A ``guarded`` position (the loop guard or the relaxation budget) is judged strictly."""
-        if not self.relaxes:  # no margin needed: all False, of the facts' own type and shape
-            return Decision(ok=facts.strict_ok, relaxable=facts.strict_ok & ~facts.strict_ok)
-        if self.name == MARS:
-            relaxable = self.relaxable(facts.statistics[self.margin])
-            if facts.guarded is not None:
-                relaxable = relaxable & ~facts.guarded
-            ok = (relaxable & facts.in_top2) | (~relaxable & facts.strict_ok)
-            return Decision(ok=ok, relaxable=relaxable)
-        relaxable = self.relaxes_at(facts)
+def decide(rule: Rule, facts: PositionFacts) -> Decision:
+    """The per-position decision of every rule: judge every position on its own (the caller
+    keeps the accepted prefix or path). strict keeps a draft only where the target agrees
+    (greedy: its argmax; sampling: Leviathan et al.'s test u < min(1, p(x) / q(x))): lossless.
+    A ``guarded`` position (the loop guard or the relaxation budget) is judged strictly."""
+    if not rule.relaxes:  # no margin needed: all False, of the facts' own type and shape
+        return Decision(ok=facts.strict_ok, relaxable=facts.strict_ok & ~facts.strict_ok)
+    if rule.name == MARS:
+        relax = relaxable(rule, facts.statistics[rule.margin])
         if facts.guarded is not None:
-            relaxable = relaxable & ~facts.guarded
-        return Decision(ok=facts.strict_ok | relaxable, relaxable=relaxable)
+            relax = relax & ~facts.guarded
+        ok = (relax & facts.in_top2) | (~relax & facts.strict_ok)
+        return Decision(ok=ok, relaxable=relax)
+    relax = relaxes_at(rule, facts)
+    if facts.guarded is not None:
+        relax = relax & ~facts.guarded
+    return Decision(ok=facts.strict_ok | relax, relaxable=relax)
 
 
 def _float64(x: Any) -> Any:
     return x.double() if isinstance(x, torch.Tensor) else x.astype("float64")
-
-
-def _np():
-    import numpy
-
-    return numpy
 
 
 @dataclass

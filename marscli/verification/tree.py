@@ -12,17 +12,23 @@ from dataclasses import dataclass
 
 import torch
 
-from marscli.verification.registry import LOGIT_RATIO, MARS, SAMPLING_MODE, STRICT
+from marscli.verification.chain import (
+    residual,
+    sample_from,
+    sampling_probs,
+    strict_sampling_accepts,
+)
+from marscli.verification.registry import LOGIT_RATIO, MARS, SAMPLING_MODE, STRICT, Rule
 from marscli.verification.rules import (
     PositionFacts,
-    Rule,
+    decide,
     draft_facts,
     margin_statistic,
+    relaxable,
     relaxed_positions,
+    statistic,
     top2,
 )
-from marscli.verification.chain import residual, sample_from, sampling_probs, strict_sampling_accepts
-
 
 #: Parent index of the root's children.
 ROOT = -1
@@ -189,14 +195,14 @@ def verify_tree(
     parents = tree.parents.to(logits.device)
     has_children = torch.zeros(n + 1, dtype=torch.bool, device=logits.device)
     has_children[parents + 1] = True
-    relaxable = rule.relaxable(stat) & has_children
+    row_relaxable = relaxable(rule, stat) & has_children
     if guard is not None:
         guard = guard.to(logits.device)
         assert guard.shape == (n,), f"guard must be [N] = [{n}], got {tuple(guard.shape)}"
         # a row with a guarded child is not relaxed (the chain's guarded position, per row)
         row_guarded = torch.zeros(n + 1, dtype=torch.long, device=logits.device).index_add(
             0, parents + 1, guard.long()) > 0
-        relaxable = relaxable & ~row_guarded
+        row_relaxable = row_relaxable & ~row_guarded
     budget = math.inf if relax_left is None else relax_left
     per_token = rule.name not in (STRICT, MARS) and rule.relaxes
     # the target's sampling law, once: the sampling walk and a per-token rule's facts read it
@@ -204,13 +210,13 @@ def verify_tree(
     if per_token:
         probs = torch.softmax(logits.float(), dim=-1) if p is None else p  # [N+1, V]
         node_facts = _per_token_facts(tree, logits, probs, rule)
-        relax_node = rule.decide(node_facts).relaxable
+        relax_node = decide(rule, node_facts).relaxable
         if guard is not None:
             relax_node = relax_node & ~guard
         # a row is relaxable when the rule would relax one of its children
-        relaxable = torch.zeros(n + 1, dtype=torch.long, device=logits.device).index_add(
+        row_relaxable = torch.zeros(n + 1, dtype=torch.long, device=logits.device).index_add(
             0, parents + 1, relax_node.long()) > 0
-        node_stat = rule.statistic(node_facts).float()  # [N]
+        node_stat = statistic(rule, node_facts).float()  # [N]
         stat = torch.full((n + 1,), float("nan"), device=logits.device)
         stat[parents + 1] = node_stat  # a row's last child's, for reports
     else:
@@ -223,10 +229,10 @@ def verify_tree(
         assert u_accept.shape == (n,), f"u_accept must be [N] = [{n}], got {tuple(u_accept.shape)}"
         assert u_sample.numel() == 1, f"u_sample must be [] or [1], got {tuple(u_sample.shape)}"
         u_accept, u_sample = u_accept.to(logits.device), u_sample.to(logits.device)
-        path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule,
+        path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, row_relaxable, rule,
                                             u_accept, u_sample.reshape(1), budget,
                                             node_facts, guard)
-    return TreeVerifyResult(path, nxt, relaxed, stat, relaxable, node_stat)
+    return TreeVerifyResult(path, nxt, relaxed, stat, row_relaxable, node_stat)
 
 
 def _node_facts(tokens: torch.Tensor, alive: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
@@ -270,7 +276,7 @@ def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule, guard=None, budge
         facts = _node_facts(tok, alive, t1[rows], t2[rows], stat[rows], rule.margin, strict_ok)
         facts.in_top2 = facts.in_top2 | strict_ok  # as in the chain: the top-1 always qualifies
     facts.guarded = guard
-    d = rule.decide(facts)
+    d = decide(rule, facts)
     ok = d.ok.tolist()
     was_relaxed = relaxed_positions(d.ok, d.relaxable, strict_ok).tolist()
     best: tuple[int, int] = (0, 0)  # (length, -relaxed count) of the best path so far
@@ -292,7 +298,7 @@ def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule, guard=None, budge
     return best_path, best_relaxed, int(t1[last_row])
 
 
-def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept, u_sample,
+def _tree_sampling(tree, kids, p, t1, t2, stat, row_relaxable, rule: Rule, u_accept, u_sample,
                    budget=math.inf, node_facts: PositionFacts | None = None, guard=None):
     """The sampling walk: sequential strict rejection over siblings where the rule does not
     relax the row; MARS's choice among the children where it does. A per-token rule
@@ -308,14 +314,14 @@ def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept,
         if not children:
             dist = p_row  # bonus: from the plain target distribution
             break
-        if node_facts is None and bool(relaxable[row]) and sum(relaxed) < budget:
+        if node_facts is None and bool(row_relaxable[row]) and sum(relaxed) < budget:
             c_idx = torch.tensor(children, dtype=torch.long, device=p.device)
             c_tok = tokens[c_idx]
             M = len(children)
             strict_ok = strict_sampling_accepts(c_tok.view(M, 1), p_row.expand(M, -1).unsqueeze(1),
                                                 u_accept[c_idx].view(M, 1))[:, 0]
             alive = p_row[0, c_tok] > 0
-            d = rule.decide(_node_facts(c_tok, alive, t1[row].expand(M),
+            d = decide(rule, _node_facts(c_tok, alive, t1[row].expand(M),
                                         t2[row].expand(M), stat[row].expand(M), rule.margin, strict_ok))
             ok, tok_list = d.ok.tolist(), c_tok.tolist()
             chosen = None
@@ -343,7 +349,7 @@ def _tree_sampling(tree, kids, p, t1, t2, stat, relaxable, rule: Rule, u_accept,
                 facts = _node_facts(tok, p_row[0, tok] > 0, t1[row].view(1), t2[row].view(1),
                                     stat[row].view(1), rule.margin, strict_ok)
                 facts.guarded = torch.ones_like(strict_ok)  # a row walked strictly (guard, budget)
-            d = rule.decide(facts)
+            d = decide(rule, facts)
             if bool(d.ok[0]):
                 accepted, was_relaxed = c, bool(d.relaxable[0] & ~strict_ok[0])
                 break
