@@ -131,36 +131,43 @@ class SpanConfig:
 SPANS_OFF = SpanConfig()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class VerifyConfig:
-    """How draft tokens are checked against the target."""
+    """How draft tokens are checked against the target: a rule at its knob values (a
+    registry.Rule, which declares the knobs) and the loop guard.
 
-    mode: VerifyMode = STRICT
-    theta: float = STRICT_THETA
-    margin: MarginKind = LOGIT_RATIO
+    ``VerifyConfig(mode, theta, margin, guard, **knobs)`` builds the Rule (the knobs:
+    registry.OTHER_KNOBS; each at its rule's strict end unless given, and only the knobs of
+    ``mode`` matter); a knob out of its range raises ValueError (jobs.setup turns it into a
+    usage error naming the option). ``from_rule`` wraps a Rule. ``mode``, ``theta``,
+    ``margin`` and every knob read through to the rule."""
+
+    rule: Rule
     #: The loop guard. Off here (the paper's rule, as the library's building block); the jobs
     #: layer turns the default guard on for generate, bench and the Python API. It applies to
     #: every rule that relaxes.
-    guard: GuardConfig = GUARD_OFF
-    #: The knobs of the other rules (registry.OTHER_KNOBS), each at its strict end by default:
-    #: only the knobs of `mode` matter.
-    rho: float = ALL_KNOBS["rho"].default
-    top_n: int = ALL_KNOBS["top_n"].default
-    delta: float = ALL_KNOBS["delta"].default
-    epsilon: float = ALL_KNOBS["epsilon"].default
-    alpha: float | None = ALL_KNOBS["alpha"].default  # None: sqrt(epsilon)
-    budget: float = ALL_KNOBS["budget"].default
+    guard: GuardConfig
 
-    @property
-    def rule(self):
-        """The rulebook's Rule for this configuration (strict never relaxes, whatever theta).
-        Raises ValueError for a knob out of its range (jobs.setup turns it into a usage error)."""
-        return Rule(self.mode, margin=self.margin, **{k: getattr(self, k) for k in ALL_KNOBS})
+    def __init__(self, mode: VerifyMode = STRICT, theta: float = STRICT_THETA, margin: MarginKind = LOGIT_RATIO,
+                 guard: GuardConfig = GUARD_OFF, **knobs: Any) -> None:
+        object.__setattr__(self, "rule", Rule(mode, theta, margin, **knobs))
+        object.__setattr__(self, "guard", guard)
 
     @classmethod
-    def from_rule(cls, rule, guard: GuardConfig = GUARD_OFF) -> VerifyConfig:
-        """The configuration of a marscli.verification.rules.Rule (the inverse of ``rule``)."""
-        return cls(rule.name, margin=rule.margin, guard=guard, **{k: getattr(rule, k) for k in ALL_KNOBS})
+    def from_rule(cls, rule: Rule, guard: GuardConfig = GUARD_OFF) -> VerifyConfig:
+        cfg = cls.__new__(cls)
+        object.__setattr__(cfg, "rule", rule)
+        object.__setattr__(cfg, "guard", guard)
+        return cfg
+
+    @property
+    def mode(self) -> VerifyMode:
+        return self.rule.name
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "margin" or name in ALL_KNOBS:  # theta, rho, ...: the rule's
+            return getattr(self.rule, name)
+        raise AttributeError(f"'VerifyConfig' object has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -403,7 +410,7 @@ class CalibrateConfig:
     #: must agree on which relaxations can happen.
     guard: GuardConfig = GuardConfig()
     objective: str = "quality"  # quality: the policy's theta; speed: the fastest within its budget
-    #: The rule whose main knob is fitted (a verify.Rule; its other knobs kept); None: mars
+    #: The rule whose main knob is fitted (a Rule; its other knobs kept); None: mars
     #: with ``margin``. ``alpha_given``: typical's alpha was given (else tied to sqrt(epsilon)).
     rule: Any = None
     alpha_given: bool = False

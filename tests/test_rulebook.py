@@ -34,7 +34,7 @@ def test_rule_refuses_unknown_settings(bad):
 
 
 def test_decide_is_the_same_on_numpy_and_torch():
-    """Calibration's replay runs Rule.decide on numpy arrays; the verifier on tensors."""
+    """Calibration's replay runs rules.decide on numpy arrays; the verifier on tensors."""
     rng = np.random.default_rng(0)
     stat = rng.uniform(0, 1, size=(50, 6))
     in_top2 = rng.uniform(size=(50, 6)) < 0.6

@@ -21,7 +21,7 @@ import marscli.verification.tree as mvt
 from marscli.engine.tree_forward import check_tree_support, tree_forward, tree_inputs
 from marscli.models.kvcache import compact_cache
 from marscli.verification.chain import sample_from, sampling_probs, verify
-from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
+from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO, Rule
 from marscli.verification.rules import NOT_RELAXABLE
 from marscli.verification.tree import ROOT, DraftTree, verify_tree
 
@@ -353,21 +353,21 @@ def test_strict_greedy_follows_the_argmax_through_siblings():
     # root -> {0: 3, 1: 5}; 0 -> {2: 7}; 1 -> {3: 2}; 3 is a leaf
     t = tree_of([3, 5, 7, 2], [-1, -1, 0, 1])
     logits = lg(argmax_row(5), argmax_row(7), argmax_row(2), argmax_row(9), argmax_row(6))
-    r = verify_tree(t, logits, theta=INF)
+    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
     assert r.path == [1, 3] and r.relaxed == [False, False]
     assert r.next_token == 6  # bonus: argmax at the leaf's row
     assert r.emitted(t) == [5, 2, 6] and r.num_accepted == 2
     assert not r.relaxable.any()
     # correction: the root row's argmax is no child
     logits[0] = torch.tensor(argmax_row(8))
-    r = verify_tree(t, logits, theta=INF)
+    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
     assert r.path == [] and r.next_token == 8
     # correction below an accepted node
     logits[0] = torch.tensor(argmax_row(3))
-    r = verify_tree(t, logits, theta=INF)
+    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
     assert r.path == [0, 2] and r.emitted(t) == [3, 7, 9]  # node 2 is a leaf: bonus
     logits[1] = torch.tensor(argmax_row(4))
-    r = verify_tree(t, logits, theta=INF)
+    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
     assert r.path == [0] and r.emitted(t) == [3, 4]  # correction at node 0's row
 
 
@@ -375,7 +375,7 @@ def test_strict_greedy_duplicate_siblings_take_the_longer_path():
     # both root children hold token 5; only the second one's child matches
     t = tree_of([5, 5, 1, 2], [-1, -1, 0, 1])
     logits = lg(argmax_row(5), argmax_row(7), argmax_row(2), argmax_row(9), argmax_row(4))
-    r = verify_tree(t, logits, theta=INF)
+    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
     assert r.path == [1, 3] and r.next_token == 4
 
 
@@ -385,12 +385,12 @@ def test_mars_greedy_takes_the_longest_ok_path():
     t = tree_of([2, 3, 9, 4, 6], [-1, -1, 0, 1, 3])
     logits = lg(close_call(2, 3), argmax_row(1), argmax_row(4), argmax_row(0), argmax_row(6),
                 argmax_row(8))
-    r = verify_tree(t, logits, theta=0.5)
+    r = verify_tree(t, logits, rule=Rule.from_theta(0.5))
     assert r.path == [1, 3, 4] and r.relaxed == [True, False, False] and r.next_token == 8
     assert r.relaxable.tolist() == [True] + [False] * 5
     assert r.statistic[0].item() == pytest.approx(0.9)
     # strict: only node 0 is ok; its row's argmax is the correction
-    r = verify_tree(t, logits, theta=INF)
+    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
     assert r.path == [0] and r.next_token == 1 and r.relaxed == [False]
     # the statistic is reported under strict verification too (all rows, any theta)
     assert r.statistic[0].item() == pytest.approx(0.9) and not r.relaxable.any()
@@ -400,17 +400,17 @@ def test_mars_greedy_ties_prefer_fewer_relaxed_then_first_path():
     # node 0 = top-2 (relaxed), node 1 = top-1: same length, node 1 has no relaxed node
     t = tree_of([3, 2], [-1, -1])
     logits = lg(close_call(2, 3), argmax_row(7), argmax_row(8))
-    r = verify_tree(t, logits, theta=0.5)
+    r = verify_tree(t, logits, rule=Rule.from_theta(0.5))
     assert r.path == [1] and r.relaxed == [False] and r.next_token == 8
     # two paths of length 2 with one relaxed node each: the first in depth-first order wins,
     # even though its last node has the larger index
     #   root -> {0: 2 (exact), 1: 3 (relaxed)}; 0 -> {3: 6 (relaxed)}; 1 -> {2: 5 (exact)}
     t = tree_of([2, 3, 5, 6], [-1, -1, 1, 0])
     logits = lg(close_call(2, 3), close_call(5, 6), argmax_row(5), argmax_row(1), argmax_row(0))
-    r = verify_tree(t, logits, theta=0.5)
+    r = verify_tree(t, logits, rule=Rule.from_theta(0.5))
     assert r.path == [0, 3] and r.relaxed == [False, True] and r.next_token == 0
     # remove node 3's relaxation: node 0's path is now exact and still first
-    r = verify_tree(t, logits, theta=0.95)
+    r = verify_tree(t, logits, rule=Rule.from_theta(0.95))
     assert r.path == [0] and r.next_token == 5
 
 
@@ -418,14 +418,14 @@ def test_mars_greedy_z1_non_positive_and_neg_inf_rows():
     # z1 <= 0: never relaxable under logit-ratio, relaxable under prob-ratio
     t = tree_of([3], [-1])
     logits = lg(row({2: -1.0, 3: -1.05}, fill=-20.0), argmax_row(8))
-    r = verify_tree(t, logits, theta=NINF, margin=LOGIT_RATIO)
+    r = verify_tree(t, logits, rule=Rule.from_theta(NINF, LOGIT_RATIO))
     assert r.path == [] and r.next_token == 2 and r.statistic[0].item() == NOT_RELAXABLE
-    r = verify_tree(t, logits, theta=0.5, margin=PROB_RATIO)
+    r = verify_tree(t, logits, rule=Rule.from_theta(0.5, PROB_RATIO))
     assert r.path == [0] and r.relaxed == [True] and r.next_token == 8
     # a single finite logit: the -inf draft is never accepted
     t = tree_of([0, 5], [-1, -1])
     logits = lg(row({2: 2.0}, fill=NINF), argmax_row(8), argmax_row(8))
-    r = verify_tree(t, logits, theta=NINF)
+    r = verify_tree(t, logits, rule=Rule.from_theta(NINF))
     assert r.path == [] and r.next_token == 2
 
 
@@ -441,7 +441,7 @@ def plogits(*ps) -> torch.Tensor:
 
 def sample_tree(t, logits, u_acc, u_s, **kw):
     return verify_tree(t, logits, temperature=kw.pop("temperature", 1.0),
-                       theta=kw.pop("theta", INF),
+                       rule=Rule.from_theta(kw.pop("theta", INF)),
                        u_accept=torch.tensor(u_acc, dtype=torch.float64),
                        u_sample=torch.tensor(u_s, dtype=torch.float64), **kw)
 
@@ -533,13 +533,13 @@ def test_sampling_needs_uniforms_of_the_right_shape():
     t = tree_of([1, 2], [-1, -1])
     logits = plogits(P_ROOT, P_FLAT, P_FLAT)
     with pytest.raises(AssertionError, match="uniforms"):
-        verify_tree(t, logits, theta=INF, temperature=1.0)
+        verify_tree(t, logits, rule=Rule.from_theta(INF), temperature=1.0)
     with pytest.raises(AssertionError, match=r"u_accept must be \[N\]"):
-        verify_tree(t, logits, theta=INF, temperature=1.0, u_accept=torch.zeros(3),
+        verify_tree(t, logits, rule=Rule.from_theta(INF), temperature=1.0, u_accept=torch.zeros(3),
                     u_sample=torch.zeros(1))
     with pytest.raises(AssertionError, match=r"logits must be \[N\+1, V\]"):
-        verify_tree(t, logits[:2], theta=INF)
-    r = verify_tree(t, logits, theta=INF, temperature=1.0, u_accept=torch.zeros(2),
+        verify_tree(t, logits[:2], rule=Rule.from_theta(INF))
+    r = verify_tree(t, logits, rule=Rule.from_theta(INF), temperature=1.0, u_accept=torch.zeros(2),
                     u_sample=torch.tensor(0.5))  # [] works as well as [1]
     assert r.path == [0]
 
@@ -591,6 +591,7 @@ def test_property_chain_tree_equals_chain_verify(case):
     K = len(drafts)
     sampling = params["temperature"] > 0
     kw = dict(params) if sampling else {k: params[k] for k in ("theta", "margin")}
+    kw["rule"] = Rule.from_theta(kw.pop("theta"), kw.pop("margin"))
     uni = {"u_accept": u_acc, "u_sample": u_s} if sampling else {}
     chain = verify(L([drafts]), logits.unsqueeze(0), **kw,
                    **({"u_accept": u_acc.unsqueeze(0), "u_sample": u_s} if sampling else {}))
@@ -680,7 +681,7 @@ def tree_case(draw, finite: bool = False):
        st.sampled_from([LOGIT_RATIO, PROB_RATIO]))
 def test_property_mars_greedy_tree_matches_reference(case, theta, margin):
     t, logits = case
-    r = verify_tree(t, logits, theta=theta, margin=margin)
+    r = verify_tree(t, logits, rule=Rule.from_theta(theta, margin))
     path, flags, nxt = ref_tree_greedy(t.tokens.tolist(), t.parents.tolist(), logits.tolist(),
                                        theta, margin)
     assert (r.path, r.relaxed, r.next_token) == (path, flags, nxt)
@@ -698,7 +699,7 @@ def test_property_mars_greedy_tree_matches_reference(case, theta, margin):
         assert not any(r.relaxed) and not r.relaxable.any()
     # a lower threshold never accepts less
     if not math.isinf(theta):
-        strict = verify_tree(t, logits, theta=INF, margin=margin)
+        strict = verify_tree(t, logits, rule=Rule.from_theta(INF, margin))
         assert len(r.path) >= len(strict.path)
 
 
@@ -711,7 +712,7 @@ def test_property_sampling_tree_is_well_formed(case, theta, margin, temperature,
     n = len(t)
     u_acc = torch.tensor(data.draw(st.lists(unif, min_size=n, max_size=n)), dtype=torch.float32)
     u_s = torch.tensor([data.draw(unif)])
-    r = verify_tree(t, logits, theta=theta, margin=margin, temperature=temperature,
+    r = verify_tree(t, logits, rule=Rule.from_theta(theta, margin), temperature=temperature,
                     top_k=top_k, u_accept=u_acc, u_sample=u_s)
     p = sampling_probs(logits, temperature, top_k)
     if r.path:
@@ -752,7 +753,7 @@ def first_tokens(n: int, seed: int, **kw) -> list[int]:
     u_s = torch.rand(n, generator=g)
     out = []
     for i in range(n):
-        r = verify_tree(DIST_TREE, DIST_LOGITS, theta=INF, temperature=1.0, u_accept=u_acc[i],
+        r = verify_tree(DIST_TREE, DIST_LOGITS, rule=Rule.from_theta(INF), temperature=1.0, u_accept=u_acc[i],
                         u_sample=u_s[i : i + 1], **kw)
         out.append(r.emitted(DIST_TREE)[0])
     return out

@@ -7,7 +7,7 @@ scored all k drafts of a step in one forward pass, so at each **verified draft p
 know the margin statistics, the draft's rank in the target (top-1, top-2, other), the target's
 log-probabilities of its top-1, top-2 and the draft token, and whether strict verification
 accepts the draft there on its own. From that, the length of any step under MARS at any theta
-is replayed exactly (marscli.verification.chain's own Rule.decide, applied to the recorded facts).
+is replayed exactly (the verifier's own rules.decide, applied to the recorded facts).
 
 The trade-off curve and the policies work on the replay:
 
@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from marscli.config import GUARD_OFF, GuardConfig
+from marscli.verification import rules
 from marscli.verification.chain import sampling_probs, strict_sampling_accepts
 from marscli.verification.registry import (
     GREEDY_MODE,
@@ -49,15 +50,6 @@ from marscli.verification.registry import (
     SAMPLING_MODE,
     TYPICAL,
     Rule,
-)
-from marscli.verification.rules import (
-    PositionFacts,
-    decide,
-    draft_facts,
-    margin_statistic,
-    over_budget,
-    relaxed_positions,
-    top2,
 )
 from marscli.verification.tree import ROOT
 
@@ -102,7 +94,7 @@ class MarginCollector:
             return
         d = obs.drafts[0]  # [k]
         logits_k = obs.logits[0, :k].float()  # [k, V]
-        z1, z2, t1, t2 = top2(logits_k)
+        z1, z2, t1, t2 = rules.top2(logits_k)
         s = obs.sampling
         if s.greedy:  # the quality estimate uses the model's own distribution (T = 1)
             p = torch.softmax(logits_k, dim=-1)
@@ -116,8 +108,8 @@ class MarginCollector:
         guarded = (obs.guard[0].to(z1.device).double() if obs.guard is not None
                    else torch.zeros_like(z1, dtype=torch.float64))
         cols = torch.stack([
-            margin_statistic(z1, z2, LOGIT_RATIO).double(),
-            margin_statistic(z1, z2, PROB_RATIO).double(),
+            rules.margin_statistic(z1, z2, LOGIT_RATIO).double(),
+            rules.margin_statistic(z1, z2, PROB_RATIO).double(),
             z1.double(),
             rank.double(),
             logp.gather(1, t1.unsqueeze(1)).squeeze(1),
@@ -130,7 +122,7 @@ class MarginCollector:
         # ([1, k, V], as verify builds them), so the replay compares the very same numbers.
         p_rows = (torch.softmax(obs.logits[:, :k].float(), dim=-1) if s.greedy
                   else sampling_probs(obs.logits, s.temperature, s.top_k, s.top_p)[:, :k])
-        facts = draft_facts(obs.logits[:, :k], obs.drafts, p_rows, ALL_FACTS)
+        facts = rules.draft_facts(obs.logits[:, :k], obs.drafts, p_rows, ALL_FACTS)
         z_draft = obs.logits[:, :k].float().gather(-1, obs.drafts.unsqueeze(-1)).squeeze(-1)
         cols = torch.cat([cols, torch.stack([facts["p_draft"][0].double(), facts["p1"][0].double(),
                                              facts["rank"][0].double(), facts["entropy"][0].double(),
@@ -154,9 +146,9 @@ class MarginCollector:
         guard = obs.guard.tolist() if obs.guard is not None else [False] * len(tree)
         path = [int(i) for i in res.path]
         n = len(path)
-        z1, z2, t1, t2 = top2(L)  # [N+1] each
-        stat_l = margin_statistic(z1, z2, LOGIT_RATIO).double()
-        stat_p = margin_statistic(z1, z2, PROB_RATIO).double()
+        z1, z2, t1, t2 = rules.top2(L)  # [N+1] each
+        stat_l = rules.margin_statistic(z1, z2, LOGIT_RATIO).double()
+        stat_p = rules.margin_statistic(z1, z2, PROB_RATIO).double()
         p = torch.softmax(L, -1) if s.greedy else sampling_probs(L, s.temperature, s.top_k, s.top_p)
         logp = torch.log(p.double())  # [N+1, V]
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
@@ -165,7 +157,7 @@ class MarginCollector:
         # the replay sums it along the chain laid out below, which is a root path).
         rows = tree.parents.to(L.device) + 1  # [N]
         tok = tree.tokens.to(L.device)
-        nf = draft_facts(L[rows], tok, p[rows], ALL_FACTS) if len(tree) else {}
+        nf = rules.draft_facts(L[rows], tok, p[rows], ALL_FACTS) if len(tree) else {}
         extra = (torch.stack([nf["p_draft"].double(), nf["p1"].double(), nf["rank"].double(),
                               nf["entropy"].double(), L[rows].gather(1, tok.unsqueeze(1)).squeeze(1).double(),
                               nf["regret"].double()], dim=1).tolist() if len(tree) else [])
@@ -248,7 +240,7 @@ class MarginCollector:
 
 _COLS = ("logit_ratio", "prob_ratio", "z1", "rank", "logp1", "logp2", "logp_draft", "strict_ok",
          "guarded", "p_draft", "p1", "target_rank", "entropy", "z_draft", "regret")
-#: Every per-token fact a rule may need (verify.Rule.needs), recorded at every position.
+#: Every per-token fact a rule may need (Rule.needs), recorded at every position.
 ALL_FACTS = frozenset({"p_draft", "p1", "rank", "entropy", "regret"})
 #: Columns of MarginData.tree_nodes: those of a position (strict_ok: accepted), then the step
 #: number, the node's depth and whether it is on the accepted path.
@@ -284,7 +276,7 @@ class MarginData:
     guard: GuardConfig = GUARD_OFF  # the guard the replay applies
     # Tree steps only: one row per node on the accepted path or beside it ([T, len(TREE_COLS)]).
     tree_nodes: np.ndarray = field(default_factory=lambda: np.zeros((0, len(TREE_COLS))))
-    # The per-token rules' facts (verify.PositionFacts), as the verifier computes them:
+    # The per-token rules' facts (rules.PositionFacts), as the verifier computes them:
     p_draft: np.ndarray | None = None  # [P] p(draft) (float32 in the verifier)
     p1: np.ndarray | None = None  # [P] the top probability
     target_rank: np.ndarray | None = None  # [P] 1 + number of tokens with a larger logit
@@ -379,7 +371,7 @@ class MarginData:
                 p1=lay(self.p1, 1.0),
                 rank=lay(self.target_rank, math.inf),
                 entropy=lay(self.entropy, 0.0),
-                # The step's summed regret so far, as verify.chain_facts sums it (padding: 0).
+                # The step's summed regret so far, as chain.chain_facts sums it (padding: 0).
                 regret=np.cumsum(lay(self.regret, 0.0), axis=1),
             )
         if margin is not None and f"stat:{margin}" not in g:
@@ -387,7 +379,7 @@ class MarginData:
         return g
 
     def facts(self, rule) -> Any:
-        """The recorded facts as verify.PositionFacts of [S, Kmax] numpy arrays, for ``rule``
+        """The recorded facts as rules.PositionFacts of [S, Kmax] numpy arrays, for ``rule``
         (with the loop guard's verdicts when the data's guard is on)."""
 
         if self.sampled and SAMPLING_MODE not in rule.modes:
@@ -399,30 +391,30 @@ class MarginData:
                              "data lack (collect them again with this marscli)")
         guarded = g["guarded"] if self.guard.repeat_ngram else None
         if rule.name == MARS:
-            return PositionFacts({rule.margin: g[f"stat:{rule.margin}"]}, g["eligible"], g["strict_ok"], guarded)
-        return PositionFacts({}, None, g["strict_ok"], guarded, p_draft=g["p_draft"], p1=g["p1"],
+            return rules.PositionFacts({rule.margin: g[f"stat:{rule.margin}"]}, g["eligible"], g["strict_ok"], guarded)
+        return rules.PositionFacts({}, None, g["strict_ok"], guarded, p_draft=g["p_draft"], p1=g["p1"],
                              rank=g["rank"], entropy=g["entropy"], regret=g["regret"])
 
     def replay(self, rule: Any, margin: str | None = None) -> Replay:
-        """Every step of the collection run, verified by ``rule`` (a verify.Rule; or a theta
+        """Every step of the collection run, verified by ``rule`` (a Rule; or a theta
         and a margin: MARS there, strict at +inf) instead, with the data's loop guard and
-        relaxation budget. Each position is judged by verify's own Rule.decide."""
+        relaxation budget. Each position is judged by the verifier's own rules.decide."""
 
         if not isinstance(rule, Rule):
             rule = Rule(MARS, float(rule), margin or LOGIT_RATIO)
         g = self.grid()
         S, P = self.steps, self.positions
         facts = self.facts(rule)
-        decision = decide(rule, facts)
+        decision = rules.decide(rule, facts)
         if self.guard.budgeted and rule.relaxes and S:
             facts.guarded = self._budget_guard(decision, g) | (
                 False if facts.guarded is None else facts.guarded)
-            decision = decide(rule, facts)
+            decision = rules.decide(rule, facts)
         relaxable = g["valid"] & decision.relaxable
         ok = decision.ok & g["valid"]
         n = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(S, dtype=np.int64)
         accepted = np.arange(ok.shape[1])[None, :] < n[:, None]
-        relaxed = relaxed_positions(accepted, relaxable, g["strict_ok"])
+        relaxed = rules.relaxed_positions(accepted, relaxable, g["strict_ok"])
         relaxing = ok & relaxable & ~g["strict_ok"]  # accepted on their own only if relaxed
         emitted = int(n.sum()) + S
         knob = rule.knob or ("theta", math.inf)
@@ -454,7 +446,7 @@ class MarginData:
         before = before - np.maximum.accumulate(np.where(first, before, 0))  # within its record
         budget = np.floor(self.guard.max_relaxed_share * self.record_max_tokens[self.step_record] + 1e-9)
         left = (budget - np.minimum(before, budget)).astype(np.int64)  # [S]
-        return over_budget(wants, left)
+        return rules.over_budget(wants, left)
 
 
 @dataclass
@@ -469,7 +461,7 @@ class Replay:
     knob_name: str = "theta"
     #: The relax rate (every rule's common measure; bench --match-relax-rate matches it): the
     #: share of verified draft positions at which the rule, judging the position on its own
-    #: (Rule.decide, loop guard and budget applied), accepts a draft strict verification
+    #: (rules.decide, loop guard and budget applied), accepts a draft strict verification
     #: rejects there: decision.ok & decision.relaxable & ~strict_ok, over all positions.
     relax_rate: float = 0.0
     relaxing: int = 0  # the count behind relax_rate

@@ -19,7 +19,7 @@ Each rule relaxes a position once its knob passes a **critical value** of that p
 max(p(x), (p(x) e^H)^2) with alpha tied to sqrt(epsilon) or p(x) with alpha fixed, regret the
 step's summed regret so far). The replay only changes at those values, so a policy walks them
 from the knob's strict end towards more relaxing ones (``walk``) and keeps the last value whose
-replay (``MarginData.replay``: the verifier's own Rule.decide) keeps its promise; the critical
+replay (``MarginData.replay``: the verifier's own rules.decide) keeps its promise; the critical
 values only say where to look, every promise is checked on the replay itself. The chosen
 value is then rounded towards the strict end to KNOB_DECIMALS where the promise still holds.
 
@@ -315,7 +315,7 @@ def rule_curve(data: MarginData, family: RuleFamily, values: list[float]) -> lis
 
 
 def rule_statistic(data: MarginData, rule: Rule) -> np.ndarray:
-    """[P] the number each position is judged by (the verifier's Rule.statistic on the facts)."""
+    """[P] the number each position is judged by (the verifier's rules.statistic on the facts)."""
     g = data.grid()
     return np.asarray(statistic(rule, data.facts(rule)))[g["valid"]]
 

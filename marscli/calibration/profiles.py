@@ -257,7 +257,7 @@ _SCHEMA = _mapping({
                                     "tokens": _integer(lo=2)})),
     }, optional=("tree",)),
     "verification": _mapping({
-        # the rule (absent in profiles before issue 14: mars) and its knobs (verify.Rule.knobs;
+        # the rule (absent in profiles before issue 14: mars) and its knobs (Rule.knobs;
         # mars: margin and theta; the others' knobs only with their rule: _check_verification)
         "rule": _choice(*RELAXING_RULES),
         "margin": _choice(*MARGINS),
@@ -315,7 +315,7 @@ _SCHEMA = _mapping({
 
 
 def _check_verification(v: dict, path: str) -> None:
-    """The knobs present are exactly the rule's, each in its range (verify.Rule checks)."""
+    """The knobs present are exactly the rule's, each in its range (the Rule checks)."""
 
     rule = v.get("rule", MARS)
     want = RULE_KNOB_KEYS[rule]
@@ -420,7 +420,7 @@ class Profile:
 
     @property
     def rule(self):
-        """The calibrated verify.Rule with the profile's knobs (the loop guard is apart:
+        """The calibrated Rule with the profile's knobs (the loop guard is apart:
         ``guard``)."""
 
         v = self.data["verification"]

@@ -135,7 +135,7 @@ def plot_profile(profile_data: dict[str, Any], path: str) -> None:
 
 
 def verification_section(cal: Calibration, data: MarginData) -> dict[str, Any]:
-    """The profile's verification: the rule, its knobs (verify.Rule.knobs) and the guard."""
+    """The profile's verification: the rule, its knobs (Rule.knobs) and the guard."""
     rule = cal.chosen_rule()
     return {"rule": rule.name, **rule.knobs(), "guard": data.guard.to_dict()}
 

@@ -496,10 +496,7 @@ def _messages(value: Any, key: str, ignored: list[str] | None = None) -> list[di
             f"'{key}' must be a non-empty array of message objects, got {show_value(value)}"
         )
     out = []
-    for i, msg in enumerate(value):
-        where = f"{key}[{i}]"
-        if not isinstance(msg, dict):
-            raise _Invalid(f"{where} must be an object, got {json_type(msg)}")
+    for where, msg in _objects(value, key, "an object"):
         role = _string_field(msg, "role", where)
         if role not in _ROLES:
             raise _Invalid(
@@ -515,6 +512,16 @@ def _messages(value: Any, key: str, ignored: list[str] | None = None) -> list[di
                         if k not in ("role", "content") and v is not None]
         out.append({"role": role, "content": content})
     return out
+
+
+def _objects(items: list, where: str, what: str) -> Iterator[tuple[str, dict]]:
+    """(its path, the item) for each item of a JSON array that must hold objects (``what``
+    names one in the error: "an object", "a content part object")."""
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise _Invalid(f"{at} must be {what}, got {json_type(item)}")
+        yield at, item
 
 
 def _string_field(obj: dict, key: str, where: str) -> str:
@@ -545,10 +552,7 @@ def _content(value: Any, where: str) -> str:
         raise _Invalid(f"{where} must be a string or a non-empty array of content parts, "
                        "got an empty array")
     texts = []
-    for j, part in enumerate(value):
-        at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise _Invalid(f"{at} must be a content part object, got {json_type(part)}")
+    for at, part in _objects(value, where, "a content part object"):
         kind = _string_field(part, "type", at)
         if kind != _TEXT_PART:
             raise _Invalid(f"{at}: part type {show_value(kind)} is not supported (text only)")

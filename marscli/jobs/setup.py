@@ -236,17 +236,16 @@ def check_rule_request(req: VerifyRequest, profile_rule: str | None = None,
             raise UsageError(f"--theta belongs to --verify mars, not --verify {mode}")
     owners = {OWNER[k] for k in given}
     # building the Rule checks every knob's range (Rule.__post_init__)
-    verify_config(VerifyConfig(mode=mode or (owners.pop() if len(owners) == 1 else STRICT),
-                               **{k: getattr(req, k) for k in given}))
+    verify_config(mode=mode or (owners.pop() if len(owners) == 1 else STRICT), **{k: getattr(req, k) for k in given})
 
 
-def verify_config(cfg: VerifyConfig) -> VerifyConfig:
-    """cfg, its knobs checked: a knob out of range is a usage error naming its option."""
+def verify_config(*args: Any, **kwargs: Any) -> VerifyConfig:
+    """VerifyConfig(*args, **kwargs), its knobs checked: a knob out of range is a usage error
+    naming its option."""
     try:
-        cfg.rule  # noqa: B018 - Rule.__post_init__ checks every knob
+        return VerifyConfig(*args, **kwargs)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return cfg
 
 
 def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> VerifyConfig:
@@ -272,7 +271,7 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
 
             note(f"profile {profile.describe()}: {strict_reason(speed)}: verifying strictly "
                  f"(--verify {mode} relaxes anyway)")
-            return verify_config(VerifyConfig("strict", STRICT_THETA, req.margin or prule.margin, guard))
+            return verify_config("strict", STRICT_THETA, req.margin or prule.margin, guard)
         margin = req.margin or prule.margin
         if mode == "mars" and req.theta is None and margin != prule.margin:
             raise ProfileError(
@@ -286,7 +285,7 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
                                        **({"theta": req.theta} if req.theta is not None else {}))
         except ValueError as e:
             raise UsageError(str(e)) from None
-        return verify_config(VerifyConfig.from_rule(rule, guard))
+        return VerifyConfig.from_rule(rule, guard)
     mode = req.mode or "strict"
     margin = req.margin or "logit-ratio"
     theta = req.theta
@@ -296,8 +295,7 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
     if mode == "strict" and req.theta is not None:
         note("--theta has no effect with --verify strict")
     knobs = {k: v for k, v in given.items() if OWNER[k] == mode}
-    return verify_config(VerifyConfig(mode, theta if mode == "mars" else STRICT_THETA, margin,
-                                      guard, **knobs))
+    return verify_config(mode, theta if mode == "mars" else STRICT_THETA, margin, guard, **knobs)
 
 
 def check_rule_modes(rule, sampling: SamplingParams, what: str = "--temperature") -> None:

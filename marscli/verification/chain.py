@@ -1,42 +1,10 @@
-"""The rulebook: every verification rule of marscli, chain and tree, greedy and sampling.
+"""The chain walk: one step's drafts verified by a rule, greedy and sampling, one row or a
+batch; the sampling law and the random-draw policy.
 
 Pure tensor functions: no model, no I/O, no hidden random state. Randomness comes in as
 uniform draws (``step_uniforms`` says how many a step takes), so a result is a function of
-its arguments alone, and a batch row's result never depends on the other rows.
-
-Words used throughout marscli (fixed here, kept everywhere):
-
-- **target**: the model whose output we want. **drafter**: what proposes tokens.
-- **step**: the drafter proposes up to K tokens; the target scores them in one forward pass
-  and returns K+1 rows of logits (row i scores the token that follows draft i-1; row 0 scores
-  the first draft, row K the token after all K drafts).
-- **accepted**: draft tokens kept in a step (always a prefix of the drafts).
-- **relaxed**: accepted only because a lossy rule relaxed the check (MARS: the draft equals
-  the target's top-2 token at a low-margin position; in sampling mode also: the draft is the
-  top-1 token but strict rejection sampling would have rejected it).
-- **correction**: the token the target emits at the first rejected position.
-- **bonus**: the extra target token emitted after all drafts of a row were accepted.
-- **margin statistic**: from the target's raw float32 logits z1 >= z2 (top-1, top-2) at a
-  position: ``logit-ratio`` r = z2 / z1 (the paper's; relaxable only if z1 > 0) or
-  ``prob-ratio`` p2 / p1 = exp(z2 - z1) (invariant to a constant logit shift).
-- **theta**: the threshold; a position is **relaxable** when its statistic exceeds theta.
-- **acceptance length** (tau): tokens emitted per step, bonus/correction included.
-
-How a rule is built (the seam the next rules plug into; ``Rule``, ``PositionFacts`` and the
-facts' builders live in marscli.verification.rules and are re-exported here):
-
-1. The chain walk (``verify``) or the tree walk gathers, per verified draft position, what
-   the target says: the margin statistics, whether the draft is among the target's top two
-   with p > 0 (``in_top2``) and whether the strict check accepts it on its own (``strict_ok``).
-2. ``rules.decide(rule, facts)`` judges every position on its own: ``ok`` and ``relaxable``. It uses
-   elementwise operators only, so calibration's numpy replay (marscli.calibration.collect) calls the
-   very same function on recorded facts.
-3. The walk (``verify`` for chains, ``marscli.verification.tree.verify_tree`` for trees) keeps the accepted prefix/path
-   and draws the next token: at a rejection judged by the strict check, from the residual
-   norm(max(0, p - q)); at a relaxed position, from p itself; a bonus from p.
-
-A rule is ``Rule(name, theta, margin)``; ``strict`` never relaxes whatever its theta, and MARS
-at theta = +inf behaves as strict. Nothing else in marscli restates an acceptance rule.
+its arguments alone, and a batch row's result never depends on the other rows. Words and how
+a rule is built: marscli.verification.
 
 Chain functions take drafts ``[B, K]``, target logits ``[B, K+1, V]`` and an optional
 ``draft_len`` ``[B]``: row b proposed only its first ``draft_len[b]`` drafts (the rest is

@@ -46,8 +46,9 @@ PAPER_THETA = 0.9
 
 @dataclass(frozen=True)
 class Knob:
-    """One numeric knob of a rule: a field of ``Rule``, ``VerifyConfig`` and ``VerifyRequest``
-    and an option of generate, calibrate and the Python API (``option``)."""
+    """One numeric knob of a rule: a field of ``Rule``, of config.VerifyRequest and of
+    config.GenerationOptions (tests/test_rules_cli.py holds them to this registry), and an
+    option of generate, calibrate and the Python API (``option``)."""
 
     name: str  # the field: "rho"
     symbol: str  # its letter in bounds and bench spellings: "R"
@@ -90,7 +91,7 @@ class RuleSpec:
     direction: int = 0  # +1: larger main-knob values relax more; -1: smaller ones do
     strict_end: float = math.inf  # the main knob's least relaxing value
     modes: tuple[str, ...] = MODES
-    needs: frozenset[str] = frozenset()  # PositionFacts fields Rule.decide reads
+    needs: frozenset[str] = frozenset()  # PositionFacts fields rules.decide reads
     statistic: str | None = None  # its histogram's statistic (MARS: the margin statistic's name)
     uses_margin: bool = False  # MARS's margin statistic is one of its knobs (a choice)
     note: str = ""  # what a bench spelling adds after the bounds

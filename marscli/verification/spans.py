@@ -5,7 +5,7 @@ Users of relaxed rules want "relax in free text, never in code or in the answer"
 span is decided from the **text before it**: the record's output decoded so far, then the
 step's earlier drafts (never the prompt, never the token itself), so the verification rule
 stays a deterministic function of the prefix, whatever the batch or the step structure. A
-strict position reaches ``Rule.decide`` with ``PositionFacts.guarded`` set, the seam the loop
+strict position reaches ``rules.decide`` with ``PositionFacts.guarded`` set, the seam the loop
 guard uses (marscli.verification.guard): the draft may still be accepted by the strict check, never
 relaxed.
 

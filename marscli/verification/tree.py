@@ -1,6 +1,6 @@
 """The rulebook's tree walk: one step's draft tree verified with a chain's rule.
 
-Same rules and words as ``marscli.verification.chain`` (the chain walk, ``Rule.decide``, the random-draw
+Same rules and words as ``marscli.verification`` (the chain walk, ``rules.decide``, the random-draw
 policy): a node is judged at its parent's row by the very same per-position decision, and a
 tree that is one chain is verified as that chain is (tests/test_tree.py, test_repetition.py).
 """
@@ -18,7 +18,7 @@ from marscli.verification.chain import (
     sampling_probs,
     strict_sampling_accepts,
 )
-from marscli.verification.registry import LOGIT_RATIO, MARS, SAMPLING_MODE, STRICT, Rule
+from marscli.verification.registry import MARS, SAMPLING_MODE, STRICT, Rule
 from marscli.verification.rules import (
     PositionFacts,
     decide,
@@ -32,6 +32,8 @@ from marscli.verification.rules import (
 
 #: Parent index of the root's children.
 ROOT = -1
+#: The walk's rule when none is given.
+STRICT_RULE = Rule(STRICT)
 
 
 # ----------------------------------------------------------------------------- the tree
@@ -151,9 +153,7 @@ def verify_tree(
     tree: DraftTree,
     logits: torch.Tensor,  # [N+1, V] raw target logits: row 0 root's children, row i+1 node i's
     *,
-    rule: Rule | None = None,
-    theta: float | None = None,
-    margin: str = LOGIT_RATIO,
+    rule: Rule = STRICT_RULE,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -181,8 +181,6 @@ def verify_tree(
     sampling, a row with a guarded child is walked strictly, as the chain's guarded position
     is), and no path holds more than ``relax_left`` relaxed nodes.
     """
-    if rule is None:
-        rule = Rule.from_theta(math.inf if theta is None else theta, margin)
     if temperature != 0.0 and SAMPLING_MODE not in rule.modes:
         raise ValueError(f"the {rule.name} rule is defined for greedy decoding only")
     n = len(tree)
