@@ -78,7 +78,7 @@ import sys
 import time
 from pathlib import Path
 
-# The prompt sets live in shared/ beside the repository (never copied into it).
+# The full prompt sets: beside the repository on the developers' machine (--prompts-dir).
 PROMPT_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k", "sum")
 SHIPPED_PROFILE = "profiles/smollm2-135m-instruct.ngram.float32.yaml"
@@ -263,8 +263,8 @@ def cmd_run(args) -> int:
     if not Path(imported).resolve().is_relative_to(tree):
         sys.exit(f"PYTHONPATH={tree} imports marscli from {imported or probe.stderr.strip()}, not the tree")
 
-    write_jsonl(out / "input.jsonl", build_records(args.records))
-    write_jsonl(out / "calib.jsonl", build_records(len(PROMPT_SETS)))
+    write_jsonl(out / "input.jsonl", build_records(args.records, Path(args.prompts_dir)))
+    write_jsonl(out / "calib.jsonl", build_records(len(PROMPT_SETS), Path(args.prompts_dir)))
     gguf = embedded_gguf()
     poor_dir = out / "draft-smollm2-4layers"
     poor_sha = build_poor_drafter(gguf, poor_dir, env, out)
@@ -572,6 +572,8 @@ def main(argv=None) -> int:
     r.add_argument("--tree", required=True, help="source tree whose marscli/ is run (PYTHONPATH)")
     r.add_argument("--out", required=True, help="folder for the input, outputs and manifest.json")
     r.add_argument("--records", type=int, default=16, help="records in input.jsonl (N/4 per prompt set)")
+    r.add_argument("--prompts-dir", default=str(PROMPT_DIR),
+                   help="folder of mt_bench/humaneval/gsm8k/sum.jsonl (default: ../shared/data/prompts)")
     r.add_argument("--max-tokens", type=int, default=48)
     r.add_argument("--cases", default=None, help="comma-separated subset of the case names")
     r.add_argument("--threads", type=int, default=1,

@@ -10,7 +10,8 @@ import pytest
 
 from marscli.scoring import humaneval as he
 
-PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "humaneval.jsonl"
+#: HumanEval/0-7 as the prompt sets hold them, shipped with the repository (examples/README.md).
+PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "humaneval.jsonl"
 FAST = he.Limits(timeout_s=5.0)
 
 
@@ -29,7 +30,7 @@ def test_every_canonical_solution_passes(problems):
 
 def test_the_prompt_set_is_humaneval(problems):
     recs = [json.loads(line) for line in PROMPTS.open()]
-    assert len(recs) == 164
+    assert [r["question_id"] for r in recs] == list(range(8))
     for r in recs:
         p = problems[he.task_id(r["question_id"])]
         assert r["turns"][0].endswith(p.prompt)
