@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from marscli.verification.registry import MARS, OTHER_KNOBS, RULES, STRICT
+
 #: Fingerprint components known only once the models are loaded, so compared only then: the
 #: model identities, and the verification and profile, which a profile matched to the loaded
 #: target can decide.
@@ -55,7 +57,7 @@ def run_fingerprint(
         "draft_model": _model_fingerprint(draft_identity),
         "verify": {
             "mode": v.mode,
-            "theta": None if v.mode in ("strict", "ratio", "topk", "typical", "regret") else v.theta,
+            "theta": None if v.mode in RULES and v.mode != MARS else v.theta,  # None: not asked yet
             "margin": v.margin,
         },
         "sampling": {
@@ -67,10 +69,10 @@ def run_fingerprint(
         "profile": None,
     }
     rule = getattr(v, "rule", None)  # a VerifyConfig's; a VerifyRequest's rule is not resolved yet
-    if rule is not None and rule.name not in ("strict", "mars"):  # strict, mars: as before rules
+    if rule is not None and rule.name not in (STRICT, MARS):  # strict, mars: as before rules
         fp["verify"]["knobs"] = rule.knobs()
     elif rule is None:
-        asked = {k: getattr(v, k, None) for k in ("rho", "top_n", "delta", "epsilon", "alpha", "budget")}
+        asked = {k: getattr(v, k, None) for k in OTHER_KNOBS}
         if any(x is not None for x in asked.values()):
             fp["verify"]["knobs"] = asked
     guard = getattr(v, "guard", None)  # a VerifyConfig's; a VerifyRequest has the options asked

@@ -61,6 +61,7 @@ from marscli.verification.registry import (
     RULEBOOK,
     RULES,
     STRICT,
+    TYPICAL,
     mode_problem,
 )
 from marscli.verification.spans import compile_regex, parse_strict_in
@@ -278,7 +279,7 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
                 f"{profile.describe()}: theta {prule.theta:g} was calibrated for "
                 f"{prule.margin}, not {margin}: give --theta with --margin {margin}"
             )
-        if mode == "typical" and "epsilon" in given and "alpha" not in given:
+        if mode == TYPICAL and "epsilon" in given and "alpha" not in given:
             given["alpha"] = None  # a new epsilon ties alpha to it again unless --alpha is given
         try:
             rule = dataclasses.replace(prule, margin=margin, **given,
