@@ -37,7 +37,7 @@ from marscli.config import (
     GenerationOptions,
     SamplingParams,
 )
-from marscli.errors import EXIT_INTERRUPTED, MarscliError
+from marscli.errors import EXIT_FOR_SIGNAL, EXIT_INTERRUPTED, MarscliError, Stop
 from marscli.verification.registry import ALL_KNOBS, OWNER, PAPER_THETA, RULEBOOK
 
 EXIT_CODES_HELP = (
@@ -546,8 +546,6 @@ def models(
 
 
 def main() -> None:
-    from marscli.jobs.generate import EXIT_FOR_SIGNAL, Stop
-
     try:
         app()
     except KeyboardInterrupt:  # before or after run_generate's own handling

@@ -6,12 +6,28 @@ turns these into tracebacks.
 
 from __future__ import annotations
 
+import signal
+
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_RECORDS_FAILED = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+
+
+class Stop(BaseException):
+    """Raised by the SIGINT/SIGTERM handler of a generate run (marscli.jobs.generate) so one
+    cleanup path saves every finished result. A BaseException, like KeyboardInterrupt, so
+    `except Exception` in loaders and in the per-record error handling lets it through."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: The exit code of a run a signal stopped.
+EXIT_FOR_SIGNAL = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
 
 
 class MarscliError(Exception):

@@ -174,3 +174,22 @@ def test_no_private_name_crosses_a_module():
                 if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("marscli")
                 for a in node.names if a.name.startswith("_") and a.name != "__version__"]
     assert not crossing, crossing
+
+
+def test_help_loads_no_torch():
+    """Every command's --help stays fast: no torch, no transformers (the faces keep the jobs in
+    command bodies; `main` catches the signal stop from marscli.errors)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom marscli.cli import main\n"
+            "for argv in (['--help'], ['generate', '--help'], ['calibrate', '--help'], ['bench', '--help'],\n"
+            "             ['score', '--help'], ['models', '--help'], ['profile', 'list', '--help']):\n"
+            "    sys.argv = ['marscli', *argv]\n"
+            "    try:\n"
+            "        main()\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code in (0, None), (argv, e.code)\n"
+            "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -19,11 +19,12 @@ from collections.abc import Iterator
 
 from marscli.config import GenerateConfig
 from marscli.errors import (
+    EXIT_FOR_SIGNAL,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_RECORDS_FAILED,
-    EXIT_TERMINATED,
     MarscliError,
+    Stop,
     UsageError,
 )
 from marscli.io.records import read_input
@@ -53,21 +54,6 @@ from marscli.jobs.setup import (
     drafter_desc,
     verify_desc,
 )
-
-
-class Stop(BaseException):
-    """Raised by the SIGINT/SIGTERM handler so one cleanup path saves every finished result.
-
-    A BaseException, like KeyboardInterrupt, so `except Exception` in loaders and in the
-    per-record error handling lets it through.
-    """
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-EXIT_FOR_SIGNAL = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
 
 
 class StopSignals:
