@@ -7,7 +7,7 @@ plain values. Nothing here imports torch, so `marscli --help` stays fast.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from marscli.verification.registry import ALL_KNOBS, LOGIT_RATIO, STRICT, Rule, verify_help
@@ -326,11 +326,6 @@ class GenerationOptions:
     auto_profile: bool = _opt(True, "profile", PANEL_VERIFY, "Pick a profile matching the target and drafter by itself (default), or not (--no-profile).", "--auto-profile/--no-profile")
     # batching
     batch_size: int = _opt(1, "batch", PANEL_MODEL, "Records decoded together, each with its own drafts and acceptance; a finished record's place goes to the next one. Same outputs as 1 (the default).", "--batch-size", min=1)
-
-    @classmethod
-    def group(cls, name: str) -> tuple[str, ...]:
-        """The fields of an option group, in declaration order."""
-        return tuple(f.name for f in fields(cls) if f.metadata["flag"].group == name)
 
 
 @dataclass

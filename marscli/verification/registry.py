@@ -185,8 +185,6 @@ OWNER = {k.name: r.name for r in RULEBOOK.values() for k in r.knobs}
 #: Each rule's main knob (the one calibrate fits), which way it relaxes (+1: larger values
 #: relax more) and its strict end.
 KNOBS = {r.name: (r.main, r.direction, r.strict_end) for r in RULEBOOK.values() if r.main}
-#: topk's default candidate set.
-DEFAULT_TOP_N = TOP_N.default
 
 
 @dataclass(frozen=True)
