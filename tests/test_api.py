@@ -106,6 +106,20 @@ def test_duplicate_ids_and_bad_arguments_are_refused(tiny_model_dir):
         llm.generate([3])
     with pytest.raises(UsageError, match="--verify must be"):
         marscli.load(str(tiny_model_dir), verify="loose")
+    with pytest.raises(UsageError, match="unknown option.*thetaa"):
+        marscli.load(str(tiny_model_dir), thetaa=0.9)
+
+
+def test_load_takes_generates_options_as_its_keywords():
+    import dataclasses
+    import inspect
+
+    from marscli.config import GenerationOptions
+
+    params = inspect.signature(marscli.load).parameters
+    assert list(params)[:2] == ["target", "draft"]  # positional, as before
+    assert set(params) - {"quiet"} == {f.name for f in dataclasses.fields(GenerationOptions)}
+    assert params["verify"].default is None and params["auto_profile"].default is True
 
 
 def test_calibrate_returns_the_profile_the_cli_writes(runner, tiny_model_dir, tmp_path):
