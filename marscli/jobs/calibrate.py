@@ -9,6 +9,7 @@ process computes) and alone writes the profile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -206,13 +207,14 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
     if data.positions == 0:
         raise MarscliError(f"{cfg.input}: the drafter proposed no tokens on these prompts, so there "
                            "are no margins to calibrate on (try --fixed-k, more or longer prompts, or another drafter)")
+    family = rule_family(cfg)
     try:
-        cal = analyse(data, rule_family(cfg), cfg.policy, cfg.policy_value, seconds)
+        cal = analyse(data, family, cfg.policy, cfg.policy_value, seconds)
     except ValueError as e:  # a rule the data cannot replay (regret on sampled steps)
         raise UsageError(str(e)) from None
     speed = None
     if costs is not None:
-        cal, speed = speed_objective(cal, data, cfg, costs, seconds)
+        cal, speed = speed_objective(cal, data, cfg, family, costs, seconds)
     ident = target.identity
     name = cfg.name or default_profile_name(
         str(ident.get("name")), cfg.draft.kind, draft_loaded.identity.get("name") if draft_loaded else None,
@@ -240,12 +242,10 @@ def rule_family(cfg: CalibrateConfig):
 SPEED_BATCH_SIZE = 1
 
 
-def speed_objective(cal, data, cfg: CalibrateConfig, costs, seconds: float):
+def speed_objective(cal, data, cfg: CalibrateConfig, family: RuleFamily, costs, seconds: float):
     """(calibration, the profile's speed section): with cfg.objective "speed" the fastest
-    knob value within the policy's budget replaces the policy's own choice."""
-    import dataclasses
-
-    family = rule_family(cfg)
+    knob value within the policy's budget replaces the policy's own choice (``family``: the
+    rule whose knob cfg calibrates, rule_family(cfg))."""
     values = curve_values(data, family, (cal.theta,))
     if cfg.objective == "speed":
         value = fastest_within_budget(speed_curve(data, family, values, costs, SPEED_BATCH_SIZE), cal.theta,

@@ -258,8 +258,6 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
     from the command line only. Without a profile, strict verification (or the paper's theta
     for an explicit --verify mars).
     """
-    import dataclasses
-
     prule = profile.rule if profile is not None else None
     check_rule_request(req, prule.name if prule is not None else None)
     guard = resolve_guard(req, profile)
@@ -543,12 +541,9 @@ def generation_setup(o: GenerationOptions) -> ModelSetup:
 def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
     """The drafter of a chain method (no tree) or of a tree method (the --tree-* settings,
     else EAGLE-3's defaults)."""
-    from dataclasses import replace
-
     if not tree:
-        return replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
+        return dataclasses.replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
     if draft.tree:
         return draft
-
-    return replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
-                   tree_tokens=DEFAULT_TREE.tokens)
+    return dataclasses.replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
+                               tree_tokens=DEFAULT_TREE.tokens)
