@@ -435,7 +435,7 @@ def bench(
     match_relax_rate: Annotated[Optional[float], typer.Option("--match-relax-rate", help="Fit every relaxed method's main knob (mars's theta, ratio's R, topk's D, typical's E, regret's B) so that each relaxes this share (0 < S < 1) of verified draft positions on a calibration split of the prompts, before timing; methods are then named by their fitted knobs, the knobs written are only templates and may be left out (mars, ratio, topk or topk@N, typical, regret).", rich_help_panel=PANEL_VERIFY)] = None,
     calibrate_on: Annotated[Optional[str], typer.Option("--calibrate-on", help="With --match-relax-rate: the calibration prompts (JSONL, any format bench reads). Default: the input's records after the measured ones (after --limit).", rich_help_panel=PANEL_VERIFY)] = None,
     calibration_records: Annotated[Optional[int], typer.Option("--calibration-records", help="With --match-relax-rate: at most this many calibration records. Default: 20.", rich_help_panel=PANEL_VERIFY)] = None,
-    task: Annotated[Optional[str], typer.Option(help="Also score every method's outputs for a task (humaneval, gsm8k, sum; the input is its prompt set) and compare each method with strict on the same records: difference with its paired bootstrap CI, flips, recovery, length ratio, truncation, loops.", rich_help_panel=PANEL_OUTPUT)] = None,
+    task: Annotated[Optional[str], typer.Option(help="Also score every method's outputs for a task (humaneval, gsm8k, sum; the input is its prompt set) and compare each method with strict on the same records: difference with its paired bootstrap CI, flips, recovery, length ratio, time per record, truncation, loops.", rich_help_panel=PANEL_OUTPUT)] = None,
 ) -> None:
     """Measure speed and quality of every method side by side on the same prompts, in one run.
 
@@ -443,7 +443,9 @@ def bench(
     assisted generation with the same drafter), ar (marscli, no drafter), strict and mars
     (marscli speculative decoding). One warm-up, then methods interleaved per prompt. Tables go
     to stderr; --report writes the JSON report; stdout stays empty unless --report -.
-    See docs/benchmarks.md for every column.
+    Speed is given in tokens/s and in seconds per record (time per task, prefill included),
+    each against ar and hf-generate, with a line per method: a rule that writes longer answers
+    can win the first and lose the second. See docs/benchmarks.md for every column.
     """
     from marscli.jobs.bench import bench_config, run_bench
     from marscli.jobs.console import Log

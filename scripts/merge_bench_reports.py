@@ -9,15 +9,18 @@ in chunks. Every chunk must come from the same settings (methods, max tokens, th
 draft, guard, task); the script refuses otherwise, and refuses overlapping records.
 
 Per method it sums the counters (completion tokens, generation seconds, steps, drafts,
-acceptances, relaxations) and recomputes tokens/s, speed-up over ar, tau (tokens per
-verification step) and the relaxed share; per task it recomputes the mean with its 95% CI,
-and against the baseline the paired bootstrap CI of the difference, flips, recovery, length
+acceptances, relaxations) and recomputes tokens/s, speed-up over ar, time per task
+(seconds per record, and the task speed-up and length ratio against ar, strict and
+hf-generate), tau (tokens per verification step) and the relaxed share; per task it
+recomputes the mean with its 95% CI, seconds per record and the task speed-up over the
+baseline, and against the baseline the paired bootstrap CI of the difference, flips, recovery, length
 ratio, truncated share and loop share, with the same functions bench uses
 (marscli.scoring.stats). The table goes to stdout as Markdown.
 
 --quality-only merges chunks whose method lists differ (say, later chunks leave out ar or a
 theta to save time) or that were timed with different kernels: it keeps the methods every chunk
-ran, requires the other settings to match as before, and reports no speed (tok/s, speed-up):
+ran, requires the other settings to match as before, and reports no speed (tok/s, speed-up,
+seconds per record; length ratios stay):
 summed seconds from different method lists or kernels are not one measurement. tau and the
 relaxed share are still counted over the merged runs.
 
@@ -40,6 +43,8 @@ from marscli.scoring.tasks import BINARY_TASKS
 
 SAME = ("methods", "max_tokens", "temperature", "seeds", "margin", "thetas", "guard", "drafter")
 QUALITY_ONLY_FREE = ("methods", "thetas")  # may differ between chunks under --quality-only
+#: Reference methods of the time-per-task ratios: (field suffix, method kind), as in bench.
+REFERENCES = (("hf_generate", "hf-generate"), ("ar", "ar"), ("strict", "strict"))
 COUNTERS = ("completion_tokens", "seconds", "target_forwards", "steps", "drafted", "accepted", "relaxed")
 
 
@@ -119,10 +124,13 @@ def merge(reports: list[dict[str, Any]], quality_only: bool = False) -> dict[str
         m["tokens_per_s"] = summed["completion_tokens"] / summed["seconds"] if timed else None
         m["acceptance_length"] = (summed["completion_tokens"] / summed["steps"]) if summed["steps"] else None
         m["relaxed_share"] = (summed["relaxed"] / summed["completion_tokens"]) if summed["steps"] else None
+        m["seconds_per_record"] = summed["seconds"] / m["runs"] if timed and m["runs"] else None
+        m["mean_completion_tokens"] = summed["completion_tokens"] / m["runs"] if m["runs"] else None
         methods[name] = m
     ar = next((n for n in names if methods[n]["kind"] == "ar"), None)
     for m in methods.values():
         m["speedup_vs_ar"] = (m["tokens_per_s"] / methods[ar]["tokens_per_s"]) if ar and m["tokens_per_s"] else None
+        add_time_ratios(m, methods)
     base_scores = scores[base]
     for name in names:
         mine = scores[name]
@@ -140,16 +148,34 @@ def merge(reports: list[dict[str, Any]], quality_only: bool = False) -> dict[str
             comp["length_ratio"] = sum(mruns[k]["completion_tokens"] for k in paired) / base_len if base_len else None
             comp["verdict"] = stats.verdict(comp)
             m["task"]["vs_baseline"] = comp
+        m["task"]["seconds_per_record"] = m["seconds_per_record"]
+        m["task"]["task_speedup_vs_baseline"] = _ratio(methods[base]["seconds_per_record"], m["seconds_per_record"])
     notes = ["truncated: completion tokens reached max tokens (the EOS check of bench is not redone)"]
     if quality_only:
         dropped = sorted({n for r in reports for n in r["methods"]} - set(names))
         notes.append("quality only: no speed figures (the chunks' method lists or kernels may differ)"
                      + (f"; left out, not run in every chunk: {', '.join(dropped)}" if dropped else ""))
     else:
-        notes.append("speed-up over ar: summed tokens / summed seconds per method, each chunk timed idle")
+        notes.append("speed-up over ar: summed tokens / summed seconds per method, each chunk timed idle; "
+                     "s/record: summed seconds / runs; task x ar: ar's s/record / the method's")
     return {"merged_from": len(reports), "task": task, "score_name": reports[0]["task"]["score_name"],
             "baseline": base, "settings": settings, "records": len({run["id"] for run in runs}),
             "quality_only": quality_only, "methods": methods, "notes": notes}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def add_time_ratios(m: dict[str, Any], methods: dict[str, dict[str, Any]]) -> None:
+    """task_speedup_vs_X (X's seconds per record / m's) and length_ratio_vs_X (m's completion
+    tokens / X's) for X = ar, strict, hf-generate (the first method of that kind). Every
+    chunk ran every kept method on each of its records, so the merged runs of two methods
+    are the same records: bench's paired ratios are these ratios of sums."""
+    for suffix, kind in REFERENCES:
+        ref = next((r for r in methods.values() if r["kind"] == kind), None)
+        m[f"task_speedup_vs_{suffix}"] = _ratio(ref["seconds_per_record"], m["seconds_per_record"]) if ref else None
+        m[f"length_ratio_vs_{suffix}"] = _ratio(m["completion_tokens"], ref["completion_tokens"]) if ref else None
 
 
 def _f(v: Any, spec: str) -> str:
@@ -161,14 +187,15 @@ def markdown(merged: dict[str, Any]) -> str:
     lines = [f"{merged['task']}: {merged['records']} records from {merged['merged_from']} reports, "
              f"max tokens {merged['settings']['max_tokens']}",
              "",
-             f"| method | tok/s | x ar | tau | relaxed/token | {name} [95% CI] | diff vs {base} [95% CI] | "
-             "down/up | recovery [95% CI] | length ratio | truncated | loops |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| method | tok/s | x ar | s/record | task x ar | tau | relaxed/token | {name} [95% CI] | "
+             f"diff vs {base} [95% CI] | down/up | recovery [95% CI] | length ratio | truncated | loops |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mname, m in merged["methods"].items():
         t = m["task"]
         c = t.get("vs_baseline")
         ci = t.get("ci95") or [None, None]
-        row = [mname, _f(m["tokens_per_s"], ".2f"), _f(m["speedup_vs_ar"], ".2f"), _f(m["acceptance_length"], ".2f"),
+        row = [mname, _f(m["tokens_per_s"], ".2f"), _f(m["speedup_vs_ar"], ".2f"), _f(m["seconds_per_record"], ".2f"),
+               _f(m["task_speedup_vs_ar"], ".2f"), _f(m["acceptance_length"], ".2f"),
                _f(m["relaxed_share"], ".3f"), f"{_f(t['mean'], '.3f')} [{_f(ci[0], '.3f')}, {_f(ci[1], '.3f')}]"]
         if c is None:
             row += ["-", "-", "-", "1.00"]

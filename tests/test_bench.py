@@ -32,6 +32,9 @@ METHOD_FIELDS = {
     "per_position_acceptance_rate", "accepted_per_step_hist", "steps_by_draft_length", "relaxed_share",
     "ideal_speedup_vs_ar", "measured_over_ideal", "exact_match_rate", "exact_matches", "prefix_share",
     "nll_per_token", "rouge_l", "rouge_l_prompts", "peak_rss_mib", "cuda_peak_mib",
+    "speedup_vs_strict", "seconds_per_record", "mean_completion_tokens",
+    "task_speedup_vs_hf_generate", "task_speedup_vs_ar", "task_speedup_vs_strict",
+    "length_ratio_vs_hf_generate", "length_ratio_vs_ar", "length_ratio_vs_strict",
 }
 SPEC_FIELDS = ("steps", "acceptance_length", "acceptance_rate", "per_position_acceptance_rate",
                "relaxed_share", "ideal_speedup_vs_ar", "measured_over_ideal")
@@ -114,6 +117,17 @@ def test_bench_reports_every_method_and_field(runner, prompts_file, tiny_model_d
             assert (a[f] is not None) == spec, (name, f)
     m = rep["methods"]
     assert m["hf-generate"]["speedup_vs_hf_generate"] == 1 and m["ar"]["speedup_vs_ar"] == 1
+    # Time per task: seconds per record of the same runs; paired ratios, which with one seed
+    # satisfy speed-up in tokens/s = task speed-up x length ratio whatever the timings.
+    for name, a in m.items():
+        own = [x for x in rep["runs"] if x["method"] == name]
+        assert a["seconds_per_record"] == pytest.approx(sum(x["seconds"] for x in own) / 2, rel=1e-3)
+        assert a["mean_completion_tokens"] == sum(x["completion_tokens"] for x in own) / 2
+        for ref in ("hf_generate", "ar", "strict"):
+            assert a[f"speedup_vs_{ref}"] == pytest.approx(
+                a[f"task_speedup_vs_{ref}"] * a[f"length_ratio_vs_{ref}"], rel=1e-4), (name, ref)
+    assert m["ar"]["task_speedup_vs_ar"] == 1 and m["strict"]["task_speedup_vs_strict"] == 1
+    assert m["strict"]["length_ratio_vs_ar"] == 1 and m["ar"]["length_ratio_vs_hf_generate"] == 1  # exact outputs
     assert m["hf-generate"]["target_forwards"] == m["hf-generate"]["completion_tokens"]
     # Exactness inside bench: greedy strict and ar equal transformers' generate() token for token.
     for name in ("ar", "strict", "hf-assisted"):
@@ -136,8 +150,14 @@ def test_bench_reports_every_method_and_field(runner, prompts_file, tiny_model_d
     assert len(rep["runs"]) == 2 * len(names)
     assert {(x["method"], x["id"]) for x in rep["runs"]} == {(n, i) for n in names for i in ("1", "2")}
     # The tables on stderr.
-    for header in ("method", "tok/s", "x hf-gen", "tau", "exact", "NLL/tok", "ROUGE-L", "meas/ideal"):
+    for header in ("method", "tok/s", "s/record", "x hf-gen", "task x ar", "tau", "exact", "NLL/tok", "ROUGE-L",
+                   "meas/ideal"):
         assert header in r.stderr
+    assert "task x hf-gen" not in r.stderr  # one task speed-up column: vs ar when there is ar
+    # one time-per-task line per method but ar, the reference
+    for name in names:
+        assert (f"\n{name}: " in r.stderr) == (name != "ar"), name
+    assert " per task vs ar (answers 1.00x as long)" in r.stderr  # strict, ar's output exactly
     assert "acceptance rate by draft position" in r.stderr
     assert "exactness of ar, strict against hf-generate (greedy, token for token): OK" in r.stderr
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -174,6 +194,9 @@ def test_sampling_reports_mean_and_spread_over_seeds(runner, prompts_file, tiny_
         assert a["tokens_per_s"] == pytest.approx((a["seeds"][0]["tokens_per_s"] + a["seeds"][1]["tokens_per_s"]) / 2,
                                                   rel=1e-4)
         assert a["spread"]["tokens_per_s"] is not None and a["spread"]["nll_per_token"] is not None
+        assert a["spread"]["seconds_per_record"] is not None and a["spread"]["task_speedup_vs_ar"] is not None
+        assert a["seconds_per_record"] == pytest.approx(
+            (a["seeds"][0]["seconds_per_record"] + a["seeds"][1]["seconds_per_record"]) / 2, rel=1e-4)
     assert "±" in r.stderr
     assert any("different random streams" in n for n in rep["notes"])
 

@@ -113,3 +113,36 @@ def test_quality_only_keeps_common_methods_and_drops_speed(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(pa), str(pb)], capture_output=True, text=True, cwd=ROOT,
                           check=False)
     assert proc.returncode == 2 and "settings.methods differs" in proc.stderr
+
+
+def test_merge_recomputes_time_per_task(mod):
+    # mars writes answers 3x as long as ar's at 2x its tokens/s: 2/3 of ar's speed per task;
+    # strict answers as long as ar in 0.8 of its time.
+    tok = {"ar": 4, "strict": 4, "mars@0.9": 12}
+    per_record = {"ar": 1.0, "strict": 0.8, "mars@0.9": 1.5}
+
+    def chunk(ids, scores):
+        return report(ids, scores, tokens={m: [n] * len(ids) for m, n in tok.items()},
+                      seconds={m: s * len(ids) for m, s in per_record.items()})
+
+    merged = mod.merge([chunk(["a", "b", "c"], A_SCORES), chunk(["d", "e"], B_SCORES)])
+    mars, strict, ar = (merged["methods"][n] for n in ("mars@0.9", "strict", "ar"))
+    assert mars["seconds_per_record"] == pytest.approx(1.5) and mars["mean_completion_tokens"] == pytest.approx(12)
+    assert mars["speedup_vs_ar"] == pytest.approx(2.0)
+    assert mars["task_speedup_vs_ar"] == pytest.approx(2 / 3) and mars["length_ratio_vs_ar"] == pytest.approx(3.0)
+    assert mars["task_speedup_vs_strict"] == pytest.approx(0.8 / 1.5)
+    assert mars["length_ratio_vs_strict"] == pytest.approx(3.0)
+    assert strict["task_speedup_vs_ar"] == pytest.approx(1.25) and ar["task_speedup_vs_ar"] == pytest.approx(1.0)
+    assert mars["task_speedup_vs_hf_generate"] is None  # no hf-generate in the chunks
+    # the task section: against its baseline (strict)
+    assert mars["task"]["seconds_per_record"] == pytest.approx(1.5)
+    assert mars["task"]["task_speedup_vs_baseline"] == pytest.approx(0.8 / 1.5)
+    assert strict["task"]["task_speedup_vs_baseline"] == pytest.approx(1.0)
+    md = mod.markdown(merged)
+    assert "| s/record | task x ar |" in md
+    assert "| mars@0.9 | 8.00 | 2.00 | 1.50 | 0.67 |" in md
+    # --quality-only: no time, the length ratio stays
+    q = mod.merge([chunk(["a", "b", "c"], A_SCORES), chunk(["d", "e"], B_SCORES)], quality_only=True)
+    qm = q["methods"]["mars@0.9"]
+    assert qm["seconds_per_record"] is None and qm["task_speedup_vs_ar"] is None
+    assert qm["task"]["task_speedup_vs_baseline"] is None and qm["length_ratio_vs_ar"] == pytest.approx(3.0)

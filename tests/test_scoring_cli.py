@@ -180,6 +180,7 @@ class FakeRun:
     prompt: FakePrompt
     seed: int
     tokens: list[int] = field(default_factory=list)
+    seconds: float | None = None  # bench's Run.seconds; None: an untimed run
 
 
 def test_task_report_pairs_methods_with_strict():
@@ -205,6 +206,37 @@ def test_task_report_pairs_methods_with_strict():
     assert m["truncated_share"] == 0.25 and m["loop_share"] == 0.25
     assert c["inside_noise"] and "inside the noise" in c["verdict"]
     assert len(rep["records"]) == 8 and rep["records"][-1]["answer"] == "9" and rep["records"][0]["output"] == "1"
+    assert m["seconds_per_record"] is None and m["task_speedup_vs_baseline"] is None  # the runs carry no time
+
+
+def test_task_report_times_each_method_per_record_against_the_baseline():
+    import io
+
+    from rich.console import Console
+
+    from marscli.scoring.compare import render_task_table, task_report
+
+    prompts = [FakePrompt(str(i), f"#### {i}") for i in range(1, 5)]
+    runs = []
+    for p in prompts:
+        i = int(p.id)
+        runs.append(FakeRun("strict", p, 0, [i, 0], seconds=1.0))
+        # mars: twice strict's time on the last record, which it fails (unscored records count too)
+        runs.append(FakeRun("mars@0.9", p, 0, [i, 0] if i < 4 else [9] * 20, seconds=0.5 if i < 4 else 2.0))
+    runs.append(FakeRun("mars@0.9", FakePrompt("5", "#### 5"), 0, [5, 0], seconds=10.0))  # strict never ran it
+    rep = task_report("gsm8k", runs, [("strict", "strict"), ("mars@0.9", "mars")],
+                      lambda ids: " ".join(str(t) for t in ids if t != 0), (0,), max_tokens=20)
+    s, m = rep["methods"]["strict"], rep["methods"]["mars@0.9"]
+    assert s["seconds_per_record"] == pytest.approx(1.0) and s["task_speedup_vs_baseline"] == pytest.approx(1.0)
+    assert m["seconds_per_record"] == pytest.approx((0.5 * 3 + 2.0 + 10.0) / 5)
+    assert m["task_speedup_vs_baseline"] == pytest.approx(4.0 / 3.5)  # over the four records both ran
+    buf = io.StringIO()
+    render_task_table(rep, Console(file=buf, width=250, highlight=False))
+    text = buf.getvalue()
+    header = next(line for line in text.splitlines() if "s/record" in line)
+    assert "task x strict" in header
+    mars_row = next(line for line in text.splitlines() if line.lstrip("│ ").startswith("mars@0.9"))
+    assert "2.700" in mars_row and "1.14" in mars_row
 
 
 GSM_LIKE = [
@@ -230,6 +262,10 @@ def test_bench_task_adds_the_comparison_to_report_and_tables(runner, tiny_model_
     assert all(rec["reference_answer"] in ("3", "12") for rec in task["records"])
     assert "task gsm8k: accuracy, each method against strict" in r.stderr
     assert "mars@0.5 vs strict: diff" in r.stderr
+    assert task["methods"]["strict"]["task_speedup_vs_baseline"] == 1
+    assert task["methods"]["mars@0.5"]["seconds_per_record"] == pytest.approx(
+        rep["methods"]["mars@0.5"]["seconds_per_record"], rel=1e-4)
+    assert "task x strict" in r.stderr
 
 
 @pytest.mark.parametrize(("args", "fragment"), [

@@ -116,11 +116,18 @@ MIB = 1024 * 1024
 
 #: Scalars averaged over seeds (their std is the "spread" of a sampling run).
 SPREAD_FIELDS = (
-    "tokens_per_s", "median_tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_ar",
+    "tokens_per_s", "median_tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_ar", "speedup_vs_strict",
+    "seconds_per_record", "mean_completion_tokens",
+    "task_speedup_vs_hf_generate", "task_speedup_vs_ar", "task_speedup_vs_strict",
+    "length_ratio_vs_hf_generate", "length_ratio_vs_ar", "length_ratio_vs_strict",
     "acceptance_length", "acceptance_rate", "relaxed_share", "tokens_per_target_forward",
     "exact_match_rate", "prefix_share", "nll_per_token", "rouge_l",
     "ideal_speedup_vs_ar", "measured_over_ideal", "repeat_share", "loop_share",
 )
+
+#: The methods whose time per record others are measured against, by the suffix of the
+#: `speedup_vs_*`, `task_speedup_vs_*` and `length_ratio_vs_*` fields: the first method of each kind.
+TIME_REFERENCES = (("hf_generate", HF_GENERATE), ("ar", AR), ("strict", STRICT))
 
 Log = Callable[[str], None]
 
@@ -379,7 +386,12 @@ def _reference_of(raw: bytes) -> str | None:
 
 @dataclass
 class Run:
-    """One method on one prompt with one seed."""
+    """One method on one prompt with one seed.
+
+    ``seconds``: wall seconds of the method's one generate call (jobs/bench.py ``Bench._timed``),
+    from token ids in to token ids out: the prompt's prefill, every decoding step and the
+    record's end (CUDA synchronized on both sides). Prompt encoding (chat template,
+    tokenization) happens before it and quality scoring after it; neither is timed."""
 
     method: str
     prompt: BenchPrompt
@@ -438,7 +450,11 @@ def aggregate(runs: Sequence[Run], spec: MethodSpec, t_target: Sequence[float] |
         "completion_tokens": tokens, "seconds": seconds,
         "tokens_per_s": metrics.rate(tokens, seconds),
         "median_tokens_per_s": metrics.median(per_prompt),
-        "speedup_vs_hf_generate": None, "speedup_vs_ar": None,
+        "speedup_vs_hf_generate": None, "speedup_vs_ar": None, "speedup_vs_strict": None,
+        # time per task: a run's seconds cover its prefill and decoding (Run.seconds)
+        "seconds_per_record": seconds / len(runs) if runs else None,
+        "mean_completion_tokens": tokens / len(runs) if runs else None,
+        **{f"{p}_vs_{ref}": None for ref, _ in TIME_REFERENCES for p in ("task_speedup", "length_ratio")},
         "target_forwards": forwards, "tokens_per_target_forward": metrics.ratio(tokens, forwards),
     }
     stats = [r.stats for r in runs if r.stats is not None]
@@ -487,12 +503,29 @@ def aggregate(runs: Sequence[Run], spec: MethodSpec, t_target: Sequence[float] |
     return out
 
 
-def _add_ratios(per_method: dict[str, dict[str, Any]], hf: str | None, ar: str | None) -> None:
-    hf_tps = per_method[hf]["tokens_per_s"] if hf else None
-    ar_tps = per_method[ar]["tokens_per_s"] if ar else None
-    for a in per_method.values():
-        a["speedup_vs_hf_generate"] = metrics.ratio(a["tokens_per_s"], hf_tps)
-        a["speedup_vs_ar"] = metrics.ratio(a["tokens_per_s"], ar_tps)
+def paired_time_ratios(mine: Sequence[Run], ref: Sequence[Run]) -> tuple[float | None, float | None]:
+    """(task speed-up, length ratio) of `mine` against `ref` over the (record, seed) pairs both
+    ran: ref's seconds per record / mine's, and mine's completion tokens / ref's. In bench
+    every method runs every record and seed, so the pairs are all of both methods' runs."""
+    ref_by = {(r.prompt.id, r.seed): r for r in ref}
+    pairs = [(r, ref_by[key]) for r in mine if (key := (r.prompt.id, r.seed)) in ref_by]
+    task = metrics.ratio(sum(b.seconds for _, b in pairs), sum(a.seconds for a, _ in pairs))
+    length = metrics.ratio(sum(len(a.tokens) for a, _ in pairs), sum(len(b.tokens) for _, b in pairs))
+    return task, length
+
+
+def _add_ratios(per_method: dict[str, dict[str, Any]], runs_of: dict[str, Sequence[Run]],
+                refs: dict[str, str | None]) -> None:
+    """Ratios against the reference methods (refs: TIME_REFERENCES' suffix -> method name or
+    None): tokens/s (`speedup_vs_*`), time per record (`task_speedup_vs_*`) and answer length
+    (`length_ratio_vs_*`)."""
+    for name, a in per_method.items():
+        for suffix, ref in refs.items():
+            if ref is None:
+                continue
+            a[f"speedup_vs_{suffix}"] = metrics.ratio(a["tokens_per_s"], per_method[ref]["tokens_per_s"])
+            a[f"task_speedup_vs_{suffix}"], a[f"length_ratio_vs_{suffix}"] = paired_time_ratios(
+                runs_of[name], runs_of[ref])
         if a.get("ideal_speedup_vs_ar") is not None:
             a["measured_over_ideal"] = metrics.ratio(a["speedup_vs_ar"], a["ideal_speedup_vs_ar"])
 
@@ -501,14 +534,12 @@ def summarize(cfg: BenchConfig, runs: Sequence[Run], limit_info: dict[str, Any] 
     """Per-method figures: per seed, then across seeds (mean, and std as the spread)."""
     t_target = limit_info["_t_target"] if limit_info else None
     t_draft = limit_info["_t_draft"] if limit_info else 0.0
-    hf = next((m.name for m in cfg.methods if m.kind == HF_GENERATE), None)
-    ar = next((m.name for m in cfg.methods if m.kind == AR), None)
+    refs = {suffix: next((m.name for m in cfg.methods if m.kind == kind), None) for suffix, kind in TIME_REFERENCES}
     per_seed: list[dict[str, dict[str, Any]]] = []
     for seed in cfg.seeds:
-        seed_methods = {m.name: aggregate([r for r in runs if r.method == m.name and r.seed == seed], m, t_target,
-                                          t_draft, cfg.margin)
-                        for m in cfg.methods}
-        _add_ratios(seed_methods, hf, ar)
+        seed_runs = {m.name: [r for r in runs if r.method == m.name and r.seed == seed] for m in cfg.methods}
+        seed_methods = {m.name: aggregate(seed_runs[m.name], m, t_target, t_draft, cfg.margin) for m in cfg.methods}
+        _add_ratios(seed_methods, seed_runs, refs)
         per_seed.append(seed_methods)
     out: dict[str, dict[str, Any]] = {}
     for m in cfg.methods:

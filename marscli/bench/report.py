@@ -13,10 +13,14 @@ import sys
 from typing import Any
 
 from marscli.bench.methods import (
+    AR,
+    HF_GENERATE,
     MARS,
     MARS_METHODS,
     MARS_TREE,
+    STRICT,
     STRICT_TREE,
+    TIME_REFERENCES,
     BenchConfig,
     Log,
 )
@@ -81,8 +85,11 @@ TABLE_COLUMNS = (
     # (header, field, format)
     ("tok/s", "tokens_per_s", ".1f"),
     ("median tok/s", "median_tokens_per_s", ".1f"),
+    ("s/record", "seconds_per_record", ".3f"),
     ("x hf-gen", "speedup_vs_hf_generate", ".2f"),
     ("x ar", "speedup_vs_ar", ".2f"),
+    ("task x hf-gen", "task_speedup_vs_hf_generate", ".2f"),
+    ("task x ar", "task_speedup_vs_ar", ".2f"),
     ("tau", "acceptance_length", ".2f"),
     ("accept", "acceptance_rate", ".2f"),
     ("relaxed", "relaxed_share", ".3f"),
@@ -97,6 +104,47 @@ TABLE_COLUMNS = (
 )
 
 
+#: The reference of the time-per-task verdicts, in order of preference (method kinds).
+VERDICT_REFERENCES = (AR, HF_GENERATE, STRICT)
+
+
+def time_verdicts(methods: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per method: its speed-up in tokens/s and per task (time per record) against
+    ar (else hf-generate, else strict), with its answers' length ratio; and, when it is faster
+    than that reference or than strict in tokens/s yet slower per task, a plain sentence
+    saying so (its answers are longer)."""
+    suffix = {kind: s for s, kind in TIME_REFERENCES}
+    first: dict[str, str] = {}
+    for name, a in methods.items():
+        first.setdefault(a["kind"], name)
+    kind = next((k for k in VERDICT_REFERENCES if k in first), None)
+    if kind is None:
+        return []
+    lines = []
+    for name, a in methods.items():
+        if name == first[kind]:
+            continue
+        tps, task, length = (a.get(f"{p}_vs_{suffix[kind]}") for p in ("speedup", "task_speedup", "length_ratio"))
+        if tps is None or task is None:
+            continue
+        conj = "but" if round(task, 2) < round(tps, 2) else "and"
+        line = f"{name}: {tps:.2f}x tokens/s {conj} {task:.2f}x per task vs {first[kind]}"
+        if length is not None:
+            line += f" (answers {length:.2f}x as long)"
+        for other in dict.fromkeys((kind, STRICT)):
+            if other not in first or name == first[other]:
+                continue
+            o_tps, o_task, o_len = (a.get(f"{p}_vs_{suffix[other]}")
+                                    for p in ("speedup", "task_speedup", "length_ratio"))
+            if o_tps is not None and o_task is not None and o_tps > 1 > o_task:
+                line += f"; slower per task than {first[other]}: its answers are longer"
+                if other != kind:
+                    line += (f" ({o_tps:.2f}x tokens/s but {o_task:.2f}x per task"
+                             + (f", answers {o_len:.2f}x as long)" if o_len is not None else ")"))
+        lines.append(line)
+    return lines
+
+
 def render_tables(report: dict[str, Any], console) -> None:
     from rich.table import Table
 
@@ -108,6 +156,8 @@ def render_tables(report: dict[str, Any], console) -> None:
              f"target {report['target'].get('name')} on {report['environment']['device']}")
     methods = report["methods"]
     cols = [c for c in TABLE_COLUMNS if any(a.get(c[1]) is not None for a in methods.values())]
+    if any(f == "task_speedup_vs_ar" for _, f, _ in cols):  # one task speed-up: vs ar, else vs hf-generate
+        cols = [c for c in cols if c[1] != "task_speedup_vs_hf_generate"]
     table = Table(title=title, title_justify="left")
     table.add_column("method")
     for header, _, _ in cols:
@@ -115,6 +165,8 @@ def render_tables(report: dict[str, Any], console) -> None:
     for name, a in methods.items():
         table.add_row(name, *[_cell(a, f, spec) for _, f, spec in cols])
     console.print(table)
+    for line in time_verdicts(methods):
+        console.print(line, markup=False, soft_wrap=True)
 
     spec_methods = {n: a for n, a in methods.items() if a.get("per_position_acceptance_rate")}
     if spec_methods:

@@ -60,8 +60,11 @@ def task_report(task: str, runs: Sequence[Any], methods: Sequence[tuple[str, str
                 *, workers: int | None = None) -> dict[str, Any]:
     """Score every run and compare every method with the baseline, paired by (prompt, seed).
 
-    `runs`: bench Runs (method, prompt with id and reference, seed, tokens); `methods`:
-    (name, kind) in table order.
+    `runs`: bench Runs (method, prompt with id and reference, seed, tokens, and `seconds`:
+    the run's generation time, prefill included); `methods`: (name, kind) in table order.
+    Time per task, per method: `seconds_per_record` (mean of its runs' seconds) and
+    `task_speedup_vs_baseline` (the baseline's seconds / the method's, summed over the
+    (record, seed) pairs both ran, scored or not); None when the runs carry no seconds.
     """
     base = baseline_method(methods)
     texts = [decode(r.tokens) for r in runs]
@@ -81,6 +84,7 @@ def task_report(task: str, runs: Sequence[Any], methods: Sequence[tuple[str, str
         entry["truncated_share"] = stats.share(
             [len(t) >= max_tokens and not (t and t[-1] in eos_ids) for t in toks])
         entry["loop_share"] = stats.share([stats.ends_in_loop(_strip_eos(t, eos_ids)) for t in toks])
+        entry.update(_time_per_task(mine, base_runs))
         paired = [k for k in keys if k in base_runs and base_runs[k][1].score is not None]
         if name != base:
             comp = stats.compare([mine[k][1].score for k in paired], [base_runs[k][1].score for k in paired])
@@ -97,6 +101,19 @@ def task_report(task: str, runs: Sequence[Any], methods: Sequence[tuple[str, str
             "notes": [f"{SCORE_NAMES[task]} per method with its 95% CI; vs {base}: paired bootstrap 95% CI of "
                       "the difference over the same records, flips down/up, recovery = method / "
                       f"{base}; a difference whose CI contains 0 is inside the noise"]}
+
+
+def _time_per_task(mine: dict[tuple[str, int], tuple[Any, Any]],
+                   base: dict[tuple[str, int], tuple[Any, Any]]) -> dict[str, float | None]:
+    """seconds_per_record and task_speedup_vs_baseline of one method (see task_report)."""
+    seconds = {k: getattr(run, "seconds", None) for k, (run, _) in mine.items()}
+    base_seconds = {k: getattr(run, "seconds", None) for k, (run, _) in base.items()}
+    if not seconds or None in seconds.values():
+        return {"seconds_per_record": None, "task_speedup_vs_baseline": None}
+    paired = [k for k in seconds if base_seconds.get(k) is not None]
+    mine_s, base_s = sum(seconds[k] for k in paired), sum(base_seconds[k] for k in paired)
+    return {"seconds_per_record": sum(seconds.values()) / len(seconds),
+            "task_speedup_vs_baseline": base_s / mine_s if paired and mine_s > 0 else None}
 
 
 def _f(v: Any, spec: str) -> str:
@@ -116,13 +133,18 @@ def render_task_table(task: dict[str, Any], console) -> None:
     name = task["score_name"]
     t = Table(title=f"task {task['task']}: {name}, each method against {base} on the same records",
               title_justify="left")
+    timed = any(a.get("seconds_per_record") is not None for a in task["methods"].values())
+    time_cols = ("s/record", f"task x {base}") if timed else ()
     for col in ("method", f"{name} [95% CI]", "n", f"diff vs {base} [95% CI]", "down/up", "recovery [95% CI]",
-                "length ratio", "truncated", "loops", "verdict"):
+                "length ratio", *time_cols, "truncated", "loops", "verdict"):
         t.add_column(col, justify="left" if col in ("method", "verdict") else "right")
     for method, a in task["methods"].items():
         c = a.get("vs_baseline")
+        time_cells = ([_f(a.get("seconds_per_record"), ".3f"), _f(a.get("task_speedup_vs_baseline"), ".2f")]
+                      if timed else [])
         if c is None:
-            row = ["-", "-", "-", "1.00", _f(a["truncated_share"], ".2f"), _f(a["loop_share"], ".2f"), "baseline"]
+            row = ["-", "-", "-", "1.00", *time_cells, _f(a["truncated_share"], ".2f"), _f(a["loop_share"], ".2f"),
+                   "baseline"]
         else:
             if not c["flips"]["down"] and not c["flips"]["up"]:
                 noise = "same scores"
@@ -130,7 +152,7 @@ def render_task_table(task: dict[str, Any], console) -> None:
                 noise = "inside the noise" if c["inside_noise"] else ("worse" if c["diff"] < 0 else "better")
             row = [_f(c["diff"], "+.3f") + _ci(c["diff_ci95"], "+.3f"), f"{c['flips']['down']}/{c['flips']['up']}",
                    _f(c["recovery"], ".3f") + _ci(c["recovery_ci95"], ".3f"), _f(c["length_ratio"], ".2f"),
-                   _f(a["truncated_share"], ".2f"), _f(a["loop_share"], ".2f"), noise]
+                   *time_cells, _f(a["truncated_share"], ".2f"), _f(a["loop_share"], ".2f"), noise]
         t.add_row(method, _f(a["mean"], ".3f") + _ci(a["ci95"], ".3f"), str(a["n"]), *row)
     console.print(t)
     for method, a in task["methods"].items():
