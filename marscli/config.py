@@ -65,6 +65,10 @@ DEFAULT_GUARD_NGRAM = 4
 DEFAULT_GUARD_WINDOW = 256
 #: Default relaxation budget per record, as a share of its max tokens (1.0: no budget).
 DEFAULT_MAX_RELAXED_SHARE = 0.25
+#: Generated tokens at the start of every output that relaxed rules verify strictly (issue 31:
+#: a relaxed verifier's weaker jailbreak and prompt-injection robustness is repaired by
+#: verifying the first 1-2 tokens exactly).
+DEFAULT_STRICT_FIRST = 2
 
 
 @dataclass(frozen=True)
@@ -74,12 +78,20 @@ class GuardConfig:
     repeat_ngram: never relax a draft token that completes an n-gram of this size already
     seen in the last ``repeat_window`` tokens of the record's output (0: no loop guard).
     max_relaxed_share: a record relaxes at most floor(share * max_tokens) tokens, then is
-    verified strictly (1.0: no budget). Neither changes strict verification.
+    verified strictly (1.0: no budget).
+    strict_first: the first N generated tokens of every output are verified strictly, like a
+    strict span (0: none).
+    strict_stops: a relaxed rule never decides where an output ends: it never accepts a stop
+    token (an EOS token, or a stop string's first token) the target did not choose, and never
+    relaxes at a position whose target top-1 is a stop token (False: the paper's rule).
+    None changes strict verification.
     """
 
     repeat_ngram: int = DEFAULT_GUARD_NGRAM
     repeat_window: int = DEFAULT_GUARD_WINDOW
     max_relaxed_share: float = DEFAULT_MAX_RELAXED_SHARE
+    strict_first: int = DEFAULT_STRICT_FIRST
+    strict_stops: bool = True
 
     def __post_init__(self) -> None:
         if self.repeat_ngram != 0 and self.repeat_ngram < 2:
@@ -89,6 +101,8 @@ class GuardConfig:
                              f"n-gram size ({self.repeat_ngram})")
         if not 0.0 <= self.max_relaxed_share <= 1.0 or math.isnan(self.max_relaxed_share):
             raise ValueError(f"--max-relaxed-share must be in [0, 1], got {self.max_relaxed_share}")
+        if self.strict_first < 0:
+            raise ValueError(f"--strict-first must be 0 (off) or more, got {self.strict_first}")
 
     @property
     def budgeted(self) -> bool:
@@ -100,11 +114,12 @@ class GuardConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"repeat_ngram": self.repeat_ngram, "repeat_window": self.repeat_window,
-                "max_relaxed_share": self.max_relaxed_share}
+                "max_relaxed_share": self.max_relaxed_share, "strict_first": self.strict_first,
+                "strict_stops": self.strict_stops}
 
 
-#: Both guards off: a relaxed rule behaves as it did before the guard existed.
-GUARD_OFF = GuardConfig(0, DEFAULT_GUARD_WINDOW, 1.0)
+#: Every guard off: a relaxed rule is the paper's rule alone (its Algorithm 1).
+GUARD_OFF = GuardConfig(0, DEFAULT_GUARD_WINDOW, 1.0, 0, False)
 
 
 @dataclass(frozen=True)
@@ -181,6 +196,8 @@ class VerifyRequest:
     repeat_ngram: int | None = None
     repeat_window: int | None = None
     max_relaxed_share: float | None = None
+    strict_first: int | None = None
+    strict_stops: bool | None = None
     #: The other rules' knobs as given (registry.OTHER_KNOBS: --rho, --top-n, ...).
     rho: float | None = None
     top_n: int | None = None
@@ -308,7 +325,8 @@ class GenerationOptions:
     repeat_guard: int | None = _opt(None, "guard", PANEL_VERIFY, "Loop guard of relaxed rules: never relax a draft token that completes an N-gram already in the last --repeat-window tokens of the output (0 = off). Default: the profile's, else 4.", min=0)
     repeat_window: int | None = _opt(None, "guard", PANEL_VERIFY, "Tokens of recent output the loop guard looks back over. Default: the profile's, else 256.", min=1)
     max_relaxed_share: float | None = _opt(None, "guard", PANEL_VERIFY, "Relaxation budget: a record relaxes at most this share of its max tokens, then is verified strictly (1 = no budget). Default: the profile's, else 0.25.", min=0.0, max=1.0)
-    no_guard: bool = _opt(False, "guard", PANEL_VERIFY, "Neither loop guard nor budget: the paper's rule alone.", "--no-guard")
+    strict_first: int | None = _opt(None, "guard", PANEL_VERIFY, "Relaxed rules verify the first N generated tokens of every output strictly, like a strict span (0 = off). Default: the profile's, else 2.", min=0)
+    no_guard: bool = _opt(False, "guard", PANEL_VERIFY, "No loop guard, no budget, no strict first tokens, and relaxed stops allowed: the paper's rule alone (--strict-first N still applies when given).", "--no-guard")
     # the rule and its knobs (marscli.verification.registry)
     verify: str | None = _opt(None, "rule", PANEL_VERIFY, verify_help(), "--verify", "--rule")
     theta: float | None = _knob("theta")

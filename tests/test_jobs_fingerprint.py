@@ -48,7 +48,8 @@ def test_run_fingerprint_components_and_what_it_leaves_out():
     # The loop guard decides which drafts are relaxed: a relaxed run's fingerprint holds it.
     guarded = run_fingerprint(_cfg(), TARGET, None, extra,
                               verify=VerifyConfig("mars", 0.93, guard=GuardConfig(4, 256, 0.25)))
-    assert guarded["verify"]["guard"] == {"repeat_ngram": 4, "repeat_window": 256, "max_relaxed_share": 0.25}
+    assert guarded["verify"]["guard"] == {"repeat_ngram": 4, "repeat_window": 256, "max_relaxed_share": 0.25,
+                                        "strict_first": 2, "strict_stops": True}
     assert fingerprint_diff(mars, guarded)
 
 

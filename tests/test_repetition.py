@@ -4,6 +4,7 @@ calibration's replay with the guard, and a constructed loop that must not look c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -165,7 +166,8 @@ def target(tiny_model_dir):
 
 def reference_loop(model, ids, max_new, k, theta, margin, guard: GuardConfig,
                    eos: frozenset[int] = frozenset()) -> tuple[list[int], int]:
-    """A plain no-cache loop: MARS greedy with the loop guard and the budget, step by step as
+    """A plain no-cache loop: MARS greedy with the loop guard, the budget, the strict first
+    tokens and the stop rule (GuardConfig), step by step as
     the engine takes them (the runner-up drafter, k drafts capped by the budget of tokens).
     Every logit comes from a full forward pass over the whole sequence."""
     drafter = RunnerUpDrafter(model, k)
@@ -186,9 +188,11 @@ def reference_loop(model, ids, max_new, k, theta, margin, guard: GuardConfig,
         for i, d in enumerate(drafts):
             z1, z2, t1, t2 = top2(row(ids + out + step))
             stat = float(margin_statistic(z1, z2, margin))
+            first = len(out) + len(step) < guard.strict_first  # the output's strict first tokens
+            stops = guard.strict_stops and (d in eos or int(t1) in eos)  # never relax a stop
             if d == int(t1):
                 step.append(d)
-            elif (d == int(t2) and stat > theta and not rep[i]
+            elif (d == int(t2) and stat > theta and not rep[i] and not first and not stops
                   and (budget is None or relaxed < budget)):
                 step.append(d)
                 relaxed += 1
@@ -210,19 +214,33 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog",
            "a margin aware rule"]
 
 
-@pytest.mark.parametrize("guard", [GuardConfig(2, 64, 1.0), GuardConfig(0, 64, 0.1),
-                                   GuardConfig(3, 32, 0.15), GUARD_OFF])
+STOPS_GUARD = GuardConfig(0, 64, 1.0, 0, True)
+
+
+@pytest.mark.parametrize("guard", [GuardConfig(2, 64, 1.0, 0, False), GuardConfig(0, 64, 0.1, 0, False),
+                                   GuardConfig(3, 32, 0.15, 0, False), GuardConfig(0, 64, 1.0, 5, False),
+                                   STOPS_GUARD, GuardConfig(3, 32, 0.05), GUARD_OFF],
+                         ids=["ngram", "budget", "both", "first", "stops", "default", "off"])
 def test_guarded_engine_equals_the_no_cache_reference(target, guard):
     theta, margin, k, max_new = 0.3, "prob-ratio", 3, 40
     cfg = DraftConfig(kind="model", model="x", num_draft_tokens=k, adaptive=False)
+    eos = frozenset(int(t) for t in target.eos_token_ids)
+    if guard.strict_stops:
+        # Stop tokens the unguarded rule relaxes to, so that the stop rule has work to do.
+        free = Engine(target, RowDrafters(lambda: RunnerUpDrafter(target.model, k)),
+                      Rule(MARS, theta, margin), cfg, guard=GUARD_OFF)
+        for text in PROMPTS:
+            res = free.generate_ids(target.tokenizer(text).input_ids,
+                                    SamplingParams(max_tokens=max_new, provenance=True))
+            eos |= {t for t, kind in zip(res.token_ids, res.provenance["kinds"]) if kind == "r"}
     engine = Engine(target, RowDrafters(lambda: RunnerUpDrafter(target.model, k)),
                     Rule(MARS, theta, margin), cfg, guard=guard)
+    engine.settings = dataclasses.replace(engine.settings, eos=eos)
     refused = spent = 0
     for text in PROMPTS:
         ids = target.tokenizer(text).input_ids
         res = engine.generate_ids(ids, SamplingParams(max_tokens=max_new))
-        ref, ref_relaxed = reference_loop(target.model, ids, max_new, k, theta, margin, guard,
-                                          frozenset(int(t) for t in target.eos_token_ids))
+        ref, ref_relaxed = reference_loop(target.model, ids, max_new, k, theta, margin, guard, eos)
         assert res.token_ids == ref, text
         assert res.stats.relaxed == ref_relaxed
         if guard.budgeted:
@@ -375,12 +393,14 @@ def test_guard_travels_from_calibrate_to_profile_to_results(tiny_model_dir, tmp_
     src.write_text("".join(json.dumps({"id": str(i), "prompt": p, "max_tokens": 24}) + "\n"
                            for i, p in enumerate(PROMPTS)))
     r = runner.invoke(app, ["calibrate", str(src), "--target", str(tiny_model_dir), "--relax-rate", "0.3",
-                            "--repeat-guard", "3", "--repeat-window", "32", "--max-relaxed-share", "0.5"])
+                            "--repeat-guard", "3", "--repeat-window", "32", "--max-relaxed-share", "0.5",
+                            "--strict-first", "1"])
     assert r.exit_code == 0, r.stderr
     prof = load_profile(next(user_profile_dir().glob("*.yaml")))
     assert prof.data["verification"]["guard"] == {"repeat_ngram": 3, "repeat_window": 32,
-                                                  "max_relaxed_share": 0.5}
-    assert prof.guard == GuardConfig(3, 32, 0.5)
+                                                  "max_relaxed_share": 0.5, "strict_first": 1,
+                                                  "strict_stops": True}
+    assert prof.guard == GuardConfig(3, 32, 0.5, 1)
 
     # --verify mars: the profile's theta and guard, even where it predicts relaxing does not pay
     g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--no-timing",
@@ -391,11 +411,16 @@ def test_guard_travels_from_calibrate_to_profile_to_results(tiny_model_dir, tmp_
         assert spec["verify"] == "mars" and spec["guard"] == prof.data["verification"]["guard"]
         assert 0.0 <= spec["repeat_share"] <= 1.0 and isinstance(spec["ends_in_loop"], bool)
         assert spec["guard_refused"] >= 0 and "budget_spent_at" in spec
-    # The command line beats the profile; --no-guard turns both off.
+    # The command line beats the profile; --no-guard turns every guard off (the paper's rule
+    # alone), but an explicit --strict-first still applies.
     g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--no-guard",
                             "--verify", "mars"])
     spec = json.loads(g.stdout.splitlines()[0])["spec"]
-    assert spec["guard"] == {"repeat_ngram": 0, "repeat_window": 32, "max_relaxed_share": 1.0}
+    assert spec["guard"] == {"repeat_ngram": 0, "repeat_window": 32, "max_relaxed_share": 1.0,
+                             "strict_first": 0, "strict_stops": False}
+    g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--no-guard",
+                            "--strict-first", "3", "--verify", "mars"])
+    assert json.loads(g.stdout.splitlines()[0])["spec"]["guard"]["strict_first"] == 3
     g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--verify", "strict"])
     spec = json.loads(g.stdout.splitlines()[0])["spec"]
     assert "guard" not in spec and "guard_refused" not in spec and "repeat_share" in spec
@@ -404,6 +429,7 @@ def test_guard_travels_from_calibrate_to_profile_to_results(tiny_model_dir, tmp_
 @pytest.mark.parametrize("args,fragment", [
     (["--no-guard", "--repeat-guard", "3"], "--no-guard excludes"),
     (["--repeat-guard", "1"], "--repeat-guard must be 0 (off) or at least 2"),
+    (["--strict-first", "-1"], "--strict-first"),
     (["--repeat-guard", "8", "--repeat-window", "4"], "--repeat-window (4) must be at least"),
 ])
 def test_guard_usage_errors(tiny_model_dir, tmp_path, args, fragment):

@@ -76,8 +76,8 @@ def test_config_knows_every_rule_and_builds_it():
 def test_verify_desc_names_the_rule_its_knobs_and_the_guard():
     assert verify_desc(VerifyConfig()) == "strict"
     assert verify_desc(VerifyConfig("ratio", rho=0.5, guard=GuardConfig())) == \
-        "ratio (rho=0.5; repeat guard 4-grams in 256 tokens, at most 0.25 relaxed)"
-    assert verify_desc(VerifyConfig("regret", budget=2.0)) == "regret (budget=2; no loop guard)"
+        "ratio (rho=0.5; repeat guard 4-grams in 256 tokens, at most 0.25 relaxed, first 2 strict, strict stops)"
+    assert verify_desc(VerifyConfig("regret", budget=2.0)) == "regret (budget=2; no guard)"
     assert verify_desc(VerifyConfig("mars", 0.9)).startswith("mars (theta=0.9, logit-ratio;")
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from marscli.config import GuardConfig
+from marscli.config import DEFAULT_STRICT_FIRST, GuardConfig
 from marscli.errors import UsageError
 from marscli.io.results import atomic_write_text
 from marscli.verification.registry import (
@@ -269,7 +269,10 @@ _SCHEMA = _mapping({
             "repeat_ngram": _integer(lo=0),
             "repeat_window": _integer(lo=1),
             "max_relaxed_share": _share,
-        }),
+            # issue 31 (absent in older profiles: the defaults apply)
+            "strict_first": _integer(lo=0),
+            "strict_stops": _boolean,
+        }, optional=("strict_first", "strict_stops")),
     }, optional=("guard", "rule", "margin", *ALL_KNOBS)),
     "policy": _mapping({
         "name": _choice(*POLICIES),
@@ -454,7 +457,8 @@ class Profile:
         if g is None:
             return None
         try:
-            return GuardConfig(g["repeat_ngram"], g["repeat_window"], g["max_relaxed_share"])
+            return GuardConfig(g["repeat_ngram"], g["repeat_window"], g["max_relaxed_share"],
+                               g.get("strict_first", DEFAULT_STRICT_FIRST), g.get("strict_stops", True))
         except ValueError as e:
             raise ProfileError(f"{self.describe()}: verification.guard: {e}") from None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from marscli.config import DraftConfig, VerifyConfig
 from marscli.drafters.factory import build_drafters
-from marscli.engine.costs import step_costs
+from marscli.engine.costs import draft_ratio, reference_costs, step_costs
 from marscli.engine.scheduler import Engine
 from marscli.errors import UsageError
 from marscli.verification.registry import STRICT
@@ -26,7 +26,8 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     model or EAGLE-3 head; None for ngram/none), verify_cfg's rule and batch_size rows.
     Its draft lengths follow the target's measured step costs (marscli.engine.costs.step_costs:
     cached per model, device and dtype; measured here the first time, narrated to note);
-    solo_lengths: every row chooses its own as if alone (rows stay batch-invariant).
+    solo_lengths: every row chooses its own as if alone by the fixed reference curve (as
+    relaxed and sampled rows always do: Engine.draft_lengths).
     spans: a config.SpanConfig (strict spans, marscli.verification.spans) or None.
     Under strict verification an n-gram drafter also drafts from the job's earlier records for
     greedy records (drafters.ngram.JobCorpus): drafts cannot change their outputs, only their
@@ -46,6 +47,8 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine.solo_lengths = solo_lengths
+    if draft_cfg.kind != "none":
+        engine.reference = reference_costs(draft_ratio(target.model, draft_model))
     if draft_cfg.kind != "none" and draft_cfg.adaptive and not draft_cfg.tree:
         try:  # after the engine installed its CPU kernels: the costs of the forwards it runs
             engine.costs = step_costs(target, draft_model, draft_cfg.kind, batch_size,

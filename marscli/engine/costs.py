@@ -40,6 +40,7 @@ COSTS_ENV = "MARSCLI_COSTS"
 COSTS_MEASURE = "measure"
 COSTS_REMEASURE = "remeasure"
 COSTS_STATIC = "static"
+COSTS_REFERENCE = "reference"
 COSTS_FORMAT = 1
 #: Context length (tokens already cached per row) the forwards are timed at.
 MEASURE_CONTEXT = 256
@@ -134,6 +135,32 @@ def static_costs(device_type: str = "cpu", draft_ratio: float = 0.0) -> StepCost
     return StepCosts(bs, ns, tuple(tuple(1.0 + c * (b * n - 1) for n in ns) for b in bs),
                      tuple(draft_ratio * (1.0 + c * (b - 1)) for b in bs),
                      {"static": device_type, "draft_ratio": draft_ratio}, COSTS_STATIC)
+
+
+def reference_costs(draft_ratio: float = 0.0) -> StepCosts:
+    """The fixed reference curve of the draft lengths of rows whose text depends on them
+    (relaxed rules, sampling: marscli.engine.scheduler.Engine.draft_lengths): the CPU static
+    curve whatever the device, t(1, n) = 1 + 0.04 (n - 1) one-token forwards, plus
+    draft_ratio per drafted position. No timing enters it, so those rows decode the same
+    text on every machine, at every batch size, after every re-measurement."""
+    costs = static_costs("cpu", draft_ratio)
+    return StepCosts(costs.batch_sizes, costs.new_tokens, costs.target_s, costs.draft_s,
+                     {"reference": True, "draft_ratio": draft_ratio}, COSTS_REFERENCE)
+
+
+def draft_ratio(target_model, draft_model) -> float:
+    """A drafted position's cost in target forwards, from the weights alone: the bytes of
+    the draft model's (or EAGLE-3 head's) parameters over the target's. Decoding one token
+    reads every weight once, so on a bandwidth-bound machine bytes are the cost; a function
+    of the models, never of a measurement. 0 for prompt lookup (no model)."""
+    if draft_model is None:
+        return 0.0
+    module = getattr(draft_model, "head", None) or getattr(draft_model, "model", draft_model)
+
+    def nbytes(m) -> int:
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+
+    return nbytes(module) / max(nbytes(target_model), 1)
 
 
 # --------------------------------------------------------------------------- measuring

@@ -53,7 +53,7 @@ from marscli.drafters.base import (
     choose_draft_lengths,
 )
 from marscli.drafters.eagle3_head import FeatureTap
-from marscli.engine.costs import static_costs
+from marscli.engine.costs import reference_costs, static_costs
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
 from marscli.engine.provenance import float_bits, step_kinds
 from marscli.engine.sequence import (
@@ -68,6 +68,7 @@ from marscli.models.fastpath import install_cpu_fastpath
 from marscli.models.kvcache import HoleCache, compact_cache, sliding_layers
 from marscli.verification.chain import verify_rows
 from marscli.verification.registry import Rule
+from marscli.verification.rules import stop_positions
 from marscli.verification.spans import SpanRule
 from marscli.verification.tree import DraftTree, verify_tree
 
@@ -125,6 +126,10 @@ class Engine:
         if costs is None:
             costs = static_costs(self.device.type)
         self.costs = costs
+        #: The fixed curve relaxed and sampled rows choose their draft lengths by (never a
+        #: measurement: their text must not depend on timings); build_engine sets the draft
+        #: model's share of the bytes.
+        self.reference = reference_costs()
         self.adaptive = draft_cfg.adaptive
         self.solo_lengths = False  # True: rows choose draft lengths as if alone (calibration)
         self.drained = False  # no record waits for a row: draft lengths aim at the job's end
@@ -403,21 +408,38 @@ class Engine:
         return self._chain_step(proposals, caps)
 
     def draft_lengths(self, offers: list[DraftOffer], caps: list[int]) -> list[int]:
-        """Every row's draft length this step (at most its cap): the batch's best goodput,
-        or with solo_lengths each row's own best as if it decoded alone (what calibration
-        uses, so that a profile does not depend on the batch size)."""
+        """Every row's draft length this step (at most its cap).
+
+        The reproducibility contract (docs/verification.md): a record's text never depends on
+        the batch, its neighbours or measured timings. A strict greedy row's text cannot
+        change with its draft lengths, so those rows get the batch's best goodput by the
+        measured step costs. Every other row (a relaxed rule's verdicts, and a sampled row's
+        draws, follow what was drafted) chooses its own length as if alone, by a fixed
+        reference curve (``self.reference``: engine.costs.reference_costs, a function of the
+        models only) and its own acceptance history; so does every row with solo_lengths
+        (calibration, so that a profile describes the drafts its rule will get)."""
         B = len(offers)
-        if self.solo_lengths:
-            ks = [choose_draft_lengths([o], lambda L: self.costs.step(1, L), self.adaptive)[0]
-                  for o in offers]
-        else:
+        ks = [0] * B
+        alone = [b for b, r in enumerate(self.rows) if self.solo_lengths or self.fixed_schedule(r.seq.sampling)]
+        for b in alone:
+            ks[b] = choose_draft_lengths([offers[b]], lambda L: self.reference.step(1, L), self.adaptive)[0]
+        free = [b for b in range(B) if b not in set(alone)]
+        if free:
             critical = None
-            if self.drained and B > 1:  # the rows that may finish last: the most tokens left
-                left = [r.seq.max_new - len(r.seq.out) for r in self.rows]
+            if self.drained and len(free) > 1:  # the rows that may finish last: the most tokens left
+                left = [self.rows[b].seq.max_new - len(self.rows[b].seq.out) for b in free]
                 most = max(left)
                 critical = [n == most for n in left]
-            ks = choose_draft_lengths(offers, lambda L: self.costs.step(B, L), self.adaptive, critical)
+            chosen = choose_draft_lengths([offers[b] for b in free], lambda L: self.costs.step(B, L),
+                                          self.adaptive, critical)
+            for b, k in zip(free, chosen):
+                ks[b] = k
         return [max(min(k, cap), 0) for k, cap in zip(ks, caps)]
+
+    def fixed_schedule(self, sampling: SamplingParams) -> bool:
+        """Does a row's text depend on its draft lengths (a relaxed rule, or sampling)? Such a
+        row's lengths follow the reference curve and its own history only (draft_lengths)."""
+        return self.rule.relaxes or not sampling.greedy
 
     def _chain_step(self, proposals: list[Proposal], caps: list[int]) -> list[int]:
         rows = self.rows
@@ -443,7 +465,7 @@ class Engine:
         draft_len = torch.tensor(ks, dtype=torch.long, device=dev)  # [B]
         u_acc, u_smp = self._uniforms(ks, K, dev)
         q = self._draft_probs(proposals, ks, K, logits)
-        guard, relax_left, span = self._guards(drafts, K, dev)
+        guard, relax_left, span = self._guards(drafts, K, dev, d_t, logits)
         res = verify_rows(d_t, logits, draft_len, self.rule, [r.seq.sampling for r in rows],
                           u_accept=u_acc, u_sample=u_smp, draft_probs=q, guard=guard,
                           relax_left=relax_left)
@@ -493,35 +515,48 @@ class Engine:
             self.kv.trim()
         return finished
 
-    def _guards(self, drafts: list[list[int]], K: int, dev
+    def _guards(self, drafts: list[list[int]], K: int, dev, d_t: torch.Tensor, logits: torch.Tensor
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[list[bool]] | None]:
         """The positions a relaxed rule must judge strictly [B, K] (True: never relax this
-        draft: the loop guard's verdicts, or a strict span), each row's remaining relaxation
-        budget [B], and the strict-span flags alone (per row, per draft, on the host); None
-        where there is nothing to guard. Strict runs with an observer (calibration) get the
+        draft: the loop guard's verdicts, a strict span, the output's strict first tokens, a
+        stop token drafted or chosen by the target), each row's remaining relaxation budget
+        [B], and the strict-span flags alone (per row, per draft, on the host); None where
+        there is nothing to guard. Strict runs with an observer (calibration) get the
         verdicts too, for the replay."""
         rows = self.rows
         g = self.guard
         wanted = self.rule.relaxes or any(r.seq.observer is not None for r in rows)
-        m = None
-        if g.repeat_ngram and wanted:
-            m = torch.zeros(len(rows), K, dtype=torch.bool)
+        if not wanted or K == 0:
+            return None, self._relax_left(dev), None
+        m = torch.zeros(len(rows), K, dtype=torch.bool)
+        if g.repeat_ngram:
             for b, (r, d) in enumerate(zip(rows, drafts)):
                 if d:
                     m[b, : len(d)] = torch.tensor(r.seq.repeats(d), dtype=torch.bool)
         span = None
-        if self.spans is not None and wanted:
+        if self.spans is not None:
             span = [r.seq.strict_spans(d) for r, d in zip(rows, drafts)]
-            if any(any(f) for f in span):
-                m = torch.zeros(len(rows), K, dtype=torch.bool) if m is None else m
-                for b, f in enumerate(span):
-                    if f:
-                        m[b, : len(f)] |= torch.tensor(f, dtype=torch.bool)
-        guard = None if m is None else m.to(dev)
-        relax_left = None
-        if self.rule.relaxes and g.budgeted:
-            relax_left = torch.tensor([r.seq.relax_left() for r in rows], dtype=torch.long).to(dev)
-        return guard, relax_left, span
+            for b, f in enumerate(span):
+                if any(f):
+                    m[b, : len(f)] |= torch.tensor(f, dtype=torch.bool)
+        for b, (r, d) in enumerate(zip(rows, drafts)):
+            if d and r.seq.strict_first > len(r.seq.out):
+                m[b, : len(d)] |= torch.tensor(r.seq.strict_first_flags(list(range(1, len(d) + 1))), dtype=torch.bool)
+        guard = m.to(dev)
+        stops = [r.seq.stop_tokens for r in rows]
+        if any(stops):
+            S = max(len(t) for t in stops)
+            table = torch.full((len(rows), S), -1, dtype=torch.long)
+            for b, t in enumerate(stops):
+                table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+            guard = guard | stop_positions(d_t, logits[:, :K], table.to(dev))
+        return guard, self._relax_left(dev), span
+
+    def _relax_left(self, dev) -> torch.Tensor | None:
+        """Each row's remaining relaxations [B] when the rule relaxes under a budget."""
+        if not (self.rule.relaxes and self.guard.budgeted):
+            return None
+        return torch.tensor([r.seq.relax_left() for r in self.rows], dtype=torch.long).to(dev)
 
     def _uniforms(self, ks: list[int], K: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every sampling row's draws for this step ([B, K] and [B]; zeros for greedy rows)."""
@@ -587,6 +622,15 @@ class Engine:
         if self.spans is not None and wanted:
             span = torch.tensor(seq.strict_spans_tree(tokens, parents), dtype=torch.bool)  # [N]
             guard = span.clone() if guard is None else guard | span
+        if wanted and seq.strict_first > len(seq.out):
+            first = torch.tensor(seq.strict_first_flags(tree.depth().tolist()), dtype=torch.bool)
+            guard = first if guard is None else guard | first
+        if wanted and seq.stop_tokens:
+            # node i is judged by its parent's row of logits (the root's: row 0)
+            judge = logits[tree.parents.to(logits.device) + 1]  # [N, V]
+            stop = stop_positions(tree.tokens.view(1, N).to(logits.device), judge.unsqueeze(0),
+                                  torch.tensor([seq.stop_tokens], dtype=torch.long))[0].cpu()
+            guard = stop if guard is None else guard | stop
         res = verify_tree(tree, logits, rule=self.rule, temperature=s.temperature, top_k=s.top_k,
                           top_p=s.top_p, u_accept=u_accept, u_sample=u_sample, guard=guard,
                           relax_left=seq.relax_left())

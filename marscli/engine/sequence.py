@@ -134,6 +134,16 @@ class GenerationResult:
         return len(self.token_ids)
 
 
+def first_tokens(tokenizer, stops: tuple[str, ...]) -> set[int]:
+    """The first token of each stop string as the tokenizer encodes it alone."""
+    out = set()
+    for text in stops:
+        ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+        if ids:
+            out.add(int(ids[0]))
+    return out
+
+
 class StopChecker:
     """Finds stop strings in the decoded completion as tokens arrive."""
 
@@ -239,6 +249,13 @@ class Sequence:
         self.spans = SpanTracker(settings.tokenizer, settings.spans) if track else None
         self.stats.spans = settings.spans is not None and settings.relaxing
         self.provenance = Provenance() if sampling.provenance else None
+        # The relaxed rules' strict first tokens and stop tokens (GuardConfig.strict_first,
+        # strict_stops), read where the n-gram index is: a relaxed rule or an observer.
+        judged = settings.relaxing or observer is not None
+        self.strict_first = g.strict_first if judged else 0
+        self.stop_tokens: tuple[int, ...] = ()
+        if judged and g.strict_stops:
+            self.stop_tokens = tuple(sorted(settings.eos | set(first_tokens(settings.tokenizer, sampling.stop))))
 
     def repeats(self, drafts: list[int]) -> list[bool]:
         """Per draft: the loop guard refuses to relax it (it completes an n-gram seen in the
@@ -249,6 +266,12 @@ class Sequence:
         """Per draft: it lies in a strict span (marscli.verification.spans), judged from the committed
         output and the drafts before it; all False without spans."""
         return self.spans.flags(drafts) if self.spans is not None else [False] * len(drafts)
+
+    def strict_first_flags(self, depths: list[int]) -> list[bool]:
+        """Per draft at depth d (1: the step's first draft): it lies among the output's first
+        ``strict_first`` tokens, which relaxed rules verify strictly."""
+        left = self.strict_first - len(self.out)
+        return [d <= left for d in depths]
 
     def strict_spans_tree(self, tokens: list[int], parents: list[int]) -> list[bool]:
         """The same per node of a draft tree (parents before children, -1: the root)."""

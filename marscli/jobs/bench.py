@@ -105,7 +105,8 @@ def method_verification(kind: str, theta: float | None, margin: str,
     g = guard.to_dict()
     return resolve_verification(VerifyRequest(mode, theta if mode == "mars" else None, margin,
                                               g["repeat_ngram"], g["repeat_window"],
-                                              g["max_relaxed_share"]), None)
+                                              g["max_relaxed_share"], g["strict_first"],
+                                              g["strict_stops"]), None)
 
 
 Runner = Callable[[list[int], SamplingParams], tuple[list[int], Any]]
@@ -552,8 +553,12 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
         ("transformers' generate() ran on the same target model object as marscli, with marscli's CPU "
          "fast path (marscli/models/fastpath.py) installed on its linear layers")
         if target_is_cpu(bench) else "the target runs on CUDA: no CPU fast path",
-        ("tokens_per_s counts completion tokens (an EOS included) over generation time only; "
-         "prompt encoding and quality scoring are not timed"),
+        ("tokens_per_s counts completion tokens (an EOS included) over generation time only: from the "
+         "start of the prompt's prefill to the record's last token; prompt encoding and quality scoring "
+         "are not timed"),
+        ("seconds_per_record: mean generation time of a method's runs (records x seeds); task_speedup_vs_X: "
+         "X's seconds per record / the method's, on the same records and seeds; length_ratio_vs_X: the "
+         "method's completion tokens / X's there (so task_speedup = speedup in tokens/s / length_ratio)"),
         ("peak_rss_mib is the process's peak resident memory right after the method's warm-up run "
          "(methods warm up in the listed order): it only grows, and includes the models, earlier "
          "methods and Python itself, so only increases between methods say anything about a method"),

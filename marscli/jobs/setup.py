@@ -312,7 +312,9 @@ def resolve_guard(req: VerifyRequest, profile) -> GuardConfig:
         return GuardConfig(
             base.repeat_ngram if req.repeat_ngram is None else req.repeat_ngram,
             base.repeat_window if req.repeat_window is None else req.repeat_window,
-            base.max_relaxed_share if req.max_relaxed_share is None else req.max_relaxed_share)
+            base.max_relaxed_share if req.max_relaxed_share is None else req.max_relaxed_share,
+            base.strict_first if req.strict_first is None else req.strict_first,
+            base.strict_stops if req.strict_stops is None else req.strict_stops)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -320,12 +322,15 @@ def resolve_guard(req: VerifyRequest, profile) -> GuardConfig:
 def guard_request(o: GenerationOptions) -> dict[str, Any]:
     """The guard options of generate, calibrate and bench -> VerifyRequest fields."""
     repeat_guard, repeat_window, max_relaxed_share = o.repeat_guard, o.repeat_window, o.max_relaxed_share
-    if o.no_guard:
+    strict_first, strict_stops = o.strict_first, None
+    if o.no_guard:  # the paper's rule alone; an explicit --strict-first N still applies
         if repeat_guard not in (None, 0) or max_relaxed_share not in (None, 1.0):
             raise UsageError("--no-guard excludes --repeat-guard and --max-relaxed-share")
-        repeat_guard, max_relaxed_share = 0, 1.0
+        repeat_guard, max_relaxed_share, strict_stops = 0, 1.0, False
+        strict_first = 0 if strict_first is None else strict_first
     return {"repeat_ngram": repeat_guard, "repeat_window": repeat_window,
-            "max_relaxed_share": max_relaxed_share}
+            "max_relaxed_share": max_relaxed_share, "strict_first": strict_first,
+            "strict_stops": strict_stops}
 
 
 def span_config(strict_in: str | None = None, strict_regex: str | None = None) -> SpanConfig:
@@ -440,7 +445,9 @@ def verify_desc(v: VerifyConfig) -> str:
     g = v.guard
     guard = ", ".join(([f"repeat guard {g.repeat_ngram}-grams in {g.repeat_window} tokens"]
                        if g.repeat_ngram else []) +
-                      ([f"at most {g.max_relaxed_share:g} relaxed"] if g.budgeted else [])) or "no loop guard"
+                      ([f"at most {g.max_relaxed_share:g} relaxed"] if g.budgeted else []) +
+                      ([f"first {g.strict_first} strict"] if g.strict_first else []) +
+                      (["strict stops"] if g.strict_stops else [])) or "no guard"
     if v.mode == "mars":
         return f"mars (theta={v.theta:g}, {v.margin}; {guard})"
     knobs = ", ".join(f"{k}={x:g}" for k, x in v.rule.knobs().items())

@@ -47,6 +47,26 @@ def relaxable(rule: Rule, stat: Any) -> Any:
     return stat > (rule.theta if rule.relaxes and rule.name == MARS else math.inf)
 
 
+def stop_positions(drafts: torch.Tensor, logits: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+    """Where a relaxed rule must judge strictly so that it never decides where an output ends
+    (issue 31): the draft is a stop token, or the target's top-1 is one. drafts [B, K] long,
+    logits [B, K, V] (row k judges draft k), stops [B, S] long (each row's stop tokens: its EOS
+    tokens and its stop strings' first tokens; -1 pads). Returns [B, K] bool.
+
+    With the positions guarded, a stop token is emitted only where the target chooses it (the
+    strict check keeps a draft stop token only as the target's own pick), and a position
+    where the target would stop is never relaxed into going on."""
+    if drafts.numel() == 0:
+        return torch.zeros(drafts.shape, dtype=torch.bool, device=drafts.device)
+    stops = stops.to(drafts.device)
+    top1 = logits.argmax(dim=-1)  # [B, K]
+
+    def hit(t: torch.Tensor) -> torch.Tensor:
+        return (t.unsqueeze(-1) == stops.unsqueeze(-2)).any(dim=-1)
+
+    return hit(drafts) | hit(top1)
+
+
 # The per-token rules: each has a condition on the position's facts; a draft is accepted when
 # the strict check accepts it OR the condition holds (unless the loop guard or the budget
 # forbids relaxing there). A rejection is always judged by the strict check, so the next
