@@ -74,15 +74,20 @@ def load() -> str:
 
 
 def run_once(tree: Path, work: Path, env: dict, input_path: Path, bs: int, verify: str,
-             max_tokens: int, tag: str) -> dict:
+             max_tokens: int, tag: str, extra: list[str] = ()) -> dict:
     out = work / f"{tag}.jsonl"
     out.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "marscli", "generate", str(input_path), "--batch-size", str(bs),
-            "--max-tokens", str(max_tokens), "-o", str(out)]
-    if verify == "strict":
+            "--max-tokens", str(max_tokens), "-o", str(out), *extra]
+    rule, _, temperature = verify.partition("@")
+    if rule == "strict":
         argv += ["--verify", "strict"]
-    elif verify != "mars":  # mars: no --verify, the shipped profile's theta
-        raise SystemExit(f"--verify takes strict and mars, not {verify!r}")
+    elif rule == "ar":  # plain decoding: no drafter
+        argv += ["--verify", "strict", "--draft", "none"]
+    elif rule != "mars":  # mars: no --verify, the shipped profile's theta
+        raise SystemExit(f"--verify takes ar, strict and mars (each optionally @TEMPERATURE), not {verify!r}")
+    if temperature:
+        argv += ["--temperature", temperature, "--seed", "0"]
     t0 = time.perf_counter()
     p = subprocess.run(argv, env=dict(env, PYTHONPATH=str(tree)), cwd=work, stdin=subprocess.DEVNULL,
                        capture_output=True, text=True)
@@ -125,7 +130,9 @@ def main(argv=None) -> int:
     ap.add_argument("--a", required=True, help="tree A (the old code)")
     ap.add_argument("--b", required=True, help="tree B (the new code)")
     ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--verify", default="strict,mars", help="strict and/or mars (the shipped profile)")
+    ap.add_argument("--verify", default="strict,mars",
+                    help="ar (--draft none), strict and/or mars (the shipped profile); NAME@T samples at "
+                         "temperature T (seed 0), e.g. strict@0.8")
     ap.add_argument("--records", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="runs per tree and case")
@@ -133,7 +140,11 @@ def main(argv=None) -> int:
                     help="untimed runs per tree before measuring (page cache, first-use costs)")
     ap.add_argument("--threads", type=int, default=0, help="OMP/MKL threads per run (0: torch's default)")
     ap.add_argument("--work", default=None, help="folder for inputs, outputs and logs (default: a temp dir)")
+    ap.add_argument("--input", default=None,
+                    help="a JSONL prompt file to use instead of the built mix (its first --records records)")
+    ap.add_argument("--args", default="", help="more generate arguments, one string (e.g. '--target X --draft Y')")
     args = ap.parse_args(argv)
+    extra = args.args.split()
 
     trees = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
     work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="ab_speed-"))
@@ -148,7 +159,11 @@ def main(argv=None) -> int:
         if not Path(probe.stdout.strip() or "/").resolve().is_relative_to(tree):
             raise SystemExit(f"PYTHONPATH={tree} imports marscli from {probe.stdout.strip() or probe.stderr}")
     input_path = work / "input.jsonl"
-    write_jsonl(input_path, build_records(args.records))
+    if args.input:
+        lines = Path(args.input).read_text(encoding="utf-8").splitlines()[: args.records]
+        input_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    else:
+        write_jsonl(input_path, build_records(args.records))
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     verifies = [x.strip() for x in args.verify.split(",")]
 
@@ -160,7 +175,7 @@ def main(argv=None) -> int:
         for side in ("A", "B"):
             say(f"[warmup {w + 1}/{args.warmup}] {side} ({trees[side]}), not counted")
             run_once(trees[side], work, env, input_path, sizes[0], verifies[0], args.max_tokens,
-                     f"warmup-{side}-{w + 1}")
+                     f"warmup-{side}-{w + 1}", extra)
     rows, failed = [], 0
     n_cases = len(sizes) * len(verifies)
     for ci, (bs, verify) in enumerate(((b, v) for b in sizes for v in verifies), 1):
@@ -171,7 +186,7 @@ def main(argv=None) -> int:
                 say(f"[case {ci}/{n_cases}] batch {bs} {verify}, run {rep + 1}/{args.repeats} of {side} "
                     f"({trees[side]}), load {load()}")
                 r = run_once(trees[side], work, env, input_path, bs, verify, args.max_tokens,
-                             f"{side}-bs{bs}-{verify}-{rep + 1}")
+                             f"{side}-bs{bs}-{verify}-{rep + 1}", extra)
                 failed += r["rc"] != 0
                 if r["tps"] is not None:
                     say(f"    {r['tps']:.2f} tok/s{r['source']}, {r['tokens']} tokens, {r['wall']:.1f} s wall")
@@ -193,7 +208,8 @@ def main(argv=None) -> int:
 
     print(f"- A: {trees['A']} @ {git_head(trees['A'])}")
     print(f"- B: {trees['B']} @ {git_head(trees['B'])}")
-    print(f"- {args.records} records, --max-tokens {args.max_tokens}, {args.repeats} runs per tree and case "
+    print(f"- {args.records} records of {args.input or 'the built mix'}, --max-tokens {args.max_tokens}"
+          f"{' ' + args.args if args.args else ''}, {args.repeats} runs per tree and case "
           f"(ABBA order, {args.warmup} untimed warm-up per tree); {os.cpu_count()} CPUs, "
           f"threads per run: {args.threads or 'torch default'}; "
           f"load average {load_before} before, {load()} after")

@@ -53,6 +53,18 @@ def test_run_fingerprint_components_and_what_it_leaves_out():
     assert fingerprint_diff(mars, guarded)
 
 
+def test_sampled_runs_record_their_batch_size_greedy_runs_do_not():
+    """Batched kernels round differently, which can move a sampled draw: a sampled run's
+    --resume refuses another batch size; a greedy run's does not care."""
+    extra = {"input": {"sha256": "ab"}, "profile": None}
+    hot = SamplingParams(temperature=0.8)
+    one = run_fingerprint(_cfg(sampling=hot, batch_size=1), TARGET, None, extra)
+    four = run_fingerprint(_cfg(sampling=hot, batch_size=4), TARGET, None, extra)
+    assert fingerprint_diff(one, four) == ["sampling.batch_size: 1 in the existing run, 4 now"]
+    assert run_fingerprint(_cfg(batch_size=1), TARGET, None, extra) == \
+        run_fingerprint(_cfg(batch_size=4), TARGET, None, extra)
+
+
 def test_loaded_components_cover_everything_loading_the_models_can_change():
     """generate checks a resume before loading the models with ignore=LOADED_COMPONENTS: the
     fingerprint made then must differ from the final one only in those components."""

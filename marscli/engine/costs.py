@@ -15,9 +15,10 @@ does not check out is measured again). ``$MARSCLI_COSTS`` picks the source:
 - ``static``: a fixed synthetic curve (no timing at all: runs are reproducible anywhere);
 - a path to a costs JSON file written earlier.
 
-Because the draft lengths follow the costs, and a sampled row's random draws (and MARS's
-relaxed acceptances) follow the draft lengths, sampled and MARS outputs depend on the cost
-file; strict greedy output never does. The cached file keeps them stable on one machine.
+Only strict greedy rows follow these costs (their text cannot change with draft lengths).
+A row whose text does follow its draft lengths (a relaxed rule's verdicts, a sampled row's
+draws) chooses them by ``reference_costs``, a fixed curve of the models' bytes: no timing,
+no file, no batch enters its text (the reproducibility contract, docs/verification.md).
 """
 
 from __future__ import annotations

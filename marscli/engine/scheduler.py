@@ -8,9 +8,11 @@ lengths), the verdicts come to the host in ONE transfer, and each row commits it
 with one tree forward and ``verify_tree``.
 
 - Every step the rows' drafters offer what they could draft (``BatchedDrafter.offers``) and
-  the engine picks every row's k_b at once (``choose_draft_lengths``: expected tokens per
-  measured second of the step, marscli.engine.costs; k_b = 0 and a plain step for the whole batch
-  included). Each active row then feeds [pending, d_1 .. d_k_b], right-padded to the step's
+  the engine picks every row's k_b (``choose_draft_lengths``): strict greedy rows together,
+  by expected tokens per measured second of the step (marscli.engine.costs; k_b = 0 and a
+  plain step for the whole batch included); relaxed and sampled rows each alone, by the
+  fixed reference curve, so that their text never depends on timings or the batch
+  (``draft_lengths``, the reproducibility contract). Each active row then feeds [pending, d_1 .. d_k_b], right-padded to the step's
   largest k. After verification row b keeps 1 + n_b of its new slots; at batch size > 1 the
   rejected drafts and the padding stay in the cache masked out (marscli.models.kvcache.HoleCache), with
   explicit per-row position ids, so a row's logits are those of its own sequence (only float

@@ -97,6 +97,11 @@ def run_fingerprint(
         fp["verify"]["spans"] = spans.to_dict()
     if getattr(s, "provenance", False):
         fp["output"]["provenance"] = True
+    if s.temperature > 0:
+        # A sampled row's text does not follow its batch by design (the reproducibility
+        # contract), but a batched kernel's rounding can move an inverse-CDF draw: --resume
+        # never mixes two batch sizes in one sampled file (docs/verification.md).
+        fp["sampling"]["batch_size"] = int(getattr(cfg, "batch_size", 1))
     fp.update(extra)
     return json.loads(json.dumps(fp))  # plain JSON values, as read back from a sidecar
 
