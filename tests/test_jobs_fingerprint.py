@@ -79,4 +79,5 @@ def test_loaded_components_cover_everything_loading_the_models_can_change():
     # Anything else still counts before the models are loaded.
     hotter = run_fingerprint(_cfg(sampling=SamplingParams(temperature=0.7)), None, None, extra)
     assert fingerprint_diff(before, hotter, ignore=LOADED_COMPONENTS) == [
-        "sampling.temperature: 0.0 in the existing run, 0.7 now"]
+        "sampling.temperature: 0.0 in the existing run, 0.7 now",
+        "sampling.batch_size: (absent) in the existing run, 1 now"]

@@ -12,11 +12,12 @@ with one tree forward and ``verify_tree``.
   by expected tokens per measured second of the step (marscli.engine.costs; k_b = 0 and a
   plain step for the whole batch included); relaxed and sampled rows each alone, by the
   fixed reference curve, so that their text never depends on timings or the batch
-  (``draft_lengths``, the reproducibility contract). Each active row then feeds [pending, d_1 .. d_k_b], right-padded to the step's
-  largest k. After verification row b keeps 1 + n_b of its new slots; at batch size > 1 the
-  rejected drafts and the padding stay in the cache masked out (marscli.models.kvcache.HoleCache), with
-  explicit per-row position ids, so a row's logits are those of its own sequence (only float
-  summation order can differ from a single-row pass); at batch size 1 they are rolled back.
+  (``draft_lengths``, the reproducibility contract). Each active row then feeds
+  [pending, d_1 .. d_k_b], right-padded to the step's largest k. After verification row b
+  keeps 1 + n_b of its new slots; at batch size > 1 the rejected drafts and the padding stay
+  in the cache masked out (marscli.models.kvcache.HoleCache), with explicit per-row position
+  ids, so a row's logits are those of its own sequence (only float summation order can differ
+  from a single-row pass); at batch size 1 they are rolled back.
 - A new record is prefilled alone, then joins the batch; a finished row leaves at once and
   the next record takes its place (continuous refill).
 - On CUDA out-of-memory the batch is halved and the affected records restart from scratch
