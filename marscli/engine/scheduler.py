@@ -426,7 +426,7 @@ class Engine:
         alone = [b for b, r in enumerate(self.rows) if self.solo_lengths or self.fixed_schedule(r.seq.sampling)]
         for b in alone:
             ks[b] = choose_draft_lengths([offers[b]], lambda L: self.reference.step(1, L), self.adaptive)[0]
-        free = [b for b in range(B) if b not in set(alone)]
+        free = sorted(set(range(B)) - set(alone))
         if free:
             critical = None
             if self.drained and len(free) > 1:  # the rows that may finish last: the most tokens left
