@@ -270,7 +270,9 @@ def test_hub_id_from_local_cache(monkeypatch, tmp_path, tiny_model_dir):
     ("kwargs", "pattern"),
     [
         ({"load_in_4bit": True}, "--load-in-4bit needs a CUDA GPU"),
-        ({"load_in_8bit": True}, "--load-in-8bit needs a CUDA GPU"),
+        ({"quant": "4bit"}, "--quant 4bit needs a CUDA GPU"),
+        ({"quant": "int8", "dtype": "float16"}, "--quant int8 on CPU keeps activations in float32"),
+        ({"quant": "int8", "load_in_4bit": True}, "--quant int8 and --load-in-4bit disagree"),
         ({"load_in_4bit": True, "load_in_8bit": True}, "mutually exclusive"),
         ({"device": "cuda"}, "--device cuda"),
         ({"device": "tpu"}, "--device tpu"),

@@ -485,8 +485,8 @@ def test_missing_bitsandbytes_is_a_clear_error(tiny_model_dir, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    with pytest.raises(ModelLoadError, match="--load-in-8bit needs bitsandbytes, which is not installed"):
-        load_model(ModelConfig(str(tiny_model_dir), device="cpu", load_in_8bit=True))
+    with pytest.raises(ModelLoadError, match="--load-in-4bit needs bitsandbytes, which is not installed"):
+        load_model(ModelConfig(str(tiny_model_dir), device="cpu", load_in_4bit=True))
     with pytest.raises(ModelLoadError, match="--bnb-compute-dtype needs --load-in-4bit"):
         load_model(ModelConfig(str(tiny_model_dir), device="cpu", bnb_compute_dtype="float16"))
 

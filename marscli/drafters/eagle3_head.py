@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from marscli.errors import ModelLoadError
+from marscli.models.quant import output_rows
 from marscli.models.sources import KIND_DIR, fingerprint_or_none, resolve_source
 
 DRAFT_PREFIX = "eagle3:"
@@ -420,9 +421,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _target_width(model) -> int:
-    head = model.get_output_embeddings()
-    w = getattr(head, "weight", None)
-    return int(w.shape[0]) if w is not None else int(model.config.vocab_size)
+    return output_rows(model)
 
 
 def _shape(t: torch.Tensor) -> list[int]:

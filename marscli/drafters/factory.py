@@ -9,6 +9,7 @@ from marscli.drafters.model import BatchedModelDrafter, ModelDrafter
 from marscli.drafters.ngram import JobCorpus, NgramDrafter, NoDrafter
 from marscli.models.fastpath import install_cpu_fastpath
 from marscli.models.kvcache import sliding_layers
+from marscli.models.quant import output_rows
 
 
 def _tree_shape(draft_cfg: DraftConfig):
@@ -22,7 +23,7 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None)
     """One record's drafter for draft_cfg (draft_model: a LoadedModel for kind "model", an
     EAGLE-3 head for kind "eagle3"; corpus: the job's JobCorpus, for kind "ngram")."""
 
-    vocab = target.model.get_output_embeddings().weight.shape[0]
+    vocab = output_rows(target.model)
     if draft_cfg.kind == "eagle3":
         if draft_model is None:
             raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.drafters.eagle3_head.load_head)")

@@ -35,6 +35,7 @@ from typing import Any
 
 from marscli.models.fastpath import signature as fastpath_signature
 from marscli.models.kvcache import HoleCache, rollback
+from marscli.models.quant import weight_bytes
 from marscli.models.sources import cache_root
 
 COSTS_ENV = "MARSCLI_COSTS"
@@ -157,11 +158,7 @@ def draft_ratio(target_model, draft_model) -> float:
     if draft_model is None:
         return 0.0
     module = getattr(draft_model, "head", None) or getattr(draft_model, "model", draft_model)
-
-    def nbytes(m) -> int:
-        return sum(p.numel() * p.element_size() for p in m.parameters())
-
-    return nbytes(module) / max(nbytes(target_model), 1)
+    return weight_bytes(module) / max(weight_bytes(target_model), 1)
 
 
 # --------------------------------------------------------------------------- measuring

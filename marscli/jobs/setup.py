@@ -47,6 +47,7 @@ from marscli.jobs.openai_format import OUTPUT_FORMATS
 from marscli.jobs.results import generate_results
 from marscli.models.loading import (
     DEVICE_MAPS,
+    QUANTS,
     check_vocab_compatible,
     load_model,
     max_memory_dict,
@@ -203,10 +204,19 @@ def model_configs(target: str | None, draft: DraftConfig, o: GenerationOptions):
         except ValueError as e:
             raise UsageError(f"--max-memory {e}") from None
         device_map = device_map or "auto"
+    for flag, value in (("--quant", o.quant), ("--draft-quant", o.draft_quant)):
+        if value is not None and value not in (*QUANTS, "none"):
+            raise UsageError(f"{flag} must be none, {', '.join(QUANTS)}, got {value!r}")
+    quant = None if o.quant in (None, "none") else o.quant
+    # --load-in-8bit / --load-in-4bit are the older spelling of both options at once.
+    legacy = "int8" if o.load_in_8bit else "4bit" if o.load_in_4bit else None
+    draft_quant = legacy if o.draft_quant is None else None if o.draft_quant == "none" else o.draft_quant
+    if draft_quant is not None and draft.kind != "model":
+        raise UsageError(f"--draft-quant applies to a draft model; the drafter is {draft.kind}")
     tcfg = ModelConfig(target, o.dtype, o.device, device_map, o.load_in_8bit, o.load_in_4bit, pairs,
-                       bnb_compute_dtype, o.offline)
-    dcfg = (ModelConfig(draft.model, o.dtype, o.device, device_map, o.load_in_8bit, o.load_in_4bit, None,
-                        bnb_compute_dtype, o.offline) if draft.model else None)
+                       bnb_compute_dtype, o.offline, quant)
+    dcfg = (ModelConfig(draft.model, o.dtype, o.device, device_map, False, False, None,
+                        bnb_compute_dtype, o.offline, draft_quant) if draft.model else None)
     return tcfg, dcfg
 
 
@@ -502,7 +512,15 @@ class Generator:
                 "knobs": json_knobs(rule),
                 **({"guard": v.guard.to_dict()} if rule.relaxes else {}),
                 **({"spans": self.spans.to_dict()} if self.spans.active and rule.relaxes else {}),
-                "profile": self.profile.reference() if self.profile is not None else None}
+                "profile": self.profile.reference() if self.profile is not None else None,
+                **({"quantization": quant} if any((quant := self.quantization).values()) else {})}
+
+    @property
+    def quantization(self) -> dict[str, str | None]:
+        """The target's and the draft model's quantization labels (None: the dtype's weights)."""
+        draft = getattr(self.draft_loaded, "identity", None) if self.draft.kind == "model" else None
+        return {"target": self.target.identity.get("quantization"),
+                "draft": (draft or {}).get("quantization")}
 
     def results(self, items: Iterable, sampling: SamplingParams, options) -> Iterator[tuple[Any, dict, float]]:
         """(item, result line, seconds generating) per record, as records finish; see

@@ -34,6 +34,7 @@ from transformers import (
 
 from marscli.config import ModelConfig
 from marscli.errors import ModelLoadError, VocabMismatchError
+from marscli.models.quant import CPU_INT8, install_f64_attention, int8_available, output_rows, quantize_int8
 from marscli.models.sources import (
     KIND_EMBEDDED,
     KIND_GGUF,
@@ -152,20 +153,55 @@ def max_memory_dict(pairs: tuple[tuple[str, str], ...] | None) -> dict[Any, str]
     return {int(k) if k.isdigit() else k: v for k, v in pairs}
 
 
-def _quantization(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, log: Log | None = None):
-    """(label, BitsAndBytesConfig) or (None, None). Checked before any weight is read.
+#: --quant values (ModelConfig.quant).
+QUANTS = ("int8", "4bit")
 
-    The label goes into the model's identity (and so into profiles and run fingerprints): it
-    names everything that changes the numbers, so a profile calibrated under another
-    quantization or compute dtype is not picked for this one.
+
+def _quant_option(cfg: ModelConfig, role: str) -> str:
+    """How the user asked for this quantization, for messages."""
+    flag = "--draft-quant" if role == "draft" else "--quant"
+    if cfg.quant is not None:
+        return f"{flag} {cfg.quant}"
+    return "--load-in-8bit" if cfg.load_in_8bit else "--load-in-4bit"
+
+
+def _quantization(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, log: Log | None = None,
+                  role: str = "target"):
+    """(label, BitsAndBytesConfig or None) or (None, None). Checked before any weight is read.
+
+    int8 on a CPU is marscli's own (`marscli.models.quant`, applied after loading: label
+    `quant.CPU_INT8`); int8 on CUDA and 4-bit anywhere are bitsandbytes'. The label goes
+    into the model's identity (and so into profiles, result specs, run fingerprints and the
+    cost cache): it names everything that changes the numbers, so a profile calibrated under
+    another quantization or compute dtype is not picked for this one.
     """
     if cfg.load_in_4bit and cfg.load_in_8bit:
         raise ModelLoadError("--load-in-4bit and --load-in-8bit are mutually exclusive")
-    if not (cfg.load_in_4bit or cfg.load_in_8bit):
-        if cfg.bnb_compute_dtype not in (None, "auto"):
-            raise ModelLoadError("--bnb-compute-dtype needs --load-in-4bit")
+    if cfg.quant is not None and (cfg.load_in_4bit or cfg.load_in_8bit):
+        old = "--load-in-8bit" if cfg.load_in_8bit else "--load-in-4bit"
+        if cfg.quant != cfg.quantization or (cfg.quant == "int8") != cfg.load_in_8bit:
+            raise ModelLoadError(f"{_quant_option(cfg, role)} and {old} disagree; give one")
+    quant = cfg.quantization
+    if quant is not None and quant not in QUANTS:
+        flag = "--draft-quant" if role == "draft" else "--quant"
+        raise ModelLoadError(f"{flag} {quant}: expected none, {', '.join(QUANTS)}")
+    if quant != "4bit" and cfg.bnb_compute_dtype not in (None, "auto"):
+        raise ModelLoadError("--bnb-compute-dtype needs --load-in-4bit"
+                             + ("" if quant is None else " (8-bit matmuls run in float16)"))
+    if quant is None:
         return None, None
-    option = "--load-in-4bit" if cfg.load_in_4bit else "--load-in-8bit"
+    option = _quant_option(cfg, role)
+    if quant == "int8" and device.type == "cpu":
+        if not int8_available():
+            raise ModelLoadError(f"{option} on CPU needs torch's fbgemm int8 kernels, which this "
+                                 "torch build lacks (x86 builds have them)")
+        if dtype != torch.float32:
+            raise ModelLoadError(f"{option} on CPU keeps activations in float32: drop --dtype "
+                                 f"{str(dtype).removeprefix('torch.')} (or give --dtype float32)")
+        if cfg.device_map is not None or cfg.max_memory is not None:
+            raise ModelLoadError(f"{option} on CPU loads the whole model on the CPU: drop "
+                                 "--device-map / --max-memory")
+        return CPU_INT8, None
     explicit_cpu = (cfg.device or "").strip().lower() == "cpu"
     if device.type != "cuda" and not explicit_cpu:
         if not torch.cuda.is_available():
@@ -187,7 +223,7 @@ def _quantization(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, lo
             log(f"{option} on CPU: bitsandbytes' CPU kernels are slow; use a CUDA GPU for speed")
     from transformers import BitsAndBytesConfig
 
-    if cfg.load_in_4bit:
+    if quant == "4bit":
         compute = dtype if cfg.bnb_compute_dtype in (None, "auto") else _DTYPES.get(cfg.bnb_compute_dtype)
         if compute is None:
             raise ModelLoadError(f"--bnb-compute-dtype {cfg.bnb_compute_dtype}: expected auto, "
@@ -196,9 +232,6 @@ def _quantization(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, lo
         return label, BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute
         )
-    if cfg.bnb_compute_dtype not in (None, "auto"):
-        raise ModelLoadError("--bnb-compute-dtype applies to --load-in-4bit only (8-bit matmuls "
-                             "run in float16)")
     return "bnb-8bit", BitsAndBytesConfig(load_in_8bit=True)
 
 
@@ -254,7 +287,7 @@ def load_model(
     # With device_map the map places the weights; the device still picks the "auto" dtype.
     device = _resolve_device(cfg)
     dtype = _resolve_dtype(cfg, device, log)
-    quant_label, quant_config = _quantization(cfg, device, dtype, log)
+    quant_label, quant_config = _quantization(cfg, device, dtype, log, role)
     device_map: Any = cfg.device_map
     if device_map is None and cfg.max_memory is not None:
         device_map = "auto"  # --max-memory only means something to a device map
@@ -308,6 +341,9 @@ def load_model(
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    if quant_label == CPU_INT8:
+        quantize_int8(model)
+        install_f64_attention(model)
 
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad; it is masked anyway
@@ -338,15 +374,6 @@ def load_model(
 # Compatibility
 
 
-def _row_count(model: PreTrainedModel) -> int:
-    """Rows of the output projection (the width of the logits), falling back to config."""
-    head = model.get_output_embeddings()
-    weight = getattr(head, "weight", None) if head is not None else None
-    if weight is not None and weight.dim() == 2:
-        return int(weight.shape[0])
-    return int(model.config.vocab_size)
-
-
 def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """Raise VocabMismatchError unless draft token ids mean the same tokens as target ids.
 
@@ -374,7 +401,7 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     if t_eos != d_eos:
         raise VocabMismatchError(f"{prefix}: eos token ids differ ({t_eos} vs {d_eos})")
     n_tokens = len(target.tokenizer)
-    t_rows, d_rows = _row_count(target.model), _row_count(draft.model)
+    t_rows, d_rows = output_rows(target.model), output_rows(draft.model)
     if t_rows < n_tokens or d_rows < n_tokens:
         raise VocabMismatchError(
             f"{prefix}: the tokenizer has {n_tokens} tokens but the output layers have "

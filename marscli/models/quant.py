@@ -1,0 +1,249 @@
+"""int8 weights on the CPU: fbgemm's int8 matrix product, with every row quantized alone.
+
+Decoding is memory-bound: a token costs the bytes of weights it reads. float32 reads 4 bytes
+per weight; this module swaps each `nn.Linear` (the lm_head included) for `Int8Linear`,
+which holds the weight as int8 with one scale per output channel (symmetric, round to
+nearest), packed once into fbgemm's layout, and reads a quarter of the bytes.
+
+The activations are quantized to 8 bits too (fbgemm multiplies uint8 by int8 into int32),
+but **per row**: each row of the input is divided by its own largest magnitude, so it lies
+in [-1, 1], and is then quantized on one fixed grid (`X_SCALE`, `X_ZERO`). fbgemm's own
+dynamic linear chooses one scale for the whole input, so a token's result would depend on
+the other tokens of the forward (the drafts verified beside it, the rows of a batch): a
+strict verification of 9 drafts would not reproduce plain decoding. Here it does: integer
+accumulation is exact, the grid is fixed, and the row scale is the row's own, so a row's
+output is the same bits whoever its neighbours are (tests/test_quant.py).
+
+The grid uses 7 of uint8's 8 bits (1..127, zero at 64). On CPUs without VNNI fbgemm
+multiplies with `vpmaddubsw`, which sums two uint8 x int8 products into int16 and saturates:
+two full-range products (255 x 127 x 2) overflow, 127 x 127 x 2 do not. Measured on this
+project's AVX2 CPU against exact integer arithmetic (`scripts/int8_kernels.py --saturation`):
+an 8-bit grid (zero at 128) was off by 8-90% of the largest output, the 7-bit grid by 1e-7
+(float rounding). fbgemm's own `reduce_range` exists for the same reason. The one grid is
+used on every CPU, so the int8 model is the same function everywhere.
+
+torch's other int8 paths were measured on the pair's shapes on this project's CPUs and are
+slower than float32: `_weight_int8pack_mm` (weight-only, what torchao's int8 weight-only
+config runs on CPU) 3-80x slower, `torch._int_mm` (int8 x int8, torchao's dynamic config)
+about 80x slower, oneDNN's `qlinear_pointwise` 3-6x slower than this path
+(scripts/int8_kernels.py prints the table).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+#: The activation grid: a row scaled into [-1, 1] maps to uint8 64 +- 63.
+X_LEVELS = 63
+X_ZERO = 64
+X_SCALE = 1.0 / X_LEVELS
+#: The identity label of this quantization (profiles, result spec, fingerprints, cost cache).
+CPU_INT8 = "int8-w8a8-rowwise-fbgemm"
+
+
+def int8_available() -> bool:
+    """Whether this torch build has fbgemm's int8 linear with a given input grid."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32  # noqa: B018
+        torch.ops.quantized.linear_prepack  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+class Int8Linear(nn.Module):
+    """A frozen `nn.Linear` with int8 weights (per output channel) and per-row inputs.
+
+    Several linear layers that read the same input (q/k/v, gate/up) can share one packed
+    matrix (`fuse`): the first to see an input computes all of them in one product, the
+    others take their slices. Per output channel the arithmetic is the same either way."""
+
+    def __init__(self, linear: nn.Linear | list[nn.Linear]) -> None:
+        super().__init__()
+        parts = linear if isinstance(linear, list) else [linear]
+        w = torch.cat([p.weight.detach().to(torch.float32) for p in parts])
+        self.in_features, self.out_features = int(w.shape[1]), int(w.shape[0])
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        with warnings.catch_warnings():  # quantized tensors are "deprecated"; fbgemm is not
+            warnings.simplefilter("ignore")
+            qw = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.long),
+                                            0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)
+        biases = [p.bias for p in parts]
+        bias = (None if all(b is None for b in biases) else torch.cat([
+            torch.zeros(p.out_features) if b is None else b.detach().float() for p, b in zip(parts, biases)]))
+        self.register_buffer("bias", bias)
+        #: Bytes a forward reads from the packed weight (int8) and the scales.
+        self.weight_bytes = w.numel() + 4 * w.shape[0]
+        self._last: tuple | None = None  # (input, its version, output) for shared layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.float32)
+        m = x2.shape[0]
+        s = _row_scale(x2)
+        u = x2 / s  # in [-1, 1]
+        hi = torch.round(u * X_LEVELS).div_(X_LEVELS)  # on the grid: quantized exactly
+        # What the grid missed, |u - hi| <= 1 / (2 X_LEVELS), scaled by X_LEVELS into [-1, 1]
+        # (room for hi one level off), quantized on the same grid: 12-13 bits in all.
+        lo = u.sub_(hi).mul_(X_LEVELS)
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            torch.cat([hi, lo]), X_SCALE, X_ZERO, self._packed)
+        out = y[m:].div_(X_LEVELS).add_(y[:m]).mul_(s)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*lead, self.out_features)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x), computed once for consecutive calls with the same unchanged input."""
+        # Inference tensors keep no version counter; nothing writes to a layer's input
+        # between its siblings' calls in a decoder layer.
+        version = None if x.is_inference() else x._version
+        last = self._last
+        if last is not None and last[0] is x and last[1] == version:
+            return last[2]
+        out = self.forward(x)
+        self._last = (x, version, out)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 rowwise"
+
+
+class Int8Slice(nn.Module):
+    """One of several linear layers fused into a shared `Int8Linear`: its output columns."""
+
+    def __init__(self, fused: Int8Linear, start: int, stop: int, last: bool) -> None:
+        super().__init__()
+        self.fused = [fused]  # a list: the fused layer is registered once, on the first slice
+        self.start, self.stop, self.last = start, stop, last
+        self.in_features, self.out_features = fused.in_features, stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.fused[0]
+        out = fused.shared(x)[..., self.start:self.stop]
+        if self.last:
+            fused._last = None  # every sibling has taken its part
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, columns {self.start}:{self.stop}"
+
+
+#: Sibling linear layers that read the same input in transformers' decoder layers.
+FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _row_scale(x: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude (1 for an all-zero row), as a column."""
+    s = x.abs().amax(dim=1, keepdim=True)
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def quantize_int8(model: nn.Module, keep=None, fuse: bool = True) -> int:
+    """Swap every float `nn.Linear` of a CPU model for int8, in place; the count swapped.
+
+    Siblings in `FUSE_GROUPS` (same input width) share one packed matrix and one input
+    quantization (`fuse`). The float weights of swapped layers are dropped (a tied lm_head
+    keeps the embedding it shares). Modules are frozen: this is for inference."""
+    swapped: set[str] = set()
+    n = 0
+    if fuse:
+        for parent_name, parent in list(model.named_modules()):
+            for group in FUSE_GROUPS:
+                mods = [getattr(parent, name, None) for name in group]
+                names = [f"{parent_name}.{g}" if parent_name else g for g in group]
+                if (not all(type(m) is nn.Linear for m in mods)
+                        or len({m.in_features for m in mods}) != 1 or (keep and any(keep(nm) for nm in names))):
+                    continue
+                fused = Int8Linear(mods)
+                start = 0
+                for i, (name, mod) in enumerate(zip(group, mods)):
+                    piece = Int8Slice(fused, start, start + mod.out_features, i == len(group) - 1)
+                    if i == 0:
+                        piece.add_module("packed", fused)
+                    setattr(parent, name, piece)
+                    start += mod.out_features
+                swapped.update(names)
+                n += len(group)
+    swaps = [(name, mod) for name, mod in model.named_modules()
+             if type(mod) is nn.Linear and not (keep and keep(name))]
+    for name, mod in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int8Linear(mod))
+    return n + len(swaps)
+
+
+def output_rows(model: nn.Module) -> int:
+    """Rows of a model's output projection (the width of its logits), float or int8;
+    the config's vocab_size where there is none."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, Int8Linear):
+        return head.out_features
+    weight = getattr(head, "weight", None) if head is not None else None
+    if weight is not None and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of a module's weights as held: parameters, plus int8 layers' packed weights."""
+    n = sum(p.numel() * p.element_size() for p in module.parameters())
+    return n + sum(m.weight_bytes for m in module.modules() if isinstance(m, Int8Linear))
+
+
+# --------------------------------------------------------------------------- attention
+
+#: Our float64 attention's name in transformers' registries (int8 CPU models).
+F64_SDPA = "marscli_f64_sdpa"
+
+
+def _f64_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                      scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """Scaled dot-product attention computed in float64, returned in float32.
+
+    An int8 model quantizes every linear layer's input, so a difference of one float32
+    rounding in a layer's input can move an activation across a grid boundary, and the
+    model's output by far more than a rounding. The linear layers here are exact per row; the
+    attention is the one float computation whose summation order depends on how many queries
+    a forward holds (1 in plain decoding, k + 1 in a verification). Computed in float64, the
+    order's effect is ~1e-16, and the float32 result is the same bits unless a value falls
+    within that of a float32 rounding boundary: strict speculative decoding of an int8 model
+    then reproduces its plain decoding (tests/test_quant.py; measured in docs/benchmarks.md).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (query.device.type != "cpu" or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(torch.float64)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.to(torch.float64), key.to(torch.float64), value.to(torch.float64), attn_mask=mask,
+        dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=groups > 1)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def install_f64_attention(model: nn.Module) -> bool:
+    """Switch an SDPA model's attention to `_f64_sdpa_forward`; True if switched."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(F64_SDPA, _f64_sdpa_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(F64_SDPA, sdpa_mask)
+    model.set_attn_implementation(F64_SDPA)
+    return True
