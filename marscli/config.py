@@ -316,8 +316,8 @@ class GenerationOptions:
     offline: bool = _opt(False, "model", PANEL_MODEL, "Never download: a hub id must already be in the local cache (as with HF_HUB_OFFLINE=1).", "--offline")
     # placement
     device_map: str | None = _opt(None, "placement", PANEL_MODEL, "'auto' to spread the target and the draft model over the GPUs (then the CPU) with accelerate, for models larger than one GPU; also balanced, balanced_low_0, sequential. Under a launcher each process takes its share of the machine's GPUs.")
-    quant: str | None = _opt(None, "placement", PANEL_MODEL, "Quantized target weights: 'int8' (on CPU marscli's fbgemm int8 kernels, about a quarter of float32's bytes per token; on CUDA bitsandbytes 8-bit) or '4bit' (bitsandbytes NF4; CUDA). Strict output equals plain decoding of the model as quantized.")
-    draft_quant: str | None = _opt(None, "placement", PANEL_DRAFT, "Quantized draft-model weights: 'none', 'int8' or '4bit', as --quant. The target is untouched, so strict output stays the target's.")
+    quant: str | None = _opt(None, "model", PANEL_MODEL, "Quantized target weights: 'int8' (on CPU marscli's fbgemm int8 kernels, about a quarter of float32's bytes per token; on CUDA bitsandbytes 8-bit) or '4bit' (bitsandbytes NF4; CUDA). Strict output equals plain decoding of the model as quantized.")
+    draft_quant: str | None = _opt(None, "model", PANEL_DRAFT, "Quantized draft-model weights: 'none', 'int8' or '4bit', as --quant. The target is untouched, so strict output stays the target's.")
     load_in_8bit: bool = _opt(False, "placement", PANEL_MODEL, "Older spelling of --quant int8 --draft-quant int8.")
     load_in_4bit: bool = _opt(False, "placement", PANEL_MODEL, "Older spelling of --quant 4bit --draft-quant 4bit (bitsandbytes; CUDA, or --device cpu for its slow CPU backend).")
     max_memory: str | None = _opt(None, "placement", PANEL_MODEL, "With a device map, the most the target may take per device, e.g. '0=20GiB,1=20GiB,cpu=64GiB' (implies --device-map auto).")

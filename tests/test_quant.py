@@ -141,6 +141,18 @@ def test_the_identity_names_the_quantization(target8, tiny_model_dir):
     assert plain.identity["quantization"] is None
 
 
+def test_profiles_and_the_cost_cache_tell_int8_from_float(target8, tiny_model_dir):
+    from marscli.calibration.profiles import identity_for_profile
+    from marscli.engine.costs import cost_key, key_hash
+
+    plain = load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
+    assert identity_for_profile(target8.identity)["quantization"] == CPU_INT8
+    assert identity_for_profile(plain.identity)["quantization"] is None
+    k8, k32 = cost_key(target8, (1,), "model", target8.identity), cost_key(plain, (1,), "model", plain.identity)
+    assert k8["target"]["quantization"] == k8["draft"]["quantization"] == CPU_INT8
+    assert key_hash(k8) != key_hash(k32)
+
+
 @pytest.mark.parametrize("kind", ["none", "ngram", "model", "self"])
 def test_strict_speculation_on_an_int8_target_is_its_plain_decoding(target8, draft8, kind):
     engine = _engine(target8, "model" if kind == "self" else kind, {"model": draft8, "self": target8}.get(kind))

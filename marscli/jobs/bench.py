@@ -58,7 +58,6 @@ from marscli.config import (
     DraftConfig,
     GenerationOptions,
     GuardConfig,
-    ModelConfig,
     Request,
     SamplingParams,
     VerifyConfig,
@@ -82,6 +81,7 @@ from marscli.jobs.setup import (
     guard_request,
     load_models,
     make_engine,
+    model_configs,
     named_profile,
     resolve_verification,
     span_config,
@@ -689,12 +689,14 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
         methods = DEFAULT_EAGLE3_METHODS if dcfg.kind == "eagle3" else DEFAULT_METHODS
         if prule is not None and prule.name not in ("mars", "strict"):
             methods = f"{methods},{prule.label()}"  # the profile's rule at its knobs
+    # The same model configs as generate's (quantization included).
+    tcfg, dmcfg = model_configs(target_source(o.target, prof), dcfg, o)
     cfg = BenchConfig(
         input=input,
         methods=parse_methods(methods, thetas or (PAPER_THETA,), match=match_relax_rate is not None),
-        target=ModelConfig(target_source(o.target, prof), o.dtype, o.device, offline=o.offline),
+        target=tcfg,
         draft=dcfg,
-        draft_model=ModelConfig(dcfg.model, o.dtype, o.device, offline=o.offline) if dcfg.model else None,
+        draft_model=dmcfg,
         margin=margin,
         max_tokens=max_tokens,
         temperature=temperature,

@@ -5,14 +5,26 @@ per weight; this module swaps each `nn.Linear` (the lm_head included) for `Int8L
 which holds the weight as int8 with one scale per output channel (symmetric, round to
 nearest), packed once into fbgemm's layout, and reads a quarter of the bytes.
 
-The activations are quantized to 8 bits too (fbgemm multiplies uint8 by int8 into int32),
-but **per row**: each row of the input is divided by its own largest magnitude, so it lies
-in [-1, 1], and is then quantized on one fixed grid (`X_SCALE`, `X_ZERO`). fbgemm's own
-dynamic linear chooses one scale for the whole input, so a token's result would depend on
-the other tokens of the forward (the drafts verified beside it, the rows of a batch): a
-strict verification of 9 drafts would not reproduce plain decoding. Here it does: integer
-accumulation is exact, the grid is fixed, and the row scale is the row's own, so a row's
-output is the same bits whoever its neighbours are (tests/test_quant.py).
+The activations are quantized too (fbgemm multiplies uint8 by int8 into int32), but **per
+row** and in **two levels**. Each row is divided by its own largest magnitude over 63, so it
+lies in [-63, 63]; `hi` is that rounded to integers (7 bits), `lo` is what rounding missed
+(at most 1/2) times 63, rounded in turn; both go through one product as 2m rows, and
+y = (W hi + W lo / 63) x scale: 12-13 bits of input for the price of one read of the
+weights (a product of 2 rows costs about what 1 costs). With one 7-bit level, SmolLM2-135M's
+next-token distribution moved by a KL of 0.107 nats from float32 (top-1 agreement 86%); with
+the two levels by 0.0028 (97%), as with int8 weights and float inputs.
+
+The price of the second level is arithmetic, not bytes: k + 1 verified tokens are 2(k + 1)
+rows of the product, and at 18 rows fbgemm on two AVX2 cores is compute-bound (a 9-token
+forward of Qwen2.5-Coder-1.5B cost 2.6x a 1-token one, against ~1x with float32's packed
+kernel). One level would halve that, at a KL of 0.0063 instead of 0.0002 on that model
+(docs/benchmarks.md, "int8 weights on the CPU").
+
+Why per row: fbgemm's own dynamic linear chooses one scale for the whole input, so a token's
+result would depend on the other tokens of the forward (the drafts verified beside it, the
+rows of a batch), and strict verification of 9 drafts would not reproduce plain decoding.
+Here integer accumulation is exact, the grid is fixed and the scale is the row's own, so a
+row's output is the same bits whoever its neighbours are (tests/test_quant.py).
 
 The grid uses 7 of uint8's 8 bits (1..127, zero at 64). On CPUs without VNNI fbgemm
 multiplies with `vpmaddubsw`, which sums two uint8 x int8 products into int16 and saturates:
@@ -22,11 +34,12 @@ an 8-bit grid (zero at 128) was off by 8-90% of the largest output, the 7-bit gr
 (float rounding). fbgemm's own `reduce_range` exists for the same reason. The one grid is
 used on every CPU, so the int8 model is the same function everywhere.
 
-torch's other int8 paths were measured on the pair's shapes on this project's CPUs and are
-slower than float32: `_weight_int8pack_mm` (weight-only, what torchao's int8 weight-only
-config runs on CPU) 3-80x slower, `torch._int_mm` (int8 x int8, torchao's dynamic config)
-about 80x slower, oneDNN's `qlinear_pointwise` 3-6x slower than this path
-(scripts/int8_kernels.py prints the table).
+torch's other CPU paths, timed on the pair's layer shapes on this project's AVX2 CPU
+(`python scripts/int8_kernels.py`; docs/benchmarks.md has the table): `_weight_int8pack_mm`
+(int8 weights, float inputs: the eager CPU kernel of int8 weight-only linear layers) was
+3-30x slower than float32, `torch._int_mm` (int8 x int8) 60-80x slower, oneDNN's
+`qlinear_pointwise` 3-5x slower than this path, fbgemm's float16-weight linear about 1.7x
+slower than this path.
 """
 
 from __future__ import annotations
@@ -40,8 +53,9 @@ from torch import nn
 X_LEVELS = 63
 X_ZERO = 64
 X_SCALE = 1.0 / X_LEVELS
+_TINY = torch.finfo(torch.float32).tiny
 #: The identity label of this quantization (profiles, result spec, fingerprints, cost cache).
-CPU_INT8 = "int8-w8a8-rowwise-fbgemm"
+CPU_INT8 = "int8-cpu-w8a7x2"
 
 
 def int8_available() -> bool:
@@ -86,15 +100,16 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.float32)
         m = x2.shape[0]
-        s = _row_scale(x2)
-        u = x2 / s  # in [-1, 1]
-        hi = torch.round(u * X_LEVELS).div_(X_LEVELS)  # on the grid: quantized exactly
-        # What the grid missed, |u - hi| <= 1 / (2 X_LEVELS), scaled by X_LEVELS into [-1, 1]
-        # (room for hi one level off), quantized on the same grid: 12-13 bits in all.
-        lo = u.sub_(hi).mul_(X_LEVELS)
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            torch.cat([hi, lo]), X_SCALE, X_ZERO, self._packed)
-        out = y[m:].div_(X_LEVELS).add_(y[:m]).mul_(s)
+        # Each row in units of its own largest magnitude / X_LEVELS: t in [-X_LEVELS, X_LEVELS].
+        step = x2.abs().amax(dim=1, keepdim=True).clamp_min_(_TINY).div_(X_LEVELS)
+        t = x2 / step
+        buf = torch.empty(2 * m, self.in_features)
+        hi = torch.round(t, out=buf[:m])  # integers: quantized exactly
+        # What the grid missed, |t - hi| <= 1/2, times X_LEVELS (room for hi one level off),
+        # quantized on the same grid: 12-13 bits in all.
+        torch.sub(t, hi, out=buf[m:]).mul_(X_LEVELS)
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(buf, 1.0, X_ZERO, self._packed)
+        out = torch.add(y[:m], y[m:], alpha=1.0 / X_LEVELS).mul_(step)
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*lead, self.out_features)
@@ -139,22 +154,19 @@ class Int8Slice(nn.Module):
 FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _row_scale(x: torch.Tensor) -> torch.Tensor:
-    """Each row's largest magnitude (1 for an all-zero row), as a column."""
-    s = x.abs().amax(dim=1, keepdim=True)
-    return torch.where(s > 0, s, torch.ones_like(s))
-
-
 def quantize_int8(model: nn.Module, keep=None, fuse: bool = True) -> int:
     """Swap every float `nn.Linear` of a CPU model for int8, in place; the count swapped.
 
     Siblings in `FUSE_GROUPS` (same input width) share one packed matrix and one input
     quantization (`fuse`). The float weights of swapped layers are dropped (a tied lm_head
     keeps the embedding it shares). Modules are frozen: this is for inference."""
-    swapped: set[str] = set()
+    # Names only, looked up one at a time: each float layer is freed as soon as it is swapped,
+    # so the peak is the float model plus one layer's int8 copy, not both models.
     n = 0
     if fuse:
-        for parent_name, parent in list(model.named_modules()):
+        parents = [name for name, mod in model.named_modules() if not isinstance(mod, nn.Linear)]
+        for parent_name in parents:
+            parent = model.get_submodule(parent_name) if parent_name else model
             for group in FUSE_GROUPS:
                 mods = [getattr(parent, name, None) for name in group]
                 names = [f"{parent_name}.{g}" if parent_name else g for g in group]
@@ -162,22 +174,22 @@ def quantize_int8(model: nn.Module, keep=None, fuse: bool = True) -> int:
                         or len({m.in_features for m in mods}) != 1 or (keep and any(keep(nm) for nm in names))):
                     continue
                 fused = Int8Linear(mods)
+                widths = [m.out_features for m in mods]
+                del mods
                 start = 0
-                for i, (name, mod) in enumerate(zip(group, mods)):
-                    piece = Int8Slice(fused, start, start + mod.out_features, i == len(group) - 1)
+                for i, (name, width) in enumerate(zip(group, widths)):
+                    piece = Int8Slice(fused, start, start + width, i == len(group) - 1)
                     if i == 0:
                         piece.add_module("packed", fused)
                     setattr(parent, name, piece)
-                    start += mod.out_features
-                swapped.update(names)
+                    start += width
                 n += len(group)
-    swaps = [(name, mod) for name, mod in model.named_modules()
-             if type(mod) is nn.Linear and not (keep and keep(name))]
-    for name, mod in swaps:
+    names = [name for name, mod in model.named_modules() if type(mod) is nn.Linear and not (keep and keep(name))]
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(mod))
-    return n + len(swaps)
+        setattr(parent, child, Int8Linear(getattr(parent, child)))
+    return n + len(names)
 
 
 def output_rows(model: nn.Module) -> int:
