@@ -178,13 +178,10 @@ def test_a_batch_of_int8_rows_equals_each_row_alone(target8, draft8):
         assert got[i].token_ids == alone.generate_ids(ids, SamplingParams(max_tokens=32)).token_ids, i
 
 
-def test_the_embedded_model_int8_strict_is_its_plain_decoding(embedded_model):
-    lm = copy.copy(embedded_model)
-    model = copy.deepcopy(embedded_model.model)
-    quantize_int8(model)
-    quant.install_f64_attention(model)
-    lm.model = model
-    lm.identity = {**embedded_model.identity, "quantization": CPU_INT8}
+def test_the_embedded_model_int8_strict_is_its_plain_decoding(use_embedded_cache):
+    lm = load_model(ModelConfig(source=None, device="cpu", dtype="float32", quant="int8"))
+    model = lm.model
+    assert lm.identity["quantization"] == CPU_INT8
     ngram, plain = _engine(lm, "ngram", k=6), _engine(lm, "none")
     prompts = ["Write a Python function that returns the n-th Fibonacci number.",
                "List three facts about the planet Mars, then repeat the list."]

@@ -211,7 +211,7 @@ def model_configs(target: str | None, draft: DraftConfig, o: GenerationOptions):
     # --load-in-8bit / --load-in-4bit are the older spelling of both options at once.
     legacy = "int8" if o.load_in_8bit else "4bit" if o.load_in_4bit else None
     draft_quant = legacy if o.draft_quant is None else None if o.draft_quant == "none" else o.draft_quant
-    if draft_quant is not None and draft.kind != "model":
+    if o.draft_quant not in (None, "none") and draft.kind != "model":  # the old flags are for both, if any
         raise UsageError(f"--draft-quant applies to a draft model; the drafter is {draft.kind}")
     tcfg = ModelConfig(target, o.dtype, o.device, device_map, o.load_in_8bit, o.load_in_4bit, pairs,
                        bnb_compute_dtype, o.offline, quant)
