@@ -157,11 +157,14 @@ def max_memory_dict(pairs: tuple[tuple[str, str], ...] | None) -> dict[Any, str]
 QUANTS = ("int8", "4bit")
 
 
+def _quant_flag(role: str) -> str:
+    return "--draft-quant" if role == "draft" else "--quant"
+
+
 def _quant_option(cfg: ModelConfig, role: str) -> str:
     """How the user asked for this quantization, for messages."""
-    flag = "--draft-quant" if role == "draft" else "--quant"
     if cfg.quant is not None:
-        return f"{flag} {cfg.quant}"
+        return f"{_quant_flag(role)} {cfg.quant}"
     return "--load-in-8bit" if cfg.load_in_8bit else "--load-in-4bit"
 
 
@@ -179,12 +182,11 @@ def _quantization(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, lo
         raise ModelLoadError("--load-in-4bit and --load-in-8bit are mutually exclusive")
     if cfg.quant is not None and (cfg.load_in_4bit or cfg.load_in_8bit):
         old = "--load-in-8bit" if cfg.load_in_8bit else "--load-in-4bit"
-        if cfg.quant != cfg.quantization or (cfg.quant == "int8") != cfg.load_in_8bit:
+        if (cfg.quant == "int8") != cfg.load_in_8bit:
             raise ModelLoadError(f"{_quant_option(cfg, role)} and {old} disagree; give one")
     quant = cfg.quantization
     if quant is not None and quant not in QUANTS:
-        flag = "--draft-quant" if role == "draft" else "--quant"
-        raise ModelLoadError(f"{flag} {quant}: expected none, {', '.join(QUANTS)}")
+        raise ModelLoadError(f"{_quant_flag(role)} {quant}: expected none, {', '.join(QUANTS)}")
     if quant != "4bit" and cfg.bnb_compute_dtype not in (None, "auto"):
         raise ModelLoadError("--bnb-compute-dtype needs --load-in-4bit"
                              + ("" if quant is None else " (8-bit matmuls run in float16)"))
