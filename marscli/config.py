@@ -220,6 +220,7 @@ class DraftConfig:
     of a chain (see marscli.drafters.eagle3.TreeShape); all three or none.
     job_corpus (ngram only): under strict verification, fall back on the job's finished
     records when a record's own text has no long match (marscli.drafters.ngram.JobCorpus).
+    hybrid (model only): an n-gram drafter beside the draft model, the better one each step.
     """
 
     kind: Literal["none", "ngram", "model", "eagle3"] = "ngram"
@@ -232,6 +233,9 @@ class DraftConfig:
     tree_top_k: int | None = None
     tree_tokens: int | None = None
     job_corpus: bool = True
+    #: kind "model" only: prompt lookup drafts where its match promises more tokens per
+    #: second than the draft model (marscli.drafters.hybrid; --draft ngram+MODEL)
+    hybrid: bool = False
 
     @property
     def tree(self) -> bool:
@@ -323,7 +327,7 @@ class GenerationOptions:
     max_memory: str | None = _opt(None, "placement", PANEL_MODEL, "With a device map, the most the target may take per device, e.g. '0=20GiB,1=20GiB,cpu=64GiB' (implies --device-map auto).")
     bnb_compute_dtype: str = _opt("auto", "placement", PANEL_MODEL, "dtype of the 4-bit matmuls: auto (= --dtype), float32, bfloat16 or float16.", "--bnb-compute-dtype")
     # drafting
-    draft: str | None = _opt(None, "drafting", PANEL_DRAFT, "Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model (packaged short name, path or hub id), or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).")
+    draft: str | None = _opt(None, "drafting", PANEL_DRAFT, "Drafter: 'ngram' (prompt lookup, default), 'none' (plain decoding), a draft model (packaged short name, path or hub id), 'self' (the target's own weights quantized by --draft-quant), 'ngram+MODEL' (prompt lookup where its match pays more, MODEL elsewhere; MODEL may be self), or 'eagle3:PATH' (an EAGLE-3 head folder / hub id; see docs/drafters.md).")
     num_draft_tokens: int | None = _opt(None, "drafting", PANEL_DRAFT, f"Most draft tokens per step (K); default {DEFAULT_NUM_DRAFT_TOKENS}.", "--num-draft-tokens", "-k", min=1, max=64)
     adaptive: bool | None = _opt(None, "drafting", PANEL_DRAFT, "Choose each row's draft length per step from how often drafts pass and the measured forward costs (default) or always draft K.", "--adaptive/--fixed-k")
     ngram_max: int | None = _opt(None, "drafting", PANEL_DRAFT, "Longest suffix n-gram to match (default 3).", min=1, max=16)

@@ -90,10 +90,11 @@ def wild_costs(slope: float) -> StepCosts:
 
 def make_engine(target, draft, kind: str, rule: Rule, batch_size: int, costs: StepCosts,
                 guard: GuardConfig = GUARD) -> Engine:
-    dcfg = DraftConfig(kind="model" if kind != "ngram" else "ngram", model="x", num_draft_tokens=4)
+    dcfg = DraftConfig(kind="model" if kind != "ngram" else "ngram", model="x", num_draft_tokens=4,
+                       hybrid=kind == "hybrid")
     if kind == "mixed":
         drafters = RowDrafters(lambda: MixedDrafter(target.model, 4))
-    elif kind == "model":
+    elif kind in ("model", "hybrid"):
         drafters = build_drafters(dcfg, target, draft, batch_size=batch_size)
     else:
         drafters = RowDrafters(lambda: build_drafter(dcfg, target))
@@ -118,7 +119,11 @@ def settings_for(rule: Rule, temperature: float) -> list[SamplingParams]:
 
 CASES = [(r, t, kind) for r in RULES for t in (0.0, 0.9) if mode_problem(r.name, t) is None
          for kind in ("mixed", "ngram")] + [(Rule(MARS, 0.3, "prob-ratio"), 0.0, "model"),
-                                            (Rule(STRICT), 0.9, "model")]
+                                            (Rule(STRICT), 0.9, "model"),
+                                            # hybrid drafting: its source, like its lengths,
+                                            # follows the reference curve for these rows
+                                            (Rule(MARS, 0.3, "prob-ratio"), 0.0, "hybrid"),
+                                            (Rule(STRICT), 0.9, "hybrid")]
 
 
 @pytest.mark.parametrize("rule,temperature,kind", CASES,

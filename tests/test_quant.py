@@ -240,6 +240,42 @@ def test_quantization_reaches_spec_fingerprint_and_profile(runner_cli, tiny_mode
     assert r.exit_code != 0 and "--draft-quant applies to a draft model" in r.stderr
 
 
+def test_the_embedded_model_drafts_for_itself_with_int8_weights(runner_cli, use_embedded_cache, tmp_path):
+    """--draft self --draft-quant int8: the float32 target with an int8 copy of itself as its
+    draft model. Strict output is the float32 target's plain decoding; the spec says which
+    copy was quantized."""
+    runner, app = runner_cli
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(
+        ["Write a Python function that checks whether a number is prime.",
+         "Name the planets of the solar system in order."])))
+    outs = {}
+    for name, extra in (("plain", ["--draft", "none"]),
+                        ("self", ["--draft", "self", "--draft-quant", "int8", "--verify", "strict",
+                                  "--num-draft-tokens", "4", "--fixed-k"])):
+        out = tmp_path / f"{name}.jsonl"
+        r = runner.invoke(app, ["generate", str(src), "--max-tokens", "48", "--device", "cpu",
+                                "--dtype", "float32", "-o", str(out), *extra])
+        assert r.exit_code == 0, r.stderr
+        outs[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    for plain, mine in zip(outs["plain"], outs["self"]):
+        assert mine["output"] == plain["output"]
+        assert mine["spec"]["drafter"] == "model"
+        assert mine["spec"]["quantization"] == {"target": None, "draft": CPU_INT8}
+        assert mine["spec"]["accepted"] > 0.8 * mine["spec"]["drafted"] > 0  # an int8 copy agrees
+
+
+def test_draft_self_needs_a_different_quantization(runner_cli, tiny_model_dir, tmp_path):
+    runner, app = runner_cli
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "the cat"}) + "\n")
+    base = ["generate", str(src), "--target", str(tiny_model_dir), "--draft", "self"]
+    r = runner.invoke(app, base)
+    assert r.exit_code != 0 and "--draft self needs --draft-quant" in r.stderr
+    r = runner.invoke(app, [*base, "--quant", "int8", "--draft-quant", "int8"])
+    assert r.exit_code != 0 and "drafts with the target itself" in r.stderr
+
+
 @pytest.fixture
 def runner_cli():
     from typer.testing import CliRunner

@@ -255,7 +255,9 @@ _SCHEMA = _mapping({
         # eagle3 tree drafting (EAGLE's depth, top_k, total tokens); absent or null: chain
         "tree": _nullable(_mapping({"depth": _integer(lo=0), "top_k": _integer(lo=1),
                                     "tokens": _integer(lo=2)})),
-    }, optional=("tree",)),
+        # model only: hybrid drafting, prompt lookup beside the draft model (absent: false)
+        "hybrid": _boolean,
+    }, optional=("tree", "hybrid")),
     "verification": _mapping({
         # the rule (absent in profiles before issue 14: mars) and its knobs (Rule.knobs;
         # mars: margin and theta; the others' knobs only with their rule: _check_verification)
@@ -648,8 +650,9 @@ def same_weights(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return False
 
 
-def drafter_description(kind: str, draft_identity: dict[str, Any] | None) -> dict[str, Any]:
-    return {"kind": kind, "model": identity_for_profile(draft_identity) if draft_identity else None}
+def drafter_description(kind: str, draft_identity: dict[str, Any] | None, hybrid: bool = False) -> dict[str, Any]:
+    return {"kind": kind, "model": identity_for_profile(draft_identity) if draft_identity else None,
+            **({"hybrid": True} if hybrid else {})}
 
 
 def match_problems(profile: Profile, target_identity: dict[str, Any],
@@ -661,7 +664,7 @@ def match_problems(profile: Profile, target_identity: dict[str, Any],
     if not same_weights(prof_target, want):
         return None
     prof_drafter = profile.data["drafter"]
-    if prof_drafter["kind"] != drafter["kind"]:
+    if prof_drafter["kind"] != drafter["kind"] or bool(prof_drafter.get("hybrid")) != bool(drafter.get("hybrid")):
         return None
     if drafter["kind"] in ("model", "eagle3"):  # a draft model or head: the same weights
         if prof_drafter["model"] is None or drafter["model"] is None:

@@ -161,6 +161,7 @@ def build_profile(*, name: str, cal: Calibration, data: MarginData, target_ident
             "ngram_min": draft_cfg.ngram_min if draft_cfg.kind == "ngram" else None,
             **({"tree": {"depth": draft_cfg.tree_depth, "top_k": draft_cfg.tree_top_k,
                          "tokens": draft_cfg.tree_tokens}} if getattr(draft_cfg, "tree", False) else {}),
+            **({"hybrid": True} if getattr(draft_cfg, "hybrid", False) else {}),
         },
         "verification": verification_section(cal, data),
         "policy": {"name": cal.policy, "value": cal.policy_value},

@@ -73,6 +73,9 @@ class DraftOffer:
     available: int  # the most drafts it can propose now (0: none, e.g. no n-gram match)
     alpha: float = 0.0  # its estimate of the per-draft acceptance probability
     probe: bool = False  # the estimate is stale: draft at least one to learn
+    #: its drafts cost nothing to make (a hybrid drafter's prompt-lookup steps): the step
+    #: pays no drafting for this row (choose_draft_lengths' draft_seconds)
+    free: bool = False
 
     @staticmethod
     def none() -> DraftOffer:
@@ -87,7 +90,8 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def choose_draft_lengths(offers: Sequence[DraftOffer], step_seconds: Callable[[int], float],
-                         adaptive: bool = True, critical: Sequence[bool] | None = None) -> list[int]:
+                         adaptive: bool = True, critical: Sequence[bool] | None = None,
+                         draft_seconds: Callable[[int], float] | None = None) -> list[int]:
     """Every row's draft length k_b for one step, maximising the batch's expected goodput.
 
     step_seconds(L): the step's seconds when its longest row drafts L tokens (the target
@@ -107,6 +111,10 @@ def choose_draft_lengths(offers: Sequence[DraftOffer], step_seconds: Callable[[i
     makes every L worth one token, so the batch decodes plainly (no probes either: there is
     little left to learn for).
 
+    draft_seconds(L): the drafting part of step_seconds(L). Given, rows whose offer is
+    ``free`` pay none of it: a step at cap L costs step_seconds(L) - draft_seconds(L) +
+    draft_seconds(L'), L' the longest draft among the other rows.
+
     adaptive=False: every row drafts all it has (a fixed K).
     """
     if not adaptive:
@@ -122,9 +130,15 @@ def choose_draft_lengths(offers: Sequence[DraftOffer], step_seconds: Callable[[i
         tokens = [expected_tokens(o.alpha, min(L, o.available)) for o in counted]
         return min(tokens) if critical is not None else sum(tokens)
 
-    best_L, best = 0, value(0) / step_seconds(0)
+    def seconds(L: int) -> float:
+        if draft_seconds is None or not any(o.free for o in offers):
+            return step_seconds(L)
+        paid = max((min(L, o.available) for o in offers if not o.free), default=0)
+        return step_seconds(L) - draft_seconds(L) + draft_seconds(paid)
+
+    best_L, best = 0, value(0) / seconds(0)
     for L in range(1, longest + 1):
-        rate = value(L) / step_seconds(L)
+        rate = value(L) / seconds(L)
         if rate > best * (1.0 + MIN_GAIN):
             best_L, best = L, rate
     if best_L == 0 and critical is None and any(o.probe and o.available > 0 for o in offers):
@@ -235,6 +249,8 @@ class RowDrafters:
         #: The job's corpus (marscli.drafters.ngram.JobCorpus) the rows' drafters share, if any:
         #: a row's drafter hands it its record when the row leaves (``finish``).
         self.corpus = corpus
+        #: hybrid drafting: the curves every row's HybridDrafter chooses by (the engine fills it)
+        self.hybrid_costs = None
         self.rows: list[Drafter] = []
 
     def _finish(self, rows: list[Drafter]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from marscli.config import DraftConfig
 from marscli.drafters.base import BatchedDrafter, Drafter, RowDrafters
 from marscli.drafters.eagle3 import BatchedEagle3Drafter, Eagle3Drafter, TreeShape
+from marscli.drafters.hybrid import HybridCosts, HybridDrafter
 from marscli.drafters.model import BatchedModelDrafter, ModelDrafter
 from marscli.drafters.ngram import JobCorpus, NgramDrafter, NoDrafter
 from marscli.models.fastpath import install_cpu_fastpath
@@ -19,9 +20,11 @@ def _tree_shape(draft_cfg: DraftConfig):
     return TreeShape(draft_cfg.tree_depth, draft_cfg.tree_top_k, draft_cfg.tree_tokens)
 
 
-def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None) -> Drafter:
+def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None,
+                  costs: HybridCosts | None = None) -> Drafter:
     """One record's drafter for draft_cfg (draft_model: a LoadedModel for kind "model", an
-    EAGLE-3 head for kind "eagle3"; corpus: the job's JobCorpus, for kind "ngram")."""
+    EAGLE-3 head for kind "eagle3"; corpus: the job's JobCorpus, for kind "ngram" and hybrid
+    drafting; costs: the curves a hybrid drafter chooses by)."""
 
     vocab = output_rows(target.model)
     if draft_cfg.kind == "eagle3":
@@ -38,7 +41,12 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None)
         raise ValueError("a model drafter needs a loaded draft model")
     if draft_model.device.type == "cpu":
         install_cpu_fastpath(draft_model.model)
-    return ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, vocab_size=vocab)
+    model = ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, vocab_size=vocab)
+    if not draft_cfg.hybrid:
+        return model
+    ngram = NgramDrafter(draft_cfg.num_draft_tokens, ngram_max=draft_cfg.ngram_max,
+                         ngram_min=draft_cfg.ngram_min, corpus=corpus)
+    return HybridDrafter(ngram, model, costs if costs is not None else HybridCosts())
 
 
 def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_size: int = 1,
@@ -46,16 +54,21 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     """The BatchedDrafter for an engine: at batch size > 1 a draft model (without
     sliding-window layers) or an EAGLE-3 head drafting chains drafts for all rows in one pass
     per position; everything else (and every drafter at batch size 1) runs one drafter per
-    row. job_corpus: n-gram drafters share a JobCorpus of the job's finished records."""
+    row. job_corpus: n-gram drafters share a JobCorpus of the job's finished records.
+    Hybrid drafting (an n-gram drafter and a draft model per row) runs one drafter per row at
+    every batch size; its rows share one HybridCosts (``hybrid_costs``) for the engine to fill."""
     one = build_drafter(draft_cfg, target, draft_model)
     if batch_size > 1 and draft_cfg.kind == "eagle3" and not draft_cfg.tree:
         return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size)
-    if batch_size > 1 and draft_cfg.kind == "model" and not sliding_layers(draft_model.model):
+    if batch_size > 1 and draft_cfg.kind == "model" and not draft_cfg.hybrid and not sliding_layers(draft_model.model):
         # (windowed layers cannot be rolled back per row: those get a ModelDrafter per row)
 
         return BatchedModelDrafter(one.model, one.k_max, vocab_size=one.vocab_size)
     corpus = None
-    if job_corpus and draft_cfg.kind == "ngram":
+    if job_corpus and (draft_cfg.kind == "ngram" or draft_cfg.hybrid):
         corpus = JobCorpus(draft_cfg.ngram_max, draft_cfg.ngram_min)
-    return RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model, corpus),
+    costs = HybridCosts() if draft_cfg.hybrid else None
+    rows = RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model, corpus, costs),
                        feature_layers=one.feature_layers, tree=_tree_shape(draft_cfg), corpus=corpus)
+    rows.hybrid_costs = costs
+    return rows

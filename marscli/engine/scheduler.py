@@ -136,6 +136,9 @@ class Engine:
         self.adaptive = draft_cfg.adaptive
         self.solo_lengths = False  # True: rows choose draft lengths as if alone (calibration)
         self.drained = False  # no record waits for a row: draft lengths aim at the job's end
+        hybrid = getattr(drafters, "hybrid_costs", None)
+        if hybrid is not None:  # hybrid drafters price their source by this engine's curves
+            hybrid.owner = self
         self.prompts = PromptEncoder(target.tokenizer, target.context_length)
         k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
         self.tree = drafters.tree
@@ -425,7 +428,8 @@ class Engine:
         ks = [0] * B
         alone = [b for b, r in enumerate(self.rows) if self.solo_lengths or self.fixed_schedule(r.seq.sampling)]
         for b in alone:
-            ks[b] = choose_draft_lengths([offers[b]], lambda L: self.reference.step(1, L), self.adaptive)[0]
+            ks[b] = choose_draft_lengths([offers[b]], lambda L: self.reference.step(1, L), self.adaptive,
+                                         draft_seconds=lambda L: self.reference.draft(1, L))[0]
         free = sorted(set(range(B)) - set(alone))
         if free:
             critical = None
@@ -434,7 +438,7 @@ class Engine:
                 most = max(left)
                 critical = [n == most for n in left]
             chosen = choose_draft_lengths([offers[b] for b in free], lambda L: self.costs.step(B, L),
-                                          self.adaptive, critical)
+                                          self.adaptive, critical, lambda L: self.costs.draft(B, L))
             for b, k in zip(free, chosen):
                 ks[b] = k
         return [max(min(k, cap), 0) for k, cap in zip(ks, caps)]

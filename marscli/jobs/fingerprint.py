@@ -45,8 +45,10 @@ def run_fingerprint(
     drafter: dict[str, Any] = {"kind": d.kind}
     if d.kind != "none":
         drafter.update(num_draft_tokens=d.num_draft_tokens, adaptive=d.adaptive)
-    if d.kind == "ngram":
+    if d.kind == "ngram" or getattr(d, "hybrid", False):
         drafter.update(ngram_max=d.ngram_max, ngram_min=d.ngram_min)
+    if getattr(d, "hybrid", False):
+        drafter.update(hybrid=True)
     if getattr(d, "tree", False):
         drafter.update(tree={"depth": d.tree_depth, "top_k": d.tree_top_k, "tokens": d.tree_tokens})
     v = verify if verify is not None else cfg.verify

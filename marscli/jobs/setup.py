@@ -71,7 +71,11 @@ DRAFT_NONE = "none"
 DRAFT_NGRAM = "ngram"
 DRAFT_MODEL = "model"
 DRAFT_EAGLE3 = "eagle3"
+#: --draft self: the target's own weights, loaded a second time with --draft-quant.
+DRAFT_SELF = "self"
 EAGLE3_PREFIX = "eagle3:"
+#: --draft ngram+MODEL: hybrid drafting (prompt lookup, else the draft model)
+HYBRID_PREFIX = "ngram+"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATIONS = ("none", "left")
 DEFAULT_NGRAM_MAX = 3
@@ -90,7 +94,8 @@ def _silent(_: str) -> None:
 
 
 def parse_draft(draft: str) -> tuple[str, str | None]:
-    """'none' | 'ngram' | 'eagle3:PATH' | a model path or hub id -> (kind, model)."""
+    """'none' | 'ngram' | 'eagle3:PATH' | 'self' | a model path or hub id -> (kind, model);
+    'self' is a draft model whose source is the target's (``model_configs``)."""
     if draft in (DRAFT_NONE, DRAFT_NGRAM):
         return draft, None
     if draft.startswith(EAGLE3_PREFIX):
@@ -146,11 +151,20 @@ def draft_config(o: GenerationOptions, profile=None) -> DraftConfig:
     if draft is None and pd:
         if pd["kind"] == DRAFT_MODEL:
             draft = (pd["model"] or {}).get("source")
+            if draft and pd.get("hybrid"):
+                draft = HYBRID_PREFIX + draft
         elif pd["kind"] == DRAFT_EAGLE3:
             draft = EAGLE3_PREFIX + str((pd["model"] or {}).get("source"))
         else:
             draft = pd["kind"]
-    kind, model = parse_draft(draft or DRAFT_NGRAM)
+    draft = draft or DRAFT_NGRAM
+    hybrid = draft.startswith(HYBRID_PREFIX)
+    if hybrid:
+        draft = draft[len(HYBRID_PREFIX):]
+        if draft in ("", DRAFT_NONE, DRAFT_NGRAM) or draft.startswith(EAGLE3_PREFIX):
+            raise UsageError("--draft ngram+MODEL needs a draft model (a packaged name, path, "
+                             "hub id or self), e.g. --draft ngram+qwen2.5-coder-0.5b-instruct")
+    kind, model = parse_draft(draft)
     from_profile = bool(pd) and pd["kind"] == kind
     prof_tree = (pd.get("tree") or {}) if from_profile else {}
     if any(v is not None for v in tree) or prof_tree:
@@ -177,6 +191,7 @@ def draft_config(o: GenerationOptions, profile=None) -> DraftConfig:
         pick(o.adaptive, "adaptive", True),
         depth, top_k, tokens,
         o.job_corpus is not False,
+        hybrid,
     )
 
 
@@ -215,7 +230,19 @@ def model_configs(target: str | None, draft: DraftConfig, o: GenerationOptions):
         raise UsageError(f"--draft-quant applies to a draft model; the drafter is {draft.kind}")
     tcfg = ModelConfig(target, o.dtype, o.device, device_map, o.load_in_8bit, o.load_in_4bit, pairs,
                        bnb_compute_dtype, o.offline, quant)
-    dcfg = (ModelConfig(draft.model, o.dtype, o.device, device_map, False, False, None,
+    source = draft.model
+    if draft.model == DRAFT_SELF:
+        # A quantized copy of the target drafts for it: it agrees with the target most of the
+        # time and reads a fraction of its bytes. The same weights as loaded would only
+        # double every step's work, so the copy must differ.
+        if draft_quant is None:
+            raise UsageError("--draft self needs --draft-quant (int8 or 4bit): the target's "
+                             "own weights, quantized, draft for it")
+        if draft_quant == (quant or legacy):
+            raise UsageError(f"--draft self with --draft-quant {draft_quant} and --quant {quant or legacy} "
+                             "drafts with the target itself: quantize the draft copy differently")
+        source = target
+    dcfg = (ModelConfig(source, o.dtype, o.device, device_map, False, False, None,
                         bnb_compute_dtype, o.offline, draft_quant) if draft.model else None)
     return tcfg, dcfg
 
@@ -394,7 +421,7 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
                    auto: bool = True, verify_mode: str | None = None, note: Note = _silent):
     """The profile a generation runs with: the one asked for, else the newest matching one."""
 
-    drafter = drafter_description(draft.kind, draft_loaded.identity if draft_loaded else None)
+    drafter = drafter_description(draft.kind, draft_loaded.identity if draft_loaded else None, draft.hybrid)
     if profile is not None:
         prof = load_profile(profile)
         problems = match_problems(prof, target.identity, drafter)
@@ -444,7 +471,7 @@ def drafter_desc(d: DraftConfig) -> str:
         return "none"
     if d.tree:
         return f"{d.kind} tree (depth {d.tree_depth}, top-k {d.tree_top_k}, {d.tree_tokens} tokens)"
-    return f"{d.kind} (K<={d.num_draft_tokens})"
+    return f"{'ngram+' if d.hybrid else ''}{d.kind} (K<={d.num_draft_tokens})"
 
 
 def verify_desc(v: VerifyConfig) -> str:
@@ -507,7 +534,7 @@ class Generator:
         """The verification fields of every result's `spec`."""
         v = self.verify
         rule = v.rule
-        return {"drafter": self.draft.kind, "verify": v.mode,
+        return {"drafter": self.draft.kind, **({"hybrid": True} if self.draft.hybrid else {}), "verify": v.mode,
                 "theta": v.theta if v.mode == "mars" else None, "margin": v.margin,
                 "knobs": json_knobs(rule),
                 **({"guard": v.guard.to_dict()} if rule.relaxes else {}),
