@@ -591,7 +591,7 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
             "drafter": {"kind": cfg.draft.kind, "model": cfg.draft.model,
                         "num_draft_tokens": cfg.draft.num_draft_tokens, "adaptive": cfg.draft.adaptive,
                         "ngram_max": cfg.draft.ngram_max, "ngram_min": cfg.draft.ngram_min,
-                        **_tree_settings(cfg)},
+                        **({"hybrid": True} if cfg.draft.hybrid else {}), **_tree_settings(cfg)},
             "hf_assisted": bench.hf_assisted,
             "warmup_max_tokens": min(WARMUP_MAX_TOKENS, cfg.max_tokens),
             "batch_sizes": list(cfg.batch_sizes),
