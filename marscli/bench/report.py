@@ -151,8 +151,9 @@ def render_tables(report: dict[str, Any], console) -> None:
     s = report["settings"]
     mode = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']:g}, seeds {s['seeds']}"
     d = s["drafter"]
+    drafter = d["kind"] if d["kind"] != "model" else ("ngram+" if d.get("hybrid") else "") + str(d["model"])
     title = (f"marscli bench: {report['prompts']['used']} prompts, max {s['max_tokens']} tokens, {mode}, "
-             f"drafter {d['kind'] if d['kind'] != 'model' else ('ngram+' if d.get('hybrid') else '') + str(d['model'])} (K<={d['num_draft_tokens']}), "
+             f"drafter {drafter} (K<={d['num_draft_tokens']}), "
              f"target {report['target'].get('name')} on {report['environment']['device']}")
     methods = report["methods"]
     cols = [c for c in TABLE_COLUMNS if any(a.get(c[1]) is not None for a in methods.values())]
