@@ -24,6 +24,10 @@ DEFAULT_NUM_DRAFT_TOKENS = 8
 #: EAGLE-3 tree drafting defaults, EAGLE-3's own (eagle/model/ea_model.py): depth 7, top-k 10,
 #: 60 tokens (the MARS paper's runs: depth 6-7, top-k 10, 50-60 tokens).
 TREE_DEFAULTS = (7, 10, 60)
+#: Draft-model tree defaults (top-k, tokens): the chain plus the draft model's second choice as a
+#: sibling leaf at its least certain positions, 16 tokens in all counting the root (a target
+#: forward over 16 tokens costs about one over 9 with the packed CPU kernel: docs/drafters.md).
+MODEL_TREE_DEFAULTS = (2, 16)
 
 
 @dataclass(frozen=True)
@@ -216,11 +220,16 @@ class DraftConfig:
     num_draft_tokens: the most drafts per step (K). With adaptive=True the engine chooses every
     row's draft length per step (0 included) from its acceptance estimate and the target's
     measured step costs (marscli.drafters.base.choose_draft_lengths, marscli.engine.costs).
-    tree_depth / tree_top_k / tree_tokens (eagle3 only): draft an EAGLE-2 dynamic tree instead
-    of a chain (see marscli.drafters.eagle3.TreeShape); all three or none.
+    tree_depth / tree_top_k / tree_tokens: draft a tree instead of a chain. eagle3: an EAGLE-2
+    dynamic tree (marscli.drafters.eagle3.TreeShape), all three or none. model: the chain the
+    engine chooses the length of, plus the draft model's top-k alternatives as sibling leaves
+    (marscli.drafters.model.SiblingTree): depth None, top_k and tokens set.
     job_corpus (ngram only): under strict verification, fall back on the job's finished
     records when a record's own text has no long match (marscli.drafters.ngram.JobCorpus).
     hybrid (model only): an n-gram drafter beside the draft model, the better one each step.
+    context (model only): the draft model reads only the last `context` prompt tokens (and
+    all it drafts after them), so its prefill of a long prompt costs `context` tokens; None:
+    the whole prompt.
     """
 
     kind: Literal["none", "ngram", "model", "eagle3"] = "ngram"
@@ -236,10 +245,17 @@ class DraftConfig:
     #: kind "model" only: prompt lookup drafts where its match promises more tokens per
     #: second than the draft model (marscli.drafters.hybrid; --draft ngram+MODEL)
     hybrid: bool = False
+    context: int | None = None
 
     @property
     def tree(self) -> bool:
-        return self.tree_depth is not None
+        return self.tree_tokens is not None
+
+    @property
+    def sibling_tree(self) -> bool:
+        """A draft model's tree (its chain with sibling leaves): the engine chooses the chain's
+        length per step by measured costs, as for a chain."""
+        return self.tree and self.kind == "model"
 
 
 @dataclass(frozen=True)
@@ -332,9 +348,10 @@ class GenerationOptions:
     adaptive: bool | None = _opt(None, "drafting", PANEL_DRAFT, "Choose each row's draft length per step from how often drafts pass and the measured forward costs (default) or always draft K.", "--adaptive/--fixed-k")
     ngram_max: int | None = _opt(None, "drafting", PANEL_DRAFT, "Longest suffix n-gram to match (default 3).", min=1, max=16)
     ngram_min: int | None = _opt(None, "drafting", PANEL_DRAFT, "Shortest suffix n-gram to match (default 1).", min=1, max=16)
-    tree_depth: int | None = _opt(None, "drafting", PANEL_DRAFT, "EAGLE-3 tree drafting: expansions after the first top-k (EAGLE's depth; paths hold up to depth+1 drafts). Any --tree-* option turns tree drafting on (default depth 7).", min=0, max=32)
-    tree_top_k: int | None = _opt(None, "drafting", PANEL_DRAFT, "EAGLE-3 tree drafting: children per expanded node and nodes expanded per level (default 10).", min=1, max=64)
-    tree_tokens: int | None = _opt(None, "drafting", PANEL_DRAFT, "EAGLE-3 tree drafting: tokens per tree counting the root, i.e. tokens-1 draft nodes (EAGLE's total_token; default 60).", min=2, max=1024)
+    tree_depth: int | None = _opt(None, "drafting", PANEL_DRAFT, "EAGLE-3 tree drafting: expansions after the first top-k (EAGLE's depth; paths hold up to depth+1 drafts). Any --tree-* option turns tree drafting on (default depth 7). A draft model's tree has the depth of its chain (up to --num-draft-tokens).", min=0, max=32)
+    tree_top_k: int | None = _opt(None, "drafting", PANEL_DRAFT, "Tree drafting. EAGLE-3: children per expanded node and nodes expanded per level (default 10). Draft model: its top-k tokens per chain position, the first on the chain and the others as sibling leaves (default 2).", min=1, max=64)
+    tree_tokens: int | None = _opt(None, "drafting", PANEL_DRAFT, "Tree drafting: tokens per tree counting the root, i.e. tokens-1 draft nodes (EAGLE-3: EAGLE's total_token, default 60; draft model: chain plus its likeliest siblings, default 16).", min=2, max=1024)
+    draft_context: int | None = _opt(None, "drafting", PANEL_DRAFT, "A draft model reads only the last N prompt tokens (and everything generated): its prefill of a long prompt costs N tokens. Default: the whole prompt. Strict output is unchanged.", min=1, max=1 << 20)
     job_corpus: bool | None = _opt(None, "drafting", PANEL_DRAFT, "Strict greedy records: the n-gram drafter also drafts from the job's finished records (default on; outputs are the same either way, the drafts' statistics are not). Sampled records, relaxed rules and calibrate never draft from it.", "--job-corpus/--no-job-corpus")
     margin: str | None = _opt(None, "drafting", PANEL_VERIFY, "Margin statistic: 'logit-ratio' (z2/z1, the paper's; default) or 'prob-ratio' (p2/p1).")
     # the loop guard

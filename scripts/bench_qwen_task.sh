@@ -12,6 +12,7 @@
 #   MAX_TOKENS  (default: humaneval 384, gsm8k 320, sum 128)
 #   PROMPTS_DIR (default ../shared/data/prompts, relative to the repository root)
 #   PYTHON      (default python)
+#   EXTRA_ARGS  further bench options, split on spaces (e.g. "--draft-quant int8")
 #   SKIP        leave out the first SKIP records, i.e. measure records SKIP+1 .. SKIP+N (default 0),
 #               so that a long table can be measured in chunks, one per session, and merged with
 #               scripts/merge_bench_reports.py; the report is then bench-TASK-SKIP+N.json
@@ -56,6 +57,8 @@ args=(bench "$prompts" --limit "$n" --task "$task"
       --methods "${METHODS:-ar,strict,mars}" --theta "${THETAS:-0.9}"
       --max-tokens "${MAX_TOKENS:-$default_max}" --dtype float32 --device cpu --report "$report")
 if [ -n "${PROFILE:-}" ]; then args+=(--profile "$PROFILE"); fi
+# shellcheck disable=SC2206  # word splitting is the point: a list of options
+if [ -n "${EXTRA_ARGS:-}" ]; then args+=(${EXTRA_ARGS}); fi
 nohup bash -c 'start=$(date +%s); "$0" -m marscli "$@"; rc=$?; echo "wall seconds: $(( $(date +%s) - start )), exit code: $rc"' \
   "${PYTHON:-python}" "${args[@]}" > "$log" 2>&1 < /dev/null &
 echo "$!"

@@ -158,6 +158,35 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> 
     )
 
 
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    """The tiny target loaded float32 on the CPU, once per module (an engine patches its CPU
+    kernels: compare with ``oracle``, never with this model's own generate())."""
+    from marscli.config import ModelConfig
+    from marscli.models.loading import load_model
+
+    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft_dir):
+    """The tiny draft model loaded float32 on the CPU, once per module."""
+    from marscli.config import ModelConfig
+    from marscli.models.loading import load_model
+
+    return load_model(ModelConfig(str(tiny_draft_dir), dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model_dir):
+    """The target's weights loaded apart by transformers alone: the engine patches its model's
+    CPU kernels (fastpath), and the oracle must not share those patches."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_factory():
     """make_tiny_model_dir(path, seed, layers, vocab_pad=0, tokenizer=None) -> path."""

@@ -13,12 +13,11 @@ import torch
 
 import marscli.engine.scheduler as scheduler_mod
 import marscli.models.kvcache as kv_mod
-from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.config import DraftConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import RowDrafters
 from marscli.drafters.factory import build_drafter, build_drafters
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import FINISH_STOP, RecordFailure
-from marscli.models.loading import load_model
 
 # Very different lengths: one token, a few, and a long repetitive one that ngram drafts well.
 PROMPTS = [
@@ -31,16 +30,6 @@ PROMPTS = [
 ]
 STRICT = VerifyConfig()
 MARS = VerifyConfig("mars", 0.3, "prob-ratio")
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir):
-    return load_model(ModelConfig(str(tiny_draft_dir), dtype="float32", device="cpu"))
 
 
 def ngram_cfg(k: int = 4, adaptive: bool = False) -> DraftConfig:

@@ -36,11 +36,10 @@ from marscli.calibration.profiles import (
     user_profile_dir,
 )
 from marscli.calibration.report import build_profile
-from marscli.config import DraftConfig, GuardConfig, ModelConfig, SamplingParams
+from marscli.config import DraftConfig, GuardConfig, SamplingParams
 from marscli.drafters.base import RowDrafters
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
-from marscli.models.loading import load_model
 from marscli.verification.chain import verify
 from marscli.verification.registry import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
 
@@ -128,11 +127,6 @@ def test_replay_with_guard_and_budget_equals_the_guarded_verifier(name):
                 made += int(r.relaxed.sum())
             assert rep.num_accepted.tolist() == want, (share, rule.label())
             assert rep.relaxed == made
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
 
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog", "one two three four five six seven",

@@ -14,13 +14,12 @@ import dataclasses
 import pytest
 import torch
 
-from marscli.config import GUARD_OFF, DraftConfig, GuardConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.config import GUARD_OFF, DraftConfig, GuardConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, Proposal, RowDrafters
 from marscli.drafters.factory import build_drafter, build_drafters
 from marscli.engine.costs import StepCosts, reference_costs, static_costs
 from marscli.engine.provenance import RELAXED
 from marscli.engine.scheduler import Engine
-from marscli.models.loading import load_model
 from marscli.verification.chain import verify
 from marscli.verification.registry import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule, mode_problem
 from marscli.verification.rules import stop_positions, top2
@@ -37,16 +36,6 @@ PROMPTS = [
 RULES = [Rule(STRICT), Rule(MARS, 0.3, "prob-ratio"), Rule(RATIO, rho=0.3), Rule(TOPK, top_n=3, delta=0.3),
          Rule(TYPICAL, epsilon=0.3), Rule(REGRET, budget=2.0)]
 GUARD = GuardConfig(repeat_ngram=0, max_relaxed_share=1.0, strict_first=0, strict_stops=False)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir):
-    return load_model(ModelConfig(str(tiny_draft_dir), dtype="float32", device="cpu"))
 
 
 class MixedDrafter(DrafterBase):
@@ -91,10 +80,10 @@ def wild_costs(slope: float) -> StepCosts:
 def make_engine(target, draft, kind: str, rule: Rule, batch_size: int, costs: StepCosts,
                 guard: GuardConfig = GUARD) -> Engine:
     dcfg = DraftConfig(kind="model" if kind != "ngram" else "ngram", model="x", num_draft_tokens=4,
-                       hybrid=kind == "hybrid")
+                       hybrid=kind == "hybrid", context=8 if kind == "window" else None)
     if kind == "mixed":
         drafters = RowDrafters(lambda: MixedDrafter(target.model, 4))
-    elif kind in ("model", "hybrid"):
+    elif kind in ("model", "hybrid", "window"):
         drafters = build_drafters(dcfg, target, draft, batch_size=batch_size)
     else:
         drafters = RowDrafters(lambda: build_drafter(dcfg, target))
@@ -123,7 +112,9 @@ CASES = [(r, t, kind) for r in RULES for t in (0.0, 0.9) if mode_problem(r.name,
                                             # hybrid drafting: its source, like its lengths,
                                             # follows the reference curve for these rows
                                             (Rule(MARS, 0.3, "prob-ratio"), 0.0, "hybrid"),
-                                            (Rule(STRICT), 0.9, "hybrid")]
+                                            (Rule(STRICT), 0.9, "hybrid"),
+                                            # a draft model reading an 8-token prompt window
+                                            (Rule(MARS, 0.3, "prob-ratio"), 0.0, "window")]
 
 
 @pytest.mark.parametrize("rule,temperature,kind", CASES,

@@ -8,7 +8,7 @@ import json
 import pytest
 
 import marscli.engine.costs as costs_mod
-from marscli.config import DraftConfig, ModelConfig, VerifyConfig
+from marscli.config import DraftConfig, VerifyConfig
 from marscli.engine import build_engine
 from marscli.engine.costs import (
     COSTS_ENV,
@@ -27,12 +27,6 @@ from marscli.models.fastpath import (
     PACKED_FROM,
     packed_enabled,
 )
-from marscli.models.loading import load_model
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
 
 
 @pytest.fixture

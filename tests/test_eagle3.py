@@ -616,7 +616,7 @@ def test_cli_generate_chain_and_tree(target_dir, fitted_dir, references, tmp_pat
 
 @pytest.mark.parametrize("args,fragment", [
     (["--tree-depth", "3", "--batch-size", "2"], "tree drafting runs one record at a time"),
-    (["--draft", "ngram", "--tree-depth", "3"], "need an EAGLE-3 drafter"),
+    (["--draft", "ngram", "--tree-depth", "3"], "need a draft model (--draft MODEL) or an EAGLE-3 drafter"),
     (["--draft", "eagle3:"], "needs the head's folder"),
 ])
 def test_cli_usage_errors(target_dir, fitted_dir, tmp_path, args, fragment):

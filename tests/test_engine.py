@@ -20,6 +20,7 @@ from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import FINISH_LENGTH, FINISH_STOP
 from marscli.models.loading import load_model
 from marscli.verification.rules import margin_statistic, top2
+from tests.oracles import hf_greedy
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -30,38 +31,11 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_model_dir):
-    """The same weights, loaded apart: the engine patches its model's CPU kernels (fastpath),
-    and the oracle must not share those patches."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir):
-    return load_model(ModelConfig(str(tiny_draft_dir), dtype="float32", device="cpu"))
-
-
 def make_engine(target, kind: str, draft_loaded=None, *, k: int = 4, adaptive: bool = False,
                 verify: VerifyConfig = VerifyConfig()) -> Engine:
     cfg = DraftConfig(kind=kind, num_draft_tokens=k, adaptive=adaptive,
                       model="x" if kind == "model" else None)
     return build_engine(target, draft_loaded, verify, cfg)
-
-
-def hf_greedy(oracle, ids: list[int], max_new: int) -> list[int]:
-    out = oracle.generate(
-        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        do_sample=False, max_new_tokens=max_new, pad_token_id=oracle.generation_config.pad_token_id,
-    )
-    return out[0, len(ids):].tolist()
 
 
 def encode(target, text: str) -> list[int]:

@@ -10,17 +10,16 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.config import DraftConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import DraftOffer, RowDrafters, choose_draft_lengths, expected_tokens
 from marscli.drafters.factory import build_drafter
 from marscli.drafters.hybrid import HybridCosts, HybridDrafter, best_rate
 from marscli.engine import build_engine
 from marscli.engine.costs import StepCosts
 from marscli.engine.scheduler import Engine
-from marscli.models.loading import load_model
 from marscli.verification.registry import Rule
+from tests.oracles import hf_greedy
 
 PROMPTS = [
     "hello world, hello marscli; the cat sat on the mat. hello world, hello",
@@ -110,25 +109,8 @@ def test_free_offers_pay_no_drafting_in_the_length_choice():
 # --- in the engine ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir):
-    return load_model(ModelConfig(str(tiny_draft_dir), dtype="float32", device="cpu"))
-
-
-def _hf_greedy(model, ids: list[int], max_new: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=max_new,
-                         pad_token_id=model.generation_config.pad_token_id)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.mark.parametrize("draft_share", [0.02, 0.9])
-def test_strict_hybrid_drafting_is_plain_decoding_and_uses_both_sources(target, draft, draft_share):
+def test_strict_hybrid_drafting_is_plain_decoding_and_uses_both_sources(target, draft, oracle, draft_share):
     cfg = DraftConfig(kind="model", model="x", num_draft_tokens=4, hybrid=True)
     made: list[HybridDrafter] = []
     costs = HybridCosts()
@@ -144,7 +126,7 @@ def test_strict_hybrid_drafting_is_plain_decoding_and_uses_both_sources(target, 
         ids = target.tokenizer(text).input_ids
         res = engine.generate_ids(ids, SamplingParams(max_tokens=40))
         assert res.token_ids == plain.generate_ids(ids, SamplingParams(max_tokens=40)).token_ids, text
-        assert res.token_ids == _hf_greedy(target.model, ids, 40), text
+        assert res.token_ids == hf_greedy(oracle, ids, 40), text
     assert all(isinstance(d, HybridDrafter) for d in made)
     steps = {src: sum(d.steps[src] for d in made) for src in ("ngram", "model")}
     assert steps["ngram"] > 0 and steps["model"] > 0, steps

@@ -22,6 +22,7 @@ from marscli.errors import ModelLoadError
 from marscli.models import quant
 from marscli.models.loading import load_model
 from marscli.models.quant import CPU_INT8, Int8Linear, Int8Slice, quantize_int8, weight_bytes
+from tests.oracles import hf_greedy
 
 pytestmark = pytest.mark.skipif(not quant.int8_available(), reason="this torch build has no fbgemm")
 
@@ -121,13 +122,6 @@ def draft8(tiny_draft_dir):
     return load_model(ModelConfig(str(tiny_draft_dir), dtype="float32", device="cpu", quant="int8"))
 
 
-def _hf_greedy(model, ids: list[int], max_new: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=max_new,
-                         pad_token_id=model.generation_config.pad_token_id)
-    return out[0, len(ids):].tolist()
-
-
 def _engine(target, kind, draft=None, k=4):
     cfg = DraftConfig(kind=kind, num_draft_tokens=k, adaptive=False, model="x" if kind == "model" else None)
     return build_engine(target, draft, VerifyConfig(), cfg)
@@ -162,7 +156,7 @@ def test_strict_speculation_on_an_int8_target_is_its_plain_decoding(target8, dra
         ids = target8.tokenizer(text).input_ids
         res = engine.generate_ids(ids, SamplingParams(max_tokens=40))
         assert res.token_ids == plain.generate_ids(ids, SamplingParams(max_tokens=40)).token_ids, text
-        assert res.token_ids == _hf_greedy(target8.model, ids, 40), text
+        assert res.token_ids == hf_greedy(target8.model, ids, 40), text
         drafted += res.stats.drafted
     assert kind == "none" or drafted > 0
 
@@ -190,7 +184,7 @@ def test_the_embedded_model_int8_strict_is_its_plain_decoding(use_embedded_cache
         ids = ids if isinstance(ids, list) else list(ids["input_ids"])
         a = ngram.generate_ids(ids, SamplingParams(max_tokens=64))
         assert a.token_ids == plain.generate_ids(ids, SamplingParams(max_tokens=64)).token_ids
-        assert a.token_ids == _hf_greedy(model, ids, 64)
+        assert a.token_ids == hf_greedy(model, ids, 64)
 
 
 # --- options and errors ---------------------------------------------------------------------

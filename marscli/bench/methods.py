@@ -17,9 +17,10 @@ Methods, all on the same target, drafter, prompts, max tokens, temperature and s
   fitted on a calibration split so that all relax the same share S of verified positions,
   and the spellings may leave that knob out: ``mars``, ``ratio``, ``topk`` / ``topk@N``,
   ``typical`` / ``typical@E:A`` (an explicit A stays fixed), ``regret``.
-- ``strict-tree`` and ``mars-tree@THETA`` (EAGLE-3 drafters only): the same with the head
-  drafting an EAGLE-2 dynamic tree (the --tree-* settings, else EAGLE-3's defaults) instead of
-  a chain, so chain and tree compare side by side. ``strict``/``mars`` then draft chains.
+- ``strict-tree`` and ``mars-tree@THETA`` (a draft model or an EAGLE-3 head): the same with
+  the drafter drafting a tree (the --tree-* settings, else the drafter's defaults: an EAGLE-2
+  dynamic tree from a head, the chain with sibling leaves from a draft model) instead of a
+  chain, so chain and tree compare side by side. ``strict``/``mars`` then draft chains.
 
 Protocol: every method runs once on the first prompt (warm-up, not measured); then, per seed
 and per prompt, every method runs once, the order rotating from prompt to prompt, so machine
@@ -288,8 +289,9 @@ def check_config(cfg: BenchConfig) -> None:
             raise UsageError(f"{', '.join(greedy_only)}: the rule is defined for greedy decoding only; "
                              "drop it from --methods or use --temperature 0")
     trees = [m.name for m in cfg.methods if m.kind in TREE_METHODS]
-    if trees and cfg.draft.kind != "eagle3":
-        raise UsageError(f"{', '.join(trees)} draft trees with an EAGLE-3 head: --draft eagle3:PATH")
+    if trees and cfg.draft.kind not in ("eagle3", "model"):
+        raise UsageError(f"{', '.join(trees)} draft trees with a draft model or an EAGLE-3 head: "
+                         "--draft MODEL or --draft eagle3:PATH")
     if cfg.draft.kind == "eagle3" and any(m.kind == HF_ASSISTED for m in cfg.methods):
         raise UsageError("transformers has no assisted generation with an EAGLE-3 head: drop "
                          "hf-assisted from --methods")

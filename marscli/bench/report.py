@@ -153,7 +153,8 @@ def render_tables(report: dict[str, Any], console) -> None:
     d = s["drafter"]
     drafter = d["kind"] if d["kind"] != "model" else ("ngram+" if d.get("hybrid") else "") + str(d["model"])
     title = (f"marscli bench: {report['prompts']['used']} prompts, max {s['max_tokens']} tokens, {mode}, "
-             f"drafter {drafter} (K<={d['num_draft_tokens']}), "
+             f"drafter {drafter} (K<={d['num_draft_tokens']}"
+             f"{', prompt window ' + str(d['context']) if d.get('context') else ''}), "
              f"target {report['target'].get('name')} on {report['environment']['device']}")
     methods = report["methods"]
     cols = [c for c in TABLE_COLUMNS if any(a.get(c[1]) is not None for a in methods.values())]

@@ -252,8 +252,9 @@ _SCHEMA = _mapping({
         "adaptive": _boolean,
         "ngram_max": _nullable(_integer(lo=1)),
         "ngram_min": _nullable(_integer(lo=1)),
-        # eagle3 tree drafting (EAGLE's depth, top_k, total tokens); absent or null: chain
-        "tree": _nullable(_mapping({"depth": _integer(lo=0), "top_k": _integer(lo=1),
+        # tree drafting (absent or null: chains): eagle3, EAGLE's depth, top_k, total tokens;
+        # model, depth null (the chain's length is chosen per step), top_k and total tokens
+        "tree": _nullable(_mapping({"depth": _nullable(_integer(lo=0)), "top_k": _integer(lo=1),
                                     "tokens": _integer(lo=2)})),
         # model only: hybrid drafting, prompt lookup beside the draft model (absent: false)
         "hybrid": _boolean,

@@ -6,7 +6,7 @@ from marscli.config import DraftConfig
 from marscli.drafters.base import BatchedDrafter, Drafter, RowDrafters
 from marscli.drafters.eagle3 import BatchedEagle3Drafter, Eagle3Drafter, TreeShape
 from marscli.drafters.hybrid import HybridCosts, HybridDrafter
-from marscli.drafters.model import BatchedModelDrafter, ModelDrafter
+from marscli.drafters.model import BatchedModelDrafter, ModelDrafter, SiblingTree
 from marscli.drafters.ngram import JobCorpus, NgramDrafter, NoDrafter
 from marscli.models.fastpath import install_cpu_fastpath
 from marscli.models.kvcache import sliding_layers
@@ -14,9 +14,12 @@ from marscli.models.quant import output_rows
 
 
 def _tree_shape(draft_cfg: DraftConfig):
-
+    """The tree the drafter drafts (None: chains): an EAGLE-2 dynamic tree for an EAGLE-3
+    head, a chain with sibling leaves for a draft model (hybrid included)."""
     if not draft_cfg.tree:
         return None
+    if draft_cfg.sibling_tree:
+        return SiblingTree(draft_cfg.num_draft_tokens, draft_cfg.tree_top_k, draft_cfg.tree_tokens)
     return TreeShape(draft_cfg.tree_depth, draft_cfg.tree_top_k, draft_cfg.tree_tokens)
 
 
@@ -41,7 +44,8 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None,
         raise ValueError("a model drafter needs a loaded draft model")
     if draft_model.device.type == "cpu":
         install_cpu_fastpath(draft_model.model)
-    model = ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, vocab_size=vocab)
+    model = ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, vocab_size=vocab,
+                         tree=_tree_shape(draft_cfg), context=draft_cfg.context)
     if not draft_cfg.hybrid:
         return model
     ngram = NgramDrafter(draft_cfg.num_draft_tokens, ngram_max=draft_cfg.ngram_max,
@@ -60,10 +64,11 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     one = build_drafter(draft_cfg, target, draft_model)
     if batch_size > 1 and draft_cfg.kind == "eagle3" and not draft_cfg.tree:
         return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size)
-    if batch_size > 1 and draft_cfg.kind == "model" and not draft_cfg.hybrid and not sliding_layers(draft_model.model):
+    if (batch_size > 1 and draft_cfg.kind == "model" and not draft_cfg.hybrid and not draft_cfg.tree
+            and not sliding_layers(draft_model.model)):
         # (windowed layers cannot be rolled back per row: those get a ModelDrafter per row)
 
-        return BatchedModelDrafter(one.model, one.k_max, vocab_size=one.vocab_size)
+        return BatchedModelDrafter(one.model, one.k_max, vocab_size=one.vocab_size, context=draft_cfg.context)
     corpus = None
     if job_corpus and (draft_cfg.kind == "ngram" or draft_cfg.hybrid):
         corpus = JobCorpus(draft_cfg.ngram_max, draft_cfg.ngram_min)

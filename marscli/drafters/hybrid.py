@@ -126,6 +126,18 @@ class HybridDrafter(DrafterBase):
         self.steps[self.source] += 1
         return (self.ngram if self.source == "ngram" else self.model).propose(seq, k)
 
+    def propose_tree(self, seq: list[int], k: int) -> tuple[list[int], list[int], list[float]]:
+        """With draft-model trees: the n-gram's match as a chain tree, or the model's tree."""
+        if k <= 0:
+            return [], [], []
+        if self.source is None:
+            self.offer(seq, k)
+        self.steps[self.source] += 1
+        if self.source == "model":
+            return self.model.propose_tree(seq, k)
+        tokens = self.ngram.propose(seq, k).tokens
+        return tokens, list(range(-1, len(tokens) - 1)), [1.0] * len(tokens)
+
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
         # The source that drafted learns its outcome; the other one idles (the model) or
         # checks its match's first token for free (the n-gram).

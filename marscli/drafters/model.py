@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from marscli.config import SamplingParams
@@ -43,15 +45,72 @@ def draft_token(logits: torch.Tensor, sampling: SamplingParams,
     return int(sample_from(q, u)[0]), q[0]
 
 
-class DraftModelSettings:
-    """What every draft-model drafter holds: the model, its device, K and the target's
-    vocabulary width (draft probabilities are padded or cut to it)."""
+@dataclass(frozen=True)
+class SiblingTree:
+    """A draft model's tree: the chain it drafts anyway (the engine chooses its length, up to
+    ``k_max``, as for a chain) plus, at its least certain positions, its next choices as
+    sibling leaves, ``tokens`` tokens in all counting the root.
 
-    def __init__(self, model, k_max: int, *, vocab_size: int | None = None):
+    Siblings cost no draft forward (they come from the logits the chain was drafted from) and
+    little verification (a target forward over 16 tokens costs about one over 9 with the
+    packed CPU kernel), so a step whose chain token the target rejects still keeps the
+    position when the target's choice was the draft's second. Candidates are ranked as EAGLE
+    ranks tree nodes, by the draft model's probability of reaching them: the product of its
+    top-1 probabilities before the position times the sibling's own probability.
+    """
+
+    k_max: int
+    top_k: int = 2
+    tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.k_max < 1 or self.top_k < 1 or self.tokens < 2:
+            raise ValueError(f"a draft-model tree needs K >= 1, top-k >= 1 and tokens >= 2, got {self}")
+
+    @property
+    def max_path(self) -> int:
+        return self.k_max
+
+    #: the engine chooses each step's chain length (Engine.draft_lengths), as for a chain
+    chooses_length = True
+
+    def build(self, chain: list[int],
+              alternatives: list[tuple[float, int, int]]) -> tuple[list[int], list[int], list[float]]:
+        """The tree of a drafted chain: (tokens, parents, scores), parents first.
+
+        chain: the k chain tokens (node i under node i - 1); alternatives: (score, position,
+        token) candidates for siblings of chain node `position`. The likeliest fill the
+        nodes left after the chain (ties: the earlier position first), in position order."""
+        k = len(chain)
+        room = max(self.tokens - 1 - k, 0)
+        picked = sorted(alternatives, key=lambda a: (-a[0], a[1]))[:room]
+        picked.sort(key=lambda a: a[1])
+        tokens = list(chain) + [tok for _, _, tok in picked]
+        parents = list(range(-1, k - 1)) + [pos - 1 for _, pos, _ in picked]
+        scores = [1.0] * k + [score for score, _, _ in picked]
+        return tokens, parents, scores
+
+
+def prompt_offset(prompt_len: int, context: int | None) -> int:
+    """Where a draft model with a prompt window of `context` tokens starts reading a prompt of
+    prompt_len tokens (0: all of it). The window never includes the prompt's last token, which
+    every draft feeds anyway; so a prompt shorter than context + 1 is read whole."""
+    if context is None:
+        return 0
+    return max(prompt_len - 1 - context, 0)
+
+
+class DraftModelSettings:
+    """What every draft-model drafter holds: the model, its device, K, the target's vocabulary
+    width (draft probabilities are padded or cut to it) and its prompt window (``context``:
+    the draft model reads a record from ``prompt_offset`` on; None: from its start)."""
+
+    def __init__(self, model, k_max: int, *, vocab_size: int | None = None, context: int | None = None):
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.k_max = k_max
         self.vocab_size = vocab_size
+        self.context = context
 
 
 class ModelDrafter(DraftModelSettings, DrafterBase):
@@ -65,8 +124,10 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
 
     name = "model"
 
-    def __init__(self, model, k_max: int, **kw):
+    def __init__(self, model, k_max: int, *, tree: SiblingTree | None = None, **kw):
         super().__init__(model, k_max, **kw)
+        self.tree = tree
+        self.offset = 0
         self.sampling = SamplingParams()
         self.generator: torch.Generator | None = None
         self.cache = None
@@ -80,6 +141,7 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
         self.cache = new_cache(self.model)
         self.cached = []
         self.tracker = AcceptanceTracker()
+        self.offset = prompt_offset(len(prompt_ids), self.context)  # what the draft model skips
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -93,6 +155,7 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
     def propose(self, seq: list[int], k: int) -> Proposal:
         if k <= 0:
             return Proposal([])
+        seq = seq[self.offset:]  # what the draft model reads (its prompt window on)
         # Bring the cache up to the committed sequence (at least the last token is new).
         common = reusable_prefix(self.cached, seq)
         rollback(self.cache, common)
@@ -109,6 +172,36 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
                 logits = fit_vocab(self._forward([tok]), self.vocab_size)
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
+    def propose_tree(self, seq: list[int], k: int) -> tuple[list[int], list[int], list[float]]:
+        """A SiblingTree after seq with a chain of k: the chain is the draft model's argmax at
+        every position, greedy or sampling alike (the tree's nodes are deterministic drafts, so
+        the tree walk's one-hot rejection keeps the target's law exact), and each position
+        offers its next top-k - 1 tokens as siblings (SiblingTree.build)."""
+        assert self.tree is not None, "this drafter drafts chains"
+        if k <= 0:
+            return [], [], []
+        seq = seq[self.offset:]  # what the draft model reads (its prompt window on)
+        common = reusable_prefix(self.cached, seq)
+        rollback(self.cache, common)
+        del self.cached[common:]
+        logits = fit_vocab(self._forward(seq[common:]), self.vocab_size)
+        chain: list[int] = []
+        alternatives: list[tuple[float, int, int]] = []
+        reach = 1.0  # the draft model's probability of its own chain so far
+        extra = self.tree.top_k - 1
+        for i in range(k):
+            tok = int(logits.argmax())
+            probs = torch.softmax(logits.float(), dim=-1)
+            if extra > 0:
+                top = torch.topk(probs, extra + 1)
+                alts = [(float(p), int(t)) for p, t in zip(top.values, top.indices) if int(t) != tok and p > 0][:extra]
+                alternatives += [(reach * p, i, t) for p, t in alts]
+            reach *= float(probs[tok])
+            chain.append(tok)
+            if i + 1 < k:
+                logits = fit_vocab(self._forward([tok]), self.vocab_size)
+        return self.tree.build(chain, alternatives)
+
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
         self.tracker.update(proposed, accepted)
 
@@ -122,6 +215,7 @@ class _Row:
         self.generator = generator
         self.tracker = AcceptanceTracker()
         self.cached: list[int] = []  # tokens whose keys/values are valid in the row's cache
+        self.offset = 0  # where the draft model starts reading the record (prompt_offset)
 
 
 class BatchedModelDrafter(DraftModelSettings):
@@ -150,7 +244,8 @@ class BatchedModelDrafter(DraftModelSettings):
                 generator: torch.Generator | None) -> None:
         """Prefill the new row's prompt but its last token, alone, and append the row."""
         row = _Row(self, sampling, generator)
-        row.cached = list(prompt_ids[:-1])
+        row.offset = prompt_offset(len(prompt_ids), self.context)
+        row.cached = list(prompt_ids[row.offset:-1])
         self.kv.add_prefilled(row.cached)
         self.rows.append(row)
 
@@ -200,6 +295,7 @@ class BatchedModelDrafter(DraftModelSettings):
                 catch.append([])
                 continue
             # Bring the row's cache up to its committed sequence (at least the last token is new).
+            seq = seq[h.offset:]
             common = reusable_prefix(h.cached, seq)
             if common < len(h.cached):
                 self.kv.truncate_row(b, common)

@@ -49,7 +49,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     engine.solo_lengths = solo_lengths
     if draft_cfg.kind != "none":
         engine.reference = reference_costs(draft_ratio(target.model, draft_model))
-    if draft_cfg.kind != "none" and draft_cfg.adaptive and not draft_cfg.tree:
+    if draft_cfg.kind != "none" and draft_cfg.adaptive and (not draft_cfg.tree or draft_cfg.sibling_tree):
         try:  # after the engine installed its CPU kernels: the costs of the forwards it runs
             engine.costs = step_costs(target, draft_model, draft_cfg.kind, batch_size,
                                       note=note or (lambda _: None))

@@ -4,8 +4,9 @@ Per step, for all active rows at once: the drafter proposes (``BatchedDrafter.pr
 target scores [pending, drafts] of every row in ONE forward pass over the shared cache, the
 rulebook verifies every row in ONE call (``marscli.verification.chain.verify_rows``, per-row draft
 lengths), the verdicts come to the host in ONE transfer, and each row commits its own
-(``Sequence.commit``). A tree step (EAGLE-3 ``--tree-*``, batch size 1) takes the same path
-with one tree forward and ``verify_tree``.
+(``Sequence.commit``). A tree step (``--tree-*``: an EAGLE-3 head's tree, or a draft model's
+chain with sibling leaves; batch size 1) takes the same path with one tree forward and
+``verify_tree``.
 
 - Every step the rows' drafters offer what they could draft (``BatchedDrafter.offers``) and
   the engine picks every row's k_b (``choose_draft_lengths``): strict greedy rows together,
@@ -403,6 +404,9 @@ class Engine:
         caps = [r.seq.k_cap() for r in self.rows]
         if self.tree is not None:
             r = self.rows[0]
+            if getattr(self.tree, "chooses_length", False) and caps[0] > 0:
+                # a draft model's tree: its chain's length is chosen as a chain's would be
+                caps = self.draft_lengths(self.drafters.offers([r.seq.seq], caps), caps)
             tokens, parents, _ = self.drafters.propose_tree(0, r.seq.seq, caps[0]) if caps[0] > 0 else ([], [], [])
             if tokens:
                 return self._tree_step(tokens, parents)

@@ -35,9 +35,10 @@ from marscli.models.kvcache import cache_kw, check_plain_layers
 from marscli.verification.tree import DraftTree
 
 #: Attention implementations known to take the additive 4D float mask as is.
-#: marscli_gqa_sdpa is marscli's CPU attention (marscli.models.fastpath): torch's SDPA, which takes
-#: the same additive float mask.
-TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "marscli_gqa_sdpa")
+#: marscli_gqa_sdpa and marscli_f64_sdpa are marscli's CPU attentions (marscli.models.fastpath, and
+#: int8 models' float64 one in marscli.models.quant): torch's SDPA, which takes the same additive
+#: float mask.
+TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "marscli_gqa_sdpa", "marscli_f64_sdpa")
 
 #: Cache layer types (transformers' ``layer_types``) a tree forward is exact for.
 FULL_ATTENTION = "full_attention"

@@ -49,6 +49,8 @@ def run_fingerprint(
         drafter.update(ngram_max=d.ngram_max, ngram_min=d.ngram_min)
     if getattr(d, "hybrid", False):
         drafter.update(hybrid=True)
+    if getattr(d, "context", None):
+        drafter.update(context=d.context)
     if getattr(d, "tree", False):
         drafter.update(tree={"depth": d.tree_depth, "top_k": d.tree_top_k, "tokens": d.tree_tokens})
     v = verify if verify is not None else cfg.verify

@@ -26,6 +26,7 @@ from marscli.calibration.profiles import (
 from marscli.calibration.speed import strict_reason
 from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
+    MODEL_TREE_DEFAULTS,
     SPANS_OFF,
     STRICT_THETA,
     TREE_DEFAULTS,
@@ -80,7 +81,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATIONS = ("none", "left")
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 1
-TREE_BATCH_MESSAGE = ("EAGLE-3 tree drafting runs one record at a time: drop --batch-size "
+TREE_BATCH_MESSAGE = ("tree drafting runs one record at a time: drop --batch-size "
                       "or the --tree-* options (chain drafting batches)")
 
 Note = Callable[[str], None]
@@ -168,11 +169,7 @@ def draft_config(o: GenerationOptions, profile=None) -> DraftConfig:
     from_profile = bool(pd) and pd["kind"] == kind
     prof_tree = (pd.get("tree") or {}) if from_profile else {}
     if any(v is not None for v in tree) or prof_tree:
-        if kind != DRAFT_EAGLE3:
-            raise UsageError("--tree-depth, --tree-top-k and --tree-tokens need an EAGLE-3 "
-                             "drafter (--draft eagle3:PATH)")
-        depth, top_k, tokens = (v if v is not None else prof_tree.get(key, default)
-                                for v, key, default in zip(tree, ("depth", "top_k", "tokens"), TREE_DEFAULTS))
+        depth, top_k, tokens = tree_settings(kind, tree, prof_tree)
     else:
         depth = top_k = tokens = None
 
@@ -192,7 +189,38 @@ def draft_config(o: GenerationOptions, profile=None) -> DraftConfig:
         depth, top_k, tokens,
         o.job_corpus is not False,
         hybrid,
+        draft_context(o.draft_context, kind),
     )
+
+
+def draft_context(context: int | None, kind: str) -> int | None:
+    """--draft-context: a draft model's prompt window (None: the whole prompt)."""
+    if context is not None and kind != DRAFT_MODEL:
+        raise UsageError(f"--draft-context limits what a draft model reads of the prompt; the {kind} "
+                         "drafter has no prefill to save (use --draft MODEL or ngram+MODEL)")
+    return context
+
+
+def tree_settings(kind: str, given: tuple, prof_tree: dict) -> tuple[int | None, int, int]:
+    """(depth, top_k, tokens) of tree drafting from the --tree-* options given (None: not
+    given) over the profile's tree: an EAGLE-3 head's EAGLE-2 tree, or a draft model's chain
+    with sibling leaves (no depth: its chain's length is chosen per step)."""
+    if kind == DRAFT_EAGLE3:
+        return tuple(v if v is not None else prof_tree.get(key, default)
+                     for v, key, default in zip(given, ("depth", "top_k", "tokens"), TREE_DEFAULTS))
+    if kind != DRAFT_MODEL:
+        raise UsageError("--tree-depth, --tree-top-k and --tree-tokens need a draft model "
+                         "(--draft MODEL) or an EAGLE-3 drafter (--draft eagle3:PATH)")
+    if given[0] is not None:
+        raise UsageError("--tree-depth is EAGLE-3's: a draft model's tree is its chain (up to "
+                         "--num-draft-tokens, the length chosen per step) with sibling leaves; "
+                         "use --tree-top-k and --tree-tokens")
+    top_k, tokens = (v if v is not None else (prof_tree.get(key) or default)
+                     for v, key, default in zip(given[1:], ("top_k", "tokens"), MODEL_TREE_DEFAULTS))
+    if top_k < 2:
+        raise UsageError(f"--tree-top-k {top_k}: a draft model's tree needs at least 2 (its "
+                         "first choice is the chain; the others are the siblings)")
+    return None, top_k, tokens
 
 
 def check_batch(draft: DraftConfig, batch_size: int) -> None:
@@ -469,9 +497,13 @@ def choice_options(sampling: SamplingParams, n: int = 1, logprobs: bool = False,
 def drafter_desc(d: DraftConfig) -> str:
     if d.kind == DRAFT_NONE:
         return "none"
+    context = f", the prompt's last {d.context} tokens" if d.context else ""
+    if d.sibling_tree:
+        return (f"{'ngram+' if d.hybrid else ''}{d.kind} tree (chain K<={d.num_draft_tokens}, "
+                f"top-k {d.tree_top_k}, {d.tree_tokens} tokens{context})")
     if d.tree:
         return f"{d.kind} tree (depth {d.tree_depth}, top-k {d.tree_top_k}, {d.tree_tokens} tokens)"
-    return f"{'ngram+' if d.hybrid else ''}{d.kind} (K<={d.num_draft_tokens})"
+    return f"{'ngram+' if d.hybrid else ''}{d.kind} (K<={d.num_draft_tokens}{context})"
 
 
 def verify_desc(v: VerifyConfig) -> str:
@@ -534,7 +566,8 @@ class Generator:
         """The verification fields of every result's `spec`."""
         v = self.verify
         rule = v.rule
-        return {"drafter": self.draft.kind, **({"hybrid": True} if self.draft.hybrid else {}), "verify": v.mode,
+        return {"drafter": self.draft.kind, **({"hybrid": True} if self.draft.hybrid else {}),
+                **({"draft_context": self.draft.context} if self.draft.context else {}), "verify": v.mode,
                 "theta": v.theta if v.mode == "mars" else None, "margin": v.margin,
                 "knobs": json_knobs(rule),
                 **({"guard": v.guard.to_dict()} if rule.relaxes else {}),
@@ -592,10 +625,13 @@ def generation_setup(o: GenerationOptions) -> ModelSetup:
 
 def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
     """The drafter of a chain method (no tree) or of a tree method (the --tree-* settings,
-    else EAGLE-3's defaults)."""
+    else the drafter's defaults: EAGLE-3's, or a draft model's sibling tree)."""
     if not tree:
         return dataclasses.replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
     if draft.tree:
         return draft
+    if draft.kind == DRAFT_MODEL:
+        return dataclasses.replace(draft, tree_depth=None, tree_top_k=MODEL_TREE_DEFAULTS[0],
+                                   tree_tokens=MODEL_TREE_DEFAULTS[1])
     return dataclasses.replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
                                tree_tokens=DEFAULT_TREE.tokens)

@@ -131,6 +131,35 @@ def _patch(linear: nn.Linear, lo: int, hi: int, packed: bool) -> None:
 GQA_SDPA = "marscli_gqa_sdpa"
 
 
+def cpu_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                     scaling: float | None = None, is_causal: bool | None = None, *,
+                     compute_dtype: torch.dtype | None = None, **kwargs):
+    """transformers' attention-interface call, computed by torch's SDPA on the CPU: shared
+    key/value heads read in place (``enable_gqa``, no ``repeat_kv`` copy), optionally in
+    ``compute_dtype`` and returned in the query's dtype. Anything unusual (not on the CPU,
+    position bias, softcap, a paged cache, attention weights asked for) goes to transformers'
+    own SDPA. The one wrapper of marscli's two CPU attentions: ``_gqa_sdpa_forward`` here and
+    ``marscli.models.quant``'s float64 attention for int8 models."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (query.device.type != "cpu" or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("cache") is not None
+            or kwargs.get("output_attentions", False)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    q, k, v, mask = query, key, value, attention_mask
+    if compute_dtype is not None and compute_dtype != query.dtype:
+        q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(compute_dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                         is_causal=is_causal, enable_gqa=groups > 1)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
 def _gqa_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                       scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers' SDPA attention, minus the copy of the whole KV cache per layer per step.
@@ -138,23 +167,9 @@ def _gqa_sdpa_forward(module, query, key, value, attention_mask, dropout: float 
     For grouped-query attention (SmolLM2: 9 query heads, 3 KV heads) transformers' CPU path
     `repeat_kv`s keys and values (a full copy of the cache) whenever a mask is given, and a
     batch with holes always gives one: at batch 8 that copy was 40% of a decode step. torch's
-    SDPA takes `enable_gqa=True` and reads the shared heads in place: the same math. Anything
-    unusual (position bias, softcap, paged cache, attention weights) goes to transformers' own.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    plain = (groups > 1 and query.device.type == "cpu" and kwargs.get("position_bias") is None
-             and kwargs.get("softcap") is None and kwargs.get("cache") is None
-             and not kwargs.get("output_attentions", False))
-    if not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, is_causal=is_causal, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    SDPA takes `enable_gqa=True` and reads the shared heads in place: the same math
+    (``cpu_sdpa_forward``)."""
+    return cpu_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
 def install_gqa_attention(model: nn.Module) -> bool:

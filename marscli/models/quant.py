@@ -49,6 +49,8 @@ import warnings
 import torch
 from torch import nn
 
+from marscli.models.fastpath import cpu_sdpa_forward
+
 #: The activation grid: a row scaled into [-1, 1] maps to uint8 64 +- 63.
 X_LEVELS = 63
 X_ZERO = 64
@@ -229,22 +231,8 @@ def _f64_sdpa_forward(module, query, key, value, attention_mask, dropout: float 
     within that of a float32 rounding boundary: strict speculative decoding of an int8 model
     then reproduces its plain decoding (tests/test_quant.py; measured in docs/benchmarks.md).
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if (query.device.type != "cpu" or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
-    groups = getattr(module, "num_key_value_groups", 1)
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
-    mask = attention_mask
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(torch.float64)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.to(torch.float64), key.to(torch.float64), value.to(torch.float64), attn_mask=mask,
-        dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=groups > 1)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    return cpu_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                            compute_dtype=torch.float64, **kwargs)
 
 
 def install_f64_attention(model: nn.Module) -> bool:
