@@ -25,8 +25,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 8
 #: 60 tokens (the MARS paper's runs: depth 6-7, top-k 10, 50-60 tokens).
 TREE_DEFAULTS = (7, 10, 60)
 #: Draft-model tree defaults (top-k, tokens): the chain plus the draft model's second choice as a
-#: sibling leaf at its least certain positions, 16 tokens in all counting the root (a target
-#: forward over 16 tokens costs about one over 9 with the packed CPU kernel: docs/drafters.md).
+#: sibling leaf at its least certain positions, 16 tokens in all counting the root (measured on a
+#: CPU in docs/benchmarks.md: there the extra verified tokens cost more than they keep).
 MODEL_TREE_DEFAULTS = (2, 16)
 
 

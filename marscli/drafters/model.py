@@ -51,10 +51,11 @@ class SiblingTree:
     ``k_max``, as for a chain) plus, at its least certain positions, its next choices as
     sibling leaves, ``tokens`` tokens in all counting the root.
 
-    Siblings cost no draft forward (they come from the logits the chain was drafted from) and
-    little verification (a target forward over 16 tokens costs about one over 9 with the
-    packed CPU kernel), so a step whose chain token the target rejects still keeps the
-    position when the target's choice was the draft's second. Candidates are ranked as EAGLE
+    Siblings cost no draft forward (they come from the logits the chain was drafted from),
+    only verification, so a step whose chain token the target rejects still keeps the position
+    when the target's choice was the draft's second. On a 2-core CPU the extra verified tokens
+    cost more than they keep (docs/benchmarks.md); where verifying a few more tokens is free
+    (a GPU at batch 1) they are a gain. Candidates are ranked as EAGLE
     ranks tree nodes, by the draft model's probability of reaching them: the product of its
     top-1 probabilities before the position times the sibling's own probability.
     """
