@@ -118,22 +118,23 @@ class HybridDrafter(DrafterBase):
             return DraftOffer(g.available, g.alpha, g.probe, free=True)
         return m
 
-    def propose(self, seq: list[int], k: int) -> Proposal:
-        if k <= 0:
-            return Proposal([])
+    def _drafting(self, seq: list[int], k: int) -> str:
+        """The source that drafts this step (offered for it if no offer came first), counted."""
         if self.source is None:
             self.offer(seq, k)
         self.steps[self.source] += 1
-        return (self.ngram if self.source == "ngram" else self.model).propose(seq, k)
+        return self.source
+
+    def propose(self, seq: list[int], k: int) -> Proposal:
+        if k <= 0:
+            return Proposal([])
+        return (self.ngram if self._drafting(seq, k) == "ngram" else self.model).propose(seq, k)
 
     def propose_tree(self, seq: list[int], k: int) -> tuple[list[int], list[int], list[float]]:
         """With draft-model trees: the n-gram's match as a chain tree, or the model's tree."""
         if k <= 0:
             return [], [], []
-        if self.source is None:
-            self.offer(seq, k)
-        self.steps[self.source] += 1
-        if self.source == "model":
+        if self._drafting(seq, k) == "model":
             return self.model.propose_tree(seq, k)
         tokens = self.ngram.propose(seq, k).tokens
         return tokens, list(range(-1, len(tokens) - 1)), [1.0] * len(tokens)

@@ -153,15 +153,19 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
     def offer(self, seq: list[int], k_max: int) -> DraftOffer:
         return self.tracker.offer(k_max)
 
-    def propose(self, seq: list[int], k: int) -> Proposal:
-        if k <= 0:
-            return Proposal([])
-        seq = seq[self.offset:]  # what the draft model reads (its prompt window on)
-        # Bring the cache up to the committed sequence (at least the last token is new).
+    def _catch_up(self, seq: list[int]) -> torch.Tensor:
+        """Bring the cache up to the committed sequence as the draft model reads it (its prompt
+        window on; at least the last token is new): the logits [V] of the first draft."""
+        seq = seq[self.offset:]
         common = reusable_prefix(self.cached, seq)
         rollback(self.cache, common)
         del self.cached[common:]
-        logits = fit_vocab(self._forward(seq[common:]), self.vocab_size)
+        return fit_vocab(self._forward(seq[common:]), self.vocab_size)
+
+    def propose(self, seq: list[int], k: int) -> Proposal:
+        if k <= 0:
+            return Proposal([])
+        logits = self._catch_up(seq)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -181,11 +185,7 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
         assert self.tree is not None, "this drafter drafts chains"
         if k <= 0:
             return [], [], []
-        seq = seq[self.offset:]  # what the draft model reads (its prompt window on)
-        common = reusable_prefix(self.cached, seq)
-        rollback(self.cache, common)
-        del self.cached[common:]
-        logits = fit_vocab(self._forward(seq[common:]), self.vocab_size)
+        logits = self._catch_up(seq)
         chain: list[int] = []
         alternatives: list[tuple[float, int, int]] = []
         reach = 1.0  # the draft model's probability of its own chain so far
