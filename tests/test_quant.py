@@ -9,8 +9,10 @@ integer arithmetic, and a row's output against the same row computed alone.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,6 +147,32 @@ def test_profiles_and_the_cost_cache_tell_int8_from_float(target8, tiny_model_di
     k8, k32 = cost_key(target8, (1,), "model", target8.identity), cost_key(plain, (1,), "model", plain.identity)
     assert k8["target"]["quantization"] == k8["draft"]["quantization"] == CPU_INT8
     assert key_hash(k8) != key_hash(k32)
+
+
+def _mappings_of(files: list[str]) -> int:
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip().endswith(tuple(files)) for line in f)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_an_int8_model_keeps_no_view_of_its_float_file(tiny_model_dir):
+    # A view keeps the file mapped, and every page quantization read through it resident.
+    files = [str(p) for p in Path(tiny_model_dir).glob("*.safetensors")]
+    assert files
+    base = _mappings_of(files)
+    plain = load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
+    assert _mappings_of(files) > base  # float32 weights are views of the file: the check sees them
+    lm = load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu", quant="int8"))
+    del plain
+    assert _mappings_of(files) == base
+    # The copies are the same numbers: the model quantized in place of a float one computes the same.
+    again = load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu")).model
+    quantize_int8(again)
+    quant.install_f64_attention(again)
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7]])
+    with torch.inference_mode():
+        assert torch.equal(lm.model(ids).logits, again(ids).logits)
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "model", "self"])

@@ -34,7 +34,14 @@ from transformers import (
 
 from marscli.config import ModelConfig
 from marscli.errors import ModelLoadError, VocabMismatchError
-from marscli.models.quant import CPU_INT8, install_f64_attention, int8_available, output_rows, quantize_int8
+from marscli.models.quant import (
+    CPU_INT8,
+    install_f64_attention,
+    int8_available,
+    output_rows,
+    own_float_tensors,
+    quantize_int8,
+)
 from marscli.models.sources import (
     KIND_EMBEDDED,
     KIND_GGUF,
@@ -345,6 +352,7 @@ def load_model(
         p.requires_grad_(False)
     if quant_label == CPU_INT8:
         quantize_int8(model)
+        own_float_tensors(model)  # else the float32 file stays mapped and resident
         install_f64_attention(model)
 
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
