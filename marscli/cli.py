@@ -37,7 +37,7 @@ from marscli.config import (
     GenerationOptions,
     SamplingParams,
 )
-from marscli.errors import EXIT_FOR_SIGNAL, EXIT_INTERRUPTED, MarscliError, Stop
+from marscli.errors import EXIT_FOR_SIGNAL, EXIT_INTERRUPTED, MarscliError, Stop, UsageError
 from marscli.verification.registry import ALL_KNOBS, OWNER, PAPER_THETA, RULEBOOK
 
 EXIT_CODES_HELP = (
@@ -506,6 +506,34 @@ def score(
         return run_score(cfg, Log(quiet))
 
     _run(job)
+
+
+# --------------------------------------------------------------------------- lm-eval
+
+
+@app.command(
+    "lm-eval",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+    epilog=(
+        "Examples:\n\n"
+        "  marscli lm-eval --model marscli --model_args target=qwen2.5-coder-1.5b-instruct,"
+        "draft=qwen2.5-coder-0.5b-instruct,verify=mars,theta=0.9,batch_size=8 --tasks gsm8k\n\n"
+        "  marscli lm-eval --model marscli --model_args draft=ngram --tasks mytask --include_path tasks/ --limit 20\n\n"
+        "  marscli lm-eval --help    (lm-eval's own options)"
+    ),
+)
+def lm_eval(ctx: typer.Context) -> None:
+    """lm-evaluation-harness's command line with the model `marscli` registered: model_args are
+    generate's options (target, draft, verify, theta, batch_size, ...) plus max_gen_toks,
+    max_length, seed and stats_file (docs/benchmarks.md, "marscli inside lm-eval"). Needs
+    `pip install "marscli[lmeval]"`."""
+    try:
+        from marscli.lmeval import main
+    except ImportError as e:
+        raise _fail(UsageError(f"marscli lm-eval needs lm-evaluation-harness ({e}); "
+                                 'install it with: pip install "marscli[lmeval]"')) from None
+    _run(lambda: main(list(ctx.args)) or 0)
 
 
 # --------------------------------------------------------------------------- models

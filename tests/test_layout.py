@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "marscli"
 #: The layers of docs/architecture.md, top first. A module belongs to the first unit whose
 #: name is its own or a package above it. An import may go to its own layer or a lower one.
 LAYERS = (
-    ("marscli", "marscli.__main__", "marscli.cli", "marscli.api"),  # the faces
+    ("marscli", "marscli.__main__", "marscli.cli", "marscli.api", "marscli.lmeval"),  # the faces
     ("marscli.jobs",),
     ("marscli.bench", "marscli.calibration", "marscli.scoring"),
     ("marscli.engine",),
@@ -22,7 +22,7 @@ LAYERS = (
     ("marscli.config", "marscli.errors", "marscli._version", "marscli.verification.registry"),
 )
 #: The root's modules: the faces, the settings values, the errors, the version.
-ROOT_MODULES = {"__init__", "__main__", "_version", "api", "cli", "config", "errors"}
+ROOT_MODULES = {"__init__", "__main__", "_version", "api", "cli", "config", "errors", "lmeval"}
 #: Where marscli imports may sit inside a function, and why: the faces import the jobs in
 #: command bodies and API calls so that `marscli --help` and `import marscli` (marscli.LLM
 #: included) never import torch and transformers (about 2 s; tests/test_api.py,
@@ -142,7 +142,7 @@ def test_no_circle_between_packages():
     graph: dict[str, set[str]] = {}
     for a, targets in edges().items():
         graph.setdefault(unit(a), set()).update(unit(b) for b in targets if unit(b) != unit(a))
-    faces = {"marscli", "marscli.__main__", "marscli.cli", "marscli.api"}
+    faces = {"marscli", "marscli.__main__", "marscli.cli", "marscli.api", "marscli.lmeval"}
     # a package circle = some package reaches itself again
     for start in graph:
         if start in faces:
