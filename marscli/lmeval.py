@@ -1,7 +1,7 @@
 """marscli inside lm-evaluation-harness: the lm-eval model ``marscli``.
 
     marscli lm-eval --model marscli --tasks gsm8k \\
-        --model_args target=qwen2.5-coder-1.5b-instruct,draft=qwen2.5-coder-0.5b-instruct,verify=mars,theta=0.9,batch_size=8
+        --model_args target=qwen2.5-coder-1.5b-instruct,draft=qwen2.5-coder-0.5b-instruct,verify=mars,batch_size=8
 
 ``marscli lm-eval ARGS`` (or ``python -m marscli.lmeval ARGS``) is lm-eval's own command line
 with this model registered; importing this module registers it, so ``lm_eval.simple_evaluate(
@@ -248,8 +248,8 @@ class MarscliLM(TemplateLM):
             repeat = seen[key]
             seen[key] += 1
             records.append(self._record(i, context, dict(gen_kwargs), repeat))
-            metas.append({"args": req.args, "task": getattr(req, "task_name", None), "doc_id": getattr(req, "doc_id", None),
-                          "repeat": repeat})
+            metas.append({"args": req.args, "task": getattr(req, "task_name", None),
+                          "doc_id": getattr(req, "doc_id", None), "repeat": repeat})
         responses: list[str] = []
         stats = []
         for rec, result, meta in zip(records, self.llm.stream(records, truncate_prompt="left"), metas, strict=True):
