@@ -205,3 +205,23 @@ def test_marscli_lm_eval_is_lm_evals_command_line(runner, tmp_path, tiny_model_d
     bad = runner.invoke(app, ["lm-eval", "--model", "marscli", "--model_args", f"target={tiny_model_dir},nope=1",
                               "--tasks", "marscli_gen", "--include_path", str(tasks)])
     assert bad.exit_code == 2 and "unknown nope" in bad.output
+
+
+def test_the_shipped_example_task_runs_offline(runner, monkeypatch, tmp_path, tiny_model_dir):
+    # examples/lm-eval/gsm8k_examples.yaml: lm-eval's GSM8K filters over examples/gsm8k.jsonl,
+    # run from the repository root as its comment says (through the chat template).
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    res = runner.invoke(app, ["lm-eval", "--model", "marscli", "--model_args", f"target={tiny_model_dir},draft=ngram",
+                              "--tasks", "gsm8k_examples", "--include_path", "examples/lm-eval", "--limit", "2",
+                              "--gen_kwargs", "max_gen_toks=8", "--apply_chat_template", "--log_samples",
+                              "--output_path", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    (report,) = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(report.read_text())["results"]["gsm8k_examples"]
+    assert {"exact_match,strict-match", "exact_match,flexible-extract"} <= set(results)
+    (samples,) = (tmp_path / "out").rglob("samples_gsm8k_examples_*.jsonl")
+    lines = [json.loads(line) for line in samples.read_text().splitlines()]
+    # one line per record and filter
+    assert sorted((x["doc_id"], x["filter"]) for x in lines) == [
+        (0, "flexible-extract"), (0, "strict-match"), (1, "flexible-extract"), (1, "strict-match")]
+    assert all(x["target"].startswith("#### ") for x in lines)
