@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from marscli.api import LLM, load
@@ -149,11 +149,9 @@ class MarscliLM(TemplateLM):
         # lm-eval's --batch_size (default 1) applies only where model_args give none.
         if extra.get("batch_size") is not None and "batch_size" not in args:
             args["batch_size"] = extra["batch_size"]
-        if isinstance(args.get("batch_size"), str):
-            if args["batch_size"].startswith("auto"):
-                raise UsageError("batch_size auto: marscli takes a number (its batch size is a setting "
-                                 "of the run, not a probe)")
-            args["batch_size"] = _convert("batch_size", args["batch_size"])
+        if isinstance(args.get("batch_size"), str) and args["batch_size"].startswith("auto"):
+            raise UsageError("batch_size auto: marscli takes a number (its batch size is a setting "
+                             "of the run, not a probe)")
         # lm-eval passes its --device default (cuda:0) whether given or not: that one leaves
         # marscli's own choice (auto: a GPU where there is one).
         if extra.get("device") not in (None, LM_EVAL_DEFAULT_DEVICE) and "device" not in args:
@@ -256,7 +254,7 @@ class MarscliLM(TemplateLM):
             if result.get("error"):
                 err = result["error"]
                 raise UsageError(f"generate_until request {rec['id']}: {err.get('message', err)}")
-            text = postprocess_generated_text(result["output"], rec["stop"], None)
+            text = result["output"]  # already ends before its first stop string (the engine's StopChecker)
             responses.append(text)
             self.cache_hook.add_partial("generate_until", meta.pop("args"), text)
             stats.append({**meta, "finish_reason": result["finish_reason"],
