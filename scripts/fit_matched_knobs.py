@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration-records", type=int, default=20)
     ap.add_argument("--target")
     ap.add_argument("--draft")
+    ap.add_argument("--draft-quant", help="quantized draft-model weights, as bench --draft-quant (e.g. int8)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     # The share is a placeholder: only the rule templates and the split come from this config.
-    opts = GenerationOptions(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    opts = GenerationOptions(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
+                             draft_quant=args.draft_quant)
     cfg = bench_config(args.input or args.calibrate_on, opts, methods=args.rules,
                        max_tokens=args.max_tokens, limit=args.limit, match_relax_rate=0.5,
                        calibrate_on=args.calibrate_on,
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
            "calibration": {"file": split.source, "records": data.records, "positions": data.positions,
                            "tokens": data.tokens, "dropped_overlap": split.dropped, "skipped": split.skipped},
            "max_tokens": args.max_tokens, "target": args.target, "draft": args.draft,
+           "draft_quant": args.draft_quant,
            "seconds": round(time.perf_counter() - t0, 1), "rules": fitted,
            "methods": ",".join([reference.name, *fitted])}
     if args.out:
