@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from marscli.config import DraftConfig, SamplingParams, VerifyConfig
-from marscli.drafters.base import DraftOffer, RowDrafters, choose_draft_lengths, expected_tokens
+from marscli.drafters.base import DraftOffer, Proposal, RowDrafters, choose_draft_lengths, expected_tokens
 from marscli.drafters.factory import build_drafter
 from marscli.drafters.hybrid import HybridCosts, HybridDrafter, best_rate
 from marscli.engine import build_engine
@@ -140,6 +141,49 @@ def test_a_batch_of_hybrid_rows_equals_each_row_alone(target, draft):
     got = dict(engine.run(range(len(prompts)), lambda i: (prompts[i], SamplingParams(max_tokens=32))))
     for i, ids in enumerate(prompts):
         assert got[i].token_ids == alone.generate_ids(ids, SamplingParams(max_tokens=32)).token_ids, i
+
+
+def test_a_deterministic_draft_beside_sampled_drafts_is_verified_with_its_one_hot_q():
+    """A hybrid row whose n-gram drafted (no q) in a step where another row's draft model
+    sampled (its q): the n-gram row's q is one-hot at its drafts, never zeros (which would
+    accept any draft: p / 0)."""
+    V = 11
+    sampled = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(0)), dim=-1)
+    proposals = [Proposal([3, 5]), Proposal([1, 2, 4], sampled), Proposal([7])]
+    q = Engine._draft_probs(proposals, [2, 3, 0], 3, torch.zeros(3, 4, V))
+    assert q.shape == (3, 3, V)
+    assert q[0, 0, 3] == 1 and q[0, 1, 5] == 1 and q[0, 0].sum() == 1 and q[0, 1].sum() == 1
+    assert q[0, 2].sum() == 0  # past the row's drafts: never read
+    assert torch.equal(q[1], sampled)
+    assert q[2].sum() == 0  # drafted nothing this step
+    assert Engine._draft_probs([Proposal([3, 5]), Proposal([1])], [2, 1], 2, torch.zeros(2, 3, V)) is None
+
+
+def test_sampled_hybrid_rows_in_a_batch_equal_each_row_alone(target, draft, monkeypatch):
+    """Sampling with hybrid drafting at batch size 3: n-gram rows and draft-model rows share
+    steps, and every record's tokens and statistics are what it decodes alone (batch size 1).
+    Before the fix the n-gram rows of such steps accepted every draft."""
+    mixed = []
+    real = Engine._draft_probs
+
+    def spy(proposals, ks, K, logits):
+        kinds = {p.probs is None for p, k in zip(proposals, ks) if k > 0}
+        mixed.append(kinds == {True, False})
+        return real(proposals, ks, K, logits)
+
+    monkeypatch.setattr(Engine, "_draft_probs", staticmethod(spy))
+    cfg = DraftConfig(kind="model", model="x", num_draft_tokens=4, hybrid=True)
+    prompts = [target.tokenizer(t).input_ids for t in PROMPTS * 2]
+    settings = [SamplingParams(temperature=0.9, max_tokens=40, seed=20 + i) for i in range(len(prompts))]
+    alone = build_engine(target, draft, VerifyConfig(), cfg, batch_size=1)
+    want = [alone.generate_ids(ids, s) for ids, s in zip(prompts, settings)]
+    mixed.clear()
+    engine = build_engine(target, draft, VerifyConfig(), cfg, batch_size=3)
+    got = dict(engine.run(range(len(prompts)), lambda i: (prompts[i], settings[i])))
+    assert any(mixed), "the batch must mix n-gram and draft-model rows in a step"
+    for i, w in enumerate(want):
+        assert got[i].token_ids == w.token_ids, i
+        assert got[i].stats.to_dict() == w.stats.to_dict(), i
 
 
 # --- the command line ---------------------------------------------------------------------

@@ -586,13 +586,20 @@ class Engine:
     @staticmethod
     def _draft_probs(proposals: list[Proposal], ks: list[int], K: int,
                      logits: torch.Tensor) -> torch.Tensor | None:
-        """The drafts' probabilities q [B, K, V] when the drafter samples (zeros elsewhere)."""
+        """The drafts' probabilities q [B, K, V] when some row's drafter samples (None when
+        none does: every draft is deterministic, one-hot q). A deterministic row beside them
+        (a hybrid row whose n-gram drafted this step, or a greedy draft) gets its one-hot q:
+        verified with zeros, its drafts would pass whatever the target says (p / 0)."""
         if all(p.probs is None or k == 0 for p, k in zip(proposals, ks)):
             return None
         V = logits.shape[-1]
         q = torch.zeros(len(proposals), K, V, dtype=torch.float32, device=logits.device)
         for b, (p, k) in enumerate(zip(proposals, ks)):
-            if p.probs is None or k == 0:
+            if k == 0:
+                continue
+            if p.probs is None:
+                drafted = torch.tensor(p.tokens[:k], dtype=torch.long, device=logits.device)
+                q[b, torch.arange(len(drafted), device=logits.device), drafted] = 1.0
                 continue
             if p.probs.shape[-1] != V:
                 raise RuntimeError(f"draft probs width {p.probs.shape[-1]} != target logits {V}")
