@@ -15,12 +15,12 @@
 #                from it, the same in every arm, so paired differences come from the rule)
 #   MAX_TOKENS   (default 1024)   BATCH (default 16)   LIMIT (default 164: all of HumanEval)
 #   DRAFT        (default qwen2.5-coder-0.5b-instruct)   DRAFT_QUANT (default int8)
+#   PROMPTS_DIR  (default ../shared/data/prompts)   PYTHON (default python)
 #
 # The defaults finish soonest on a 2-core CPU (HumanEval 1-16, 128 tokens, temperature 1,
 # strict, 2026-11-26): the int8 0.5B draft model batched across rows 9.3 tokens/s at batch
 # 16 and 8.7 at 8, against hybrid drafting (one draft model per row) ~6.0 at batch 1 and
 # ~5 at 8. Speed at batch size 1 is bench's business, not this script's.
-#   PROMPTS_DIR  (default ../shared/data/prompts)   PYTHON (default python)
 #
 # Writes OUTDIR (default quality-qwen/) /ARM.jsonl (results; score them with
 # scripts/quality_table.py) and appends to ARM.log: stderr, then a line

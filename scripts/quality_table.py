@@ -64,7 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     lines = {a: {rid(r): r for r in read_jsonl(os.path.join(args.outdir, f"{a}.jsonl")) if r.get("output") is not None}
              for a in arms}
     common = set.intersection(*(set(v) for v in lines.values()))
-    tmp = tempfile.mkdtemp(prefix="quality-table-")
+    with tempfile.TemporaryDirectory(prefix="quality-table-") as tmp:
+        rows = arm_rows(args, arms, lines, common, tmp)
+    with open(os.path.join(args.outdir, "table.json"), "w", encoding="utf-8") as f:
+        json.dump({"task": args.task, "records": len(common), "arms": rows}, f, indent=1)
+        f.write("\n")
+    print_table(args, rows)
+    return 0
+
+
+def arm_rows(args, arms: list[str], lines: dict, common: set, tmp: str) -> list[dict]:
+    """Score every arm on the common records (written to tmp) and gather its figures."""
     paths = {}
     for a in arms:  # only the records every arm has, in the baseline's order
         paths[a] = os.path.join(tmp, f"{a}.jsonl")
@@ -101,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                "seconds_per_record": wall / len(all_recs) if all_recs and wall and finished == started else None,
                "paired": s.get("paired")}
         rows.append(row)
-    with open(os.path.join(args.outdir, "table.json"), "w", encoding="utf-8") as f:
-        json.dump({"task": args.task, "records": len(common), "arms": rows}, f, indent=1)
-        f.write("\n")
+    return rows
 
+
+def print_table(args, rows: list[dict]) -> None:
     def ci(v):
         return f"[{v[0]:.3f}, {v[1]:.3f}]" if v else "-"
 
@@ -125,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['arm']} | {r['n']} | {r['score']:.3f} {ci(r['ci95'])} | {diff} | {flips} | {rec} | {lr} | "
               f"{r['tokens_per_step']:.2f} | {r['relaxed_per_token']:.4f} | {r['truncated']} "
               f"({r['truncated_share']:.1%}) | {spr} |")
-    return 0
 
 
 if __name__ == "__main__":
