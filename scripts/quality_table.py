@@ -10,9 +10,11 @@ truncated share) and its throughput from the wall times its log recorded.
 
 Each arm ARM is OUTDIR/ARM.jsonl (and OUTDIR/ARM.log, whose "wall seconds: S, exit code: C"
 lines are summed: a run killed before that line leaves its wall time out, and the table says
-so). Writes OUTDIR/ARM.scored.jsonl and OUTDIR/ARM.summary.json, prints the Markdown table
-(stdout) and writes OUTDIR/table.json. Only records present in every arm are compared, so a
-table can be read while arms are still running.
+so; "paused seconds: P" lines, written when a run was stopped with SIGSTOP so that the machine
+could do something else, are subtracted). Writes OUTDIR/ARM.scored.jsonl and
+OUTDIR/ARM.summary.json, prints the Markdown table (stdout) and writes OUTDIR/table.json.
+Only records present in every arm are compared, so a table can be read while arms are still
+running.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def wall_seconds(log: str) -> tuple[float, int, int]:
         return 0.0, 0, 0
     text = open(log, encoding="utf-8", errors="replace").read()
     walls = [int(m) for m in re.findall(r"^wall seconds: (\d+), exit code: \d+$", text, re.M)]
+    # a run stopped (SIGSTOP) while the machine did something else, and how long: not its time
+    paused = [int(m) for m in re.findall(r"^paused seconds: (\d+)$", text, re.M)]
     started = len(re.findall(r"^marscli: loaded ", text, re.M)) or len(walls)
-    return float(sum(walls)), len(walls), started
+    return float(sum(walls) - sum(paused)), len(walls), started
 
 
 def main(argv: list[str] | None = None) -> int:

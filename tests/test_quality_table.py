@@ -30,8 +30,9 @@ def write_arm(d: Path, arm: str, answers: dict[int, int], *, tokens: int, steps:
 def test_arms_are_compared_on_their_common_records(tmp_path):
     right = dict(enumerate(ANSWERS))
     loaded = "marscli: loaded target on cpu in 1.0 s\n"
+    # stopped for 20 s while the machine did something else (SIGSTOP): not its time
     write_arm(tmp_path, "strict", right, tokens=10, steps=5, relaxed=0, truncated={3},
-              log=loaded + "wall seconds: 80, exit code: 0\n")
+              log=loaded + "paused seconds: 20\n" + "wall seconds: 100, exit code: 0\n")
     mars = {**right, 2: 1, 5: 1}  # two answers lost
     # two runs started, one killed before its wall line: no time per record
     write_arm(tmp_path, "mars", mars, tokens=8, steps=2, relaxed=1,
@@ -51,7 +52,7 @@ def test_arms_are_compared_on_their_common_records(tmp_path):
     assert all(row["n"] == 7 for row in rows.values())
     assert s["score"] == 1.0 and s["paired"] is None
     assert s["truncated"] == 1 and s["tokens_per_step"] == 2.0 and s["relaxed_per_token"] == 0.0
-    assert s["seconds_per_record"] == 10.0  # 80 s over the 8 records written
+    assert s["seconds_per_record"] == 10.0  # 100 - 20 s over the 8 records written
     assert abs(m["score"] - 5 / 7) < 1e-5
     assert m["paired"]["flips"] == {"down": 2, "up": 0, "same": 5}
     assert abs(m["paired"]["diff"] + 2 / 7) < 1e-5 and m["paired"]["diff_ci95"][0] < 0
