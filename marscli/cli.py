@@ -508,6 +508,77 @@ def score(
     _run(job)
 
 
+# --------------------------------------------------------------------------- train-head
+
+
+@app.command(
+    "train-head",
+    epilog=(
+        "Examples:\n\n"
+        "  marscli train-head @stdlib -o heads/smollm2 --collect-tokens 200000 --epochs 4\n\n"
+        "  marscli train-head my_prompts.jsonl --target qwen2.5-coder-1.5b-instruct -o heads/qwen15 --batch-size 16\n\n"
+        "  marscli generate prompts.jsonl --draft eagle3:heads/smollm2\n\n"
+        "Run it again to resume: the collection (OUTPUT.collect/, or --data) keeps what was recorded. "
+        "Exit codes: 0 done; 2 usage or input error."
+    ),
+)
+def train_head(
+    prompts: Annotated[list[str], typer.Argument(help="Prompt files (JSONL records with prompt or messages), or @stdlib: the built-in corpus (the Python standard library's documented functions and documentation topics). Not your evaluation sets.")],
+    output: Annotated[str, typer.Option("-o", "--output", help="The head's folder (config.json + model.safetensors in EAGLE-3's published layout, and training.json).", rich_help_panel=PANEL_OUTPUT)],
+    target: Annotated[Optional[str], typer.Option(help="Target model (default: the embedded SmolLM2-135M-Instruct).", rich_help_panel="Collection")] = None,
+    data: Annotated[Optional[str], typer.Option(help="Folder of the recorded collection (default: OUTPUT.collect).", rich_help_panel="Collection")] = None,
+    collect_tokens: Annotated[int, typer.Option(min=1, help="Answer tokens to collect (the target's own; more from a resumed run).", rich_help_panel="Collection")] = 100_000,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per answer.", rich_help_panel="Collection")] = 256,
+    batch_size: Annotated[int, typer.Option(min=1, help="Prompts answered at a time.", rich_help_panel="Collection")] = 8,
+    draft: Annotated[str, typer.Option(help="Drafter while collecting (strict verification: the answers are the target's whatever it drafts).", rich_help_panel="Collection")] = "ngram",
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature of the answers (0: greedy).", rich_help_panel="Collection")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling of the answers.", rich_help_panel="Collection")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the answers' sampling, the batch order and the head's initialisation.", rich_help_panel="Collection")] = 0,
+    dtype: Annotated[str, typer.Option(help="Target dtype: auto, float32, bfloat16, float16.", rich_help_panel="Collection")] = "auto",
+    device: Annotated[Optional[str], typer.Option(help="Target device (auto, cpu, cuda, cuda:N).", rich_help_panel="Collection")] = None,
+    collect_only: Annotated[bool, typer.Option("--collect-only", help="Stop after collecting.", rich_help_panel="Collection")] = False,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the training records.", rich_help_panel="Training")] = 4,
+    draft_vocab: Annotated[int, typer.Option(min=1, help="Draft vocabulary: the most frequent answer tokens.", rich_help_panel="Training")] = 8192,
+    ttt_steps: Annotated[int, typer.Option(min=1, max=16, help="Training-time test: passes unrolled on the head's own outputs (1: none).", rich_help_panel="Training")] = 4,
+    lr: Annotated[float, typer.Option(min=0.0, help="Peak learning rate (AdamW; warm-up, cosine decay).", rich_help_panel="Training")] = 5e-4,
+    tokens_per_batch: Annotated[int, typer.Option(min=1, help="Padded tokens per optimizer step.", rich_help_panel="Training")] = 4096,
+    holdout: Annotated[int, typer.Option(min=0, help="Hold out every N-th record for the per-epoch acceptance length (0: none).", rich_help_panel="Training")] = 20,
+    eval_k: Annotated[int, typer.Option(min=1, help="Chain length of the held-out acceptance length.", rich_help_panel="Training")] = 4,
+    save_dtype: Annotated[str, typer.Option(help="Weights on disk: bfloat16, float16 or float32.", rich_help_panel=PANEL_OUTPUT)] = "bfloat16",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No narration or progress on stderr.", rich_help_panel=PANEL_OUTPUT)] = False,
+) -> None:
+    """Train an EAGLE-3 draft head for a target from the target's own answers, on this machine.
+
+    Stage 1 records the target's answers to PROMPTS with the hidden states a head drafts from;
+    stage 2 trains the head (forward KL to the target, training-time test, held-out acceptance
+    length per epoch); stage 3 writes it in the published layout, loadable by --draft eagle3:DIR
+    and by vLLM and SGLang (docs/drafters.md, "Training a head"). The training record goes to
+    stdout as one JSON line and to DIR/training.json.
+    """
+    from marscli.jobs.console import Log
+    from marscli.jobs.setup import check_choices
+    from marscli.jobs.train_head import TrainHeadConfig, check_output, run_train_head
+    from marscli.training.collect import CollectSettings
+    from marscli.training.train import TrainSettings
+
+    def job() -> int:
+        check_choices(dtype=dtype)
+        if save_dtype not in ("bfloat16", "float16", "float32"):
+            raise UsageError(f"--save-dtype must be bfloat16, float16 or float32, got {save_dtype!r}")
+        cfg = TrainHeadConfig(
+            prompts=tuple(prompts), output=output, target=target, data=data, collect_tokens=collect_tokens,
+            max_tokens=max_tokens, batch_size=batch_size, draft=draft, dtype=dtype, device=device,
+            collect=CollectSettings(max_tokens, temperature, top_p, seed),
+            train=TrainSettings(epochs=epochs, draft_vocab=draft_vocab, ttt_steps=ttt_steps, lr=lr,
+                                tokens_per_batch=tokens_per_batch, holdout=holdout, eval_k=eval_k, seed=seed,
+                                save_dtype=save_dtype),
+            collect_only=collect_only)
+        check_output(cfg)
+        return run_train_head(cfg, Log(quiet))
+
+    _run(job)
+
+
 # --------------------------------------------------------------------------- lm-eval
 
 

@@ -30,6 +30,7 @@ from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.errors import ModelLoadError
 from marscli.models.loading import load_model
+from marscli.training.ttt import pass_mask
 from marscli.verification.rules import margin_statistic, top2
 
 TARGET_LAYERS = 8  # EAGLE-3's rule picks layers 2, 4, 5: three distinct feature layers
@@ -125,11 +126,7 @@ def fit_head(target, seqs: torch.Tensor, *, steps: int, seed: int = 0, draft_voc
             # Entry j of pass u reads pass u-1's output at j-1 and token j+1; it sees the
             # committed entries up to j-u and its own chain of draft entries (one per pass).
             n = S - u
-            j = torch.arange(u, S)
-            cols = [torch.arange(S)[None, :] <= (j - u)[:, None]]
-            cols += [torch.arange(S - w)[None, :] == (torch.arange(n) + (u - w))[:, None] for w in range(1, u)]
-            cols += [torch.eye(n, dtype=torch.bool)]
-            mask = torch.cat(cols, 1)[None, None]
+            mask = pass_mask(S, u, torch.device("cpu"))
             out, k2, v2 = head(prev[:, :n], toks[:, u:], pos[:, u:], (keys, values), mask,
                                target_features=False)
             loss = loss + 0.8 ** u * ce(out, p[:, 1 + u:])
@@ -617,7 +614,7 @@ def test_cli_generate_chain_and_tree(target_dir, fitted_dir, references, tmp_pat
 @pytest.mark.parametrize("args,fragment", [
     (["--tree-depth", "3", "--batch-size", "2"], "tree drafting runs one record at a time"),
     (["--draft", "ngram", "--tree-depth", "3"], "need a draft model (--draft MODEL) or an EAGLE-3 drafter"),
-    (["--draft", "eagle3:"], "needs the head's folder"),
+    (["--draft", "eagle3"], "ships no EAGLE-3 head for"),
 ])
 def test_cli_usage_errors(target_dir, fitted_dir, tmp_path, args, fragment):
     from typer.testing import CliRunner

@@ -15,10 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "marscli"
 LAYERS = (
     ("marscli", "marscli.__main__", "marscli.cli", "marscli.api", "marscli.lmeval"),  # the faces
     ("marscli.jobs",),
-    ("marscli.bench", "marscli.calibration", "marscli.scoring"),
+    ("marscli.bench", "marscli.calibration", "marscli.scoring", "marscli.training"),
     ("marscli.engine",),
     ("marscli.drafters",),
-    ("marscli.verification", "marscli.models", "marscli.io"),
+    ("marscli.verification", "marscli.models", "marscli.io", "marscli.heads"),
     ("marscli.config", "marscli.errors", "marscli._version", "marscli.verification.registry"),
 )
 #: The root's modules: the faces, the settings values, the errors, the version.

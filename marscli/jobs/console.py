@@ -20,6 +20,8 @@ PLAIN_EVERY_S = 10.0
 #: Progress counted in records (generate, calibrate: with a token rate) or in runs (bench).
 UNIT_RECORDS = "records"
 UNIT_RUNS = "runs"
+#: Progress counted in anything else (train-head: answer tokens collected, training steps).
+UNIT_COUNT = "count"
 
 
 def stderr_console() -> Console:
@@ -85,6 +87,7 @@ class Progress:
         self.log = log
         self.total = total
         self.unit = unit
+        self.label = label
         self.done = 0
         self.tokens = 0
         self.t0 = self.last = time.perf_counter()
@@ -145,6 +148,8 @@ class Progress:
             self.last = now
             if self.unit == UNIT_RUNS:
                 self.log.info(f"{self.done}/{self.total} runs, {now - self.t0:.0f} s")
+            elif self.unit == UNIT_COUNT:
+                self.log.info(f"{self.label} {self.done}/{self.total}, {now - self.t0:.0f} s")
             else:
                 self.log.info(f"{self.done}/{self.total} records, {self.tokens} tokens, {rate:.1f} tok/s")
 

@@ -42,7 +42,8 @@ from marscli.config import (
 from marscli.drafters.eagle3 import DEFAULT_TREE
 from marscli.drafters.eagle3_head import load_head
 from marscli.engine import build_engine
-from marscli.errors import UsageError
+from marscli.errors import ModelLoadError, UsageError
+from marscli.heads import shipped_head_for
 from marscli.jobs.distributed import place_device, rank_max_memory
 from marscli.jobs.openai_format import OUTPUT_FORMATS
 from marscli.jobs.results import generate_results
@@ -75,6 +76,8 @@ DRAFT_EAGLE3 = "eagle3"
 #: --draft self: the target's own weights, loaded a second time with --draft-quant.
 DRAFT_SELF = "self"
 EAGLE3_PREFIX = "eagle3:"
+#: The source of `--draft eagle3` (no path): the head shipped for the target (marscli.heads).
+SHIPPED_HEAD = "<shipped head>"
 #: --draft ngram+MODEL: hybrid drafting (prompt lookup, else the draft model)
 HYBRID_PREFIX = "ngram+"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -99,12 +102,10 @@ def parse_draft(draft: str) -> tuple[str, str | None]:
     'self' is a draft model whose source is the target's (``model_configs``)."""
     if draft in (DRAFT_NONE, DRAFT_NGRAM):
         return draft, None
+    if draft in (DRAFT_EAGLE3, EAGLE3_PREFIX):  # the head marscli ships for the target, found once it is loaded
+        return DRAFT_EAGLE3, SHIPPED_HEAD
     if draft.startswith(EAGLE3_PREFIX):
-        head = draft[len(EAGLE3_PREFIX):]
-        if not head:
-            raise UsageError("--draft eagle3: needs the head's folder or hub id, e.g. "
-                             "--draft eagle3:./EAGLE3-LLaMA3.1-Instruct-8B")
-        return DRAFT_EAGLE3, head
+        return DRAFT_EAGLE3, draft[len(EAGLE3_PREFIX):]
     return DRAFT_MODEL, draft
 
 
@@ -437,7 +438,15 @@ def load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, note: No
     target = load_model(place(target_cfg, group), role="target", log=note)
     draft = None
     if draft_cfg is not None and kind == DRAFT_EAGLE3:
-        draft = load_head(str(draft_cfg.source), target, log=note)
+        source = str(draft_cfg.source)
+        if source == SHIPPED_HEAD:
+            found = shipped_head_for(target.identity)
+            if found is None:
+                name = target.identity.get("name")
+                raise ModelLoadError(f"--draft eagle3: marscli ships no EAGLE-3 head for {name}; "
+                                     "train one (marscli train-head) and pass --draft eagle3:FOLDER")
+            source = str(found)
+        draft = load_head(source, target, log=note)
     elif draft_cfg is not None:
         draft = load_model(place(draft_cfg, group), role="draft", log=note)
         check_vocab_compatible(target, draft)
