@@ -217,7 +217,7 @@ def train_head(target_model, records: list[Record], layers: tuple[int, ...], out
             opt.step()
             step += 1
             n = int(batch.loss_mask.sum())
-            sums["loss"] += float(loss) * n
+            sums["loss"] += float(loss.detach()) * n
             sums["tokens"] += n
             for s in stats:
                 pass_top1[s["pass"]] += s["top1"] * s["entries"]
