@@ -223,3 +223,17 @@ def use_embedded_cache(monkeypatch: pytest.MonkeyPatch, embedded_cache_dir: Path
     """Point MARSCLI_CACHE at the session's converted embedded model (after _isolate)."""
     monkeypatch.setenv("MARSCLI_CACHE", str(embedded_cache_dir))
     return embedded_cache_dir
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one intra-op thread for a module (restored after it): modules of tiny models,
+    whose small ops would wait on a second thread of a shared CPU, and in-process runs that
+    must sum floats as a launched OMP_NUM_THREADS=1 process does. Use it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -52,13 +52,8 @@ TREE = dict(tree_depth=3, tree_top_k=3, tree_tokens=12)
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These 64-wide models run faster on one thread than on two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# These 64-wide models run faster on one thread than on two contended ones.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

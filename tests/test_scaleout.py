@@ -89,16 +89,9 @@ def marscli_lines(stderr: bytes) -> list[str]:
     return [line for line in stderr.decode(errors="replace").splitlines() if line.startswith("marscli")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """In-process runs use one thread, as each launched process does (OMP_NUM_THREADS=1):
-    the same float sums as the launched runs, and no thread contention on a busy machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# In-process runs use one thread, as each launched process does (OMP_NUM_THREADS=1): the
+# same float sums as the launched runs, and no thread contention on a busy machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -41,12 +41,7 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 
 
 @pytest.fixture(scope="module")

@@ -36,14 +36,9 @@ HYP = settings(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors only: with a second intra-op thread on a shared CPU, each small op can wait
-    milliseconds for it to be scheduled."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny tensors only: with a second intra-op thread on a shared CPU, each small op can wait
+# milliseconds for it to be scheduled.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def L(x) -> torch.Tensor:
