@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,8 @@ from marscli.io.results import (
     ResultWriter,
     atomic_write_text,
     dump_json_line,
+    find_parts,
+    held_path,
     lock_path,
     scan_output,
 )
@@ -53,6 +56,22 @@ def test_writer_reorders_and_flushes_per_line():
     assert w.written == 3 and w.next_index == 3
     w.close(strict=True, total=3)
     assert not out.closed  # a stream we did not open stays open
+
+
+def test_writer_journals_results_waiting_behind_a_gap(tmp_path):
+    """A result that finished ahead of an earlier one is in the held file, flushed, before
+    the writer is closed: a killed process (no close, no handler) loses none of them."""
+    out, held = tmp_path / "out.jsonl", held_path(tmp_path / "out.jsonl")
+    w = ResultWriter(out, held=held)
+    w.write(0, {"id": "a"})
+    assert not os.path.exists(held)  # in order: nothing to journal, no file
+    w.write(3, {"id": "d"})
+    w.write(2, {"id": "c"})
+    assert [json.loads(x)["id"] for x in Path(held).read_text().splitlines()] == ["d", "c"]
+    assert out.read_text() == '{"id": "a"}\n'
+    assert find_parts(out) == [held]  # --resume reads it like a part file
+    w.close()
+    assert Path(held).read_text().count("\n") == 2  # what waits behind the gap stays
 
 
 def test_writer_start_index_and_skip():

@@ -463,6 +463,61 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
     assert_complete(out.read_bytes(), reference)
 
 
+def test_results_finished_out_of_order_survive_a_stop(runner, records_file, tiny_model_dir,
+                                                      tmp_path, reference, monkeypatch):
+    """Batched decoding finishes records out of order. A run stopped while later records wait
+    for an earlier one keeps them in the held file, and --resume merges them in."""
+    from marscli.io.results import held_path
+    from marscli.jobs.setup import Generator
+
+    real = Generator.results
+
+    def reordered(self, items, sampling, options):
+        block = []
+        for n, r in enumerate(real(self, items, sampling, options)):
+            block.append(r)
+            if len(block) == 4 or n == N_RECORDS - 1:
+                for m, late_first in enumerate(reversed(block)):
+                    if n == 7 and m == 2:  # r07 and r06 are finished, r04 and r05 are not
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    yield late_first
+                block = []
+
+    monkeypatch.setattr(Generator, "results", reordered)
+    out = tmp_path / "out.jsonl"
+    r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN)
+    assert r.exit_code == EXIT_TERMINATED, r.stderr
+    held = Path(held_path(out))
+    assert f"6 of {N_RECORDS} results are in {out} and {held} (2 finished ahead" in r.stderr
+    assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[:4])
+    ids = ids_of(results(reference.decode()))
+    # Journalled as they came: the first block's late ones (emitted since) and r07, r06.
+    assert ids_of(results(held.read_text())) == [ids[3], ids[2], ids[1], ids[7], ids[6]]
+    monkeypatch.setattr(Generator, "results", real)
+    r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN, "--resume")
+    assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
+    assert_complete(out.read_bytes(), reference)
+    assert not held.exists()  # merged in, then removed
+
+
+def test_a_complete_run_leaves_no_held_file(runner, records_file, tiny_model_dir, tmp_path,
+                                            reference, monkeypatch):
+    from marscli.io.results import held_path
+    from marscli.jobs.setup import Generator
+
+    real = Generator.results
+
+    def reversed_results(self, items, sampling, options):
+        yield from reversed(list(real(self, items, sampling, options)))
+
+    monkeypatch.setattr(Generator, "results", reversed_results)
+    out = tmp_path / "out.jsonl"
+    r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN)
+    assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
+    assert_complete(out.read_bytes(), reference)
+    assert not Path(held_path(out)).exists()
+
+
 def test_ctrl_c_while_writing_a_line_waits_for_the_line(runner, tiny_model_dir, tmp_path,
                                                         monkeypatch):
     from marscli.io.results import ResultWriter

@@ -1,7 +1,9 @@
 """Results out: JSONL lines in input order, files replaced atomically, part files and merging.
 
 `ResultWriter` writes one line per finished record, in input order, flushed as it is written,
-so an interrupted run leaves a clean, ordered prefix. `atomic_file` / `atomic_write_text`
+so an interrupted run leaves a clean, ordered prefix; a result that finished ahead of an
+earlier one is also journalled at once in a held file beside the output, so a killed run
+loses none of its finished results. `atomic_file` / `atomic_write_text`
 replace a file whole (profiles, reports, sidecars, merged outputs). `scan_output` reads back
 what a writer wrote (which ids are done, where each line sits) for --resume and for
 `merge_results`, which puts the part files of a data-parallel run into one output in input
@@ -49,6 +51,14 @@ class ResultWriter:
     has been written or is in ``skip`` (indices already present in the output when resuming),
     then emits it and flushes, so an interrupted run leaves a clean, ordered prefix.
 
+    ``held``: a file (`held_path(output)`) to which a result that has to wait behind a gap is
+    appended and flushed the moment it arrives. Batched decoding finishes records out of
+    order; without the journal a killed run (SIGKILL, the end of a session) would lose every
+    finished result still waiting for a slower, earlier record. The held file has the part
+    file's form (`find_parts` lists it), so --resume counts its ids as done and merges them
+    in; a run that ends with nothing pending has emitted all of them, and its owner removes
+    the file (`RunOutput.finish`).
+
     A closed pipe on the output (``marscli run ... | head``) sets ``broken_pipe`` and silences
     later writes instead of raising; the CLI checks the flag and exits quietly. (Python may
     still complain when it flushes ``sys.stdout`` at exit; the CLI should point stdout at
@@ -62,8 +72,11 @@ class ResultWriter:
         append: bool = False,
         start_index: int = 0,
         skip: Iterable[int] = (),
+        held: str | os.PathLike | None = None,
     ) -> None:
         self.broken_pipe = False
+        self._held_path = None if held is None else os.fspath(held)
+        self._held: TextIO | None = None
         self.written = 0
         self._pending: dict[int, dict] = {}
         self._skip = frozenset(skip)
@@ -108,10 +121,23 @@ class ResultWriter:
         if index < self._next or index in self._pending or index in self._skip:
             raise ValueError(f"result index {index} was already written or skipped")
         self._pending[index] = result
+        if index != self._next and self._held_path is not None:
+            self._journal(result)
         while self._next in self._pending and not self.broken_pipe:
             self._emit(self._pending.pop(self._next))
             self._next += 1
             self._advance_over_skipped()
+
+    def _journal(self, result: dict) -> None:
+        """Append a result that waits behind a gap to the held file, flushed."""
+        assert self._held_path is not None
+        try:
+            if self._held is None:
+                self._held = open(self._held_path, "a", encoding="utf-8", newline="")  # noqa: SIM115
+            self._held.write(dump_json_line(result) + "\n")
+            self._held.flush()
+        except OSError as e:
+            raise MarscliError(f"cannot write {self._held_path}: {e.strerror or e}") from None
 
     def _advance_over_skipped(self) -> None:
         while self._next in self._skip:
@@ -132,13 +158,22 @@ class ResultWriter:
     def close(self, *, strict: bool = False, total: int | None = None) -> None:
         """Flush and release the output.
 
-        Results stuck behind a gap are NOT written (the output stays an ordered prefix);
-        see `pending`. With ``strict=True`` a gap raises RuntimeError: indices below the
+        Results stuck behind a gap are NOT written to the output (it stays an ordered prefix);
+        see `pending`; they are in the held file, when there is one. With ``strict=True`` a
+        gap raises RuntimeError: indices below the
         highest buffered one, or below `total` when given, that never arrived.
         """
         if self._closed:
             return
         self._closed = True
+        if self._held is not None:
+            try:
+                self._held.flush()
+                os.fsync(self._held.fileno())
+            except OSError:
+                pass
+            finally:
+                self._held.close()
         try:
             if not self.broken_pipe:
                 try:
@@ -293,6 +328,13 @@ def _has_error(raw: bytes) -> bool:
 
 PART_SUFFIX = ".part"
 _PART_NAME = re.compile(r"\.rank(\d+)-of-(\d+)" + re.escape(PART_SUFFIX))
+HELD_SUFFIX = ".held" + PART_SUFFIX
+
+
+def held_path(output: str | os.PathLike) -> str:
+    """A single process's journal of results that finished ahead of an earlier record
+    (`ResultWriter(held=...)`): `results.jsonl.held.part`, a part file like the others."""
+    return f"{os.fspath(output)}{HELD_SUFFIX}"
 
 
 def part_path(output: str | os.PathLike, rank: int, world_size: int) -> str:
@@ -300,7 +342,8 @@ def part_path(output: str | os.PathLike, rank: int, world_size: int) -> str:
 
 
 def find_parts(output: str | os.PathLike) -> list[str]:
-    """The part files beside `output` (any number of processes), ordered by (world, rank)."""
+    """The part files beside `output` (any number of processes), ordered by (world, rank),
+    then the held file of a single-process run, if there is one."""
     output = os.fspath(output)
     folder = os.path.dirname(output) or "."
     name = os.path.basename(output)
@@ -313,7 +356,10 @@ def find_parts(output: str | os.PathLike) -> list[str]:
         m = _PART_NAME.fullmatch(n[len(name):]) if n.startswith(name) else None
         if m is not None:
             found.append(((int(m.group(2)), int(m.group(1))), os.path.join(folder, n)))
-    return [p for _, p in sorted(found)]
+    parts = [p for _, p in sorted(found)]
+    if os.path.isfile(held_path(output)):
+        parts.append(held_path(output))
+    return parts
 
 
 def remove_parts(output: str | os.PathLike) -> None:

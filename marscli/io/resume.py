@@ -32,6 +32,7 @@ from marscli.io.results import (
     ResultWriter,
     atomic_write_text,
     find_parts,
+    held_path,
     merge_results,
     part_path,
     remove_parts,
@@ -126,9 +127,10 @@ class RunOutput:
     the input is read, ignoring the components known only once the models are loaded;
     `open(fp, items)` once models are loaded: it refuses a resume whose fingerprint differs,
     then truncates (fresh) or cuts the torn tail (resume), writes the sidecar, and returns
-    the ResultWriter. If `needs_merge(items)` after the run, `merge(items)` puts the output in
-    input order (a resume over part files, or over an output with gaps). `close()` at the
-    very end, after any merge, releases the output.
+    the ResultWriter (which journals results that finished ahead of an earlier record in the
+    held file). `finish(items)` after a complete run puts the output in input order (a resume
+    over part files, a held file, or an output with gaps) or removes the emptied held file.
+    `close()` at the very end, after any merge, releases the output.
 
     A data-parallel run instead calls `prepare_parts` on the main process, `open_part` on
     every process, and `merge` on the main process at the end.
@@ -240,9 +242,9 @@ class RunOutput:
         # (and maybe stale parts made under the old sidecar, which a resume may use as they
         # are: the old sidecar describes them), never old results under a new fingerprint.
         assert self.path is not None
-        writer = ResultWriter(self.path)
+        writer = ResultWriter(self.path, held=held_path(self.path))  # opens the held file lazily
         try:
-            remove_parts(self.path)
+            remove_parts(self.path)  # a stale held file included
             write_sidecar(sidecar_path(self.path), fingerprint,
                           note=f"settings of the run that writes {os.path.basename(self.path)}; "
                                "used by --resume")
@@ -259,8 +261,24 @@ class RunOutput:
             self._cut_torn_tail()
             done = self.done
             skip = [it.index for it in items if it.id in done]
-            return ResultWriter(self.path, append=True, skip=skip)
+            return ResultWriter(self.path, append=True, skip=skip, held=held_path(self.path))
         return self._start_fresh(fingerprint)
+
+    def finish(self, items: list[Request | RecordError]) -> None:
+        """A single-process run that wrote every result (its writer closed): put the output
+        in input order if a resume left it otherwise, else remove the held file, whose
+        results the writer has all emitted since."""
+        if self.path is None:
+            return
+        if self.needs_merge(items):
+            self.merge(items)
+            return
+        try:
+            os.unlink(held_path(self.path))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise MarscliError(f"cannot remove {held_path(self.path)}: {e.strerror or e}") from None
 
     def needs_merge(self, items: list[Request | RecordError]) -> bool:
         """After a resume: is the output not simply in input order (parts, or gaps)?"""

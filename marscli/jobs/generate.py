@@ -28,6 +28,7 @@ from marscli.errors import (
     UsageError,
 )
 from marscli.io.records import read_input
+from marscli.io.results import held_path
 from marscli.io.resume import RunOutput, fingerprint_diff
 from marscli.jobs.console import Log, Progress, silence_stdout
 from marscli.jobs.distributed import (
@@ -283,8 +284,7 @@ class GenerateRun:
             if group is not None:
                 return self._finish_group(items, todo, totals, failed - sum(done.values()), t_start)
         self.close()
-        if output.needs_merge(items):
-            output.merge(items)  # a resume over part files, or over an output with gaps
+        output.finish(items)  # merge a resume over parts or gaps; drop the emptied held file
         if cfg.batch_size > 1:
             totals.wall = time.perf_counter() - t_start
         earlier = f"; {self.done_before} more were done before resuming" if self.done_before else ""
@@ -394,9 +394,12 @@ class GenerateRun:
         elif self.writer is None:
             self.log.always(f"{why} before generating; no results written")
         elif out is not None and out.path is not None:
-            have = self.done_before + self.writer.written
+            held = len(self.writer.pending)
+            have = self.done_before + self.writer.written + held
+            where = (f"{out.path} and {held_path(out.path)} ({held} finished ahead of an "
+                     "earlier record)" if held else out.path)
             self.log.always(
-                f"{why}: {have} of {self.total} results are in {out.path}; to finish, rerun "
+                f"{why}: {have} of {self.total} results are in {where}; to finish, rerun "
                 f"the same command with --resume (and the same -o {out.path})"
             )
         else:
