@@ -32,6 +32,7 @@ from marscli.errors import ModelLoadError
 from marscli.models.loading import load_model
 from marscli.training.ttt import pass_mask
 from marscli.verification.rules import margin_statistic, top2
+from tests.oracles import hf_greedy
 
 TARGET_LAYERS = 8  # EAGLE-3's rule picks layers 2, 4, 5: three distinct feature layers
 PROMPTS = [
@@ -68,11 +69,7 @@ def target(target_dir):
 
 
 def greedy_ref(target, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
-    with torch.no_grad():
-        out = target.model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=max_new, pad_token_id=target.tokenizer.pad_token_id)
-    return out[0, len(ids):].tolist()
+    return hf_greedy(target.model, ids, max_new)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from marscli.training.collect import CollectSettings, collect, read_records
 from marscli.training.corpus import build_corpus, passages
 from marscli.training.train import TrainSettings, make_batch, simulated_acceptance, train_head
 from marscli.training.ttt import STEP_DECAY, chain_matches, pass_mask, ttt_loss, unrolled_logits, walk
+from tests.oracles import hf_greedy
 
 LAYERS = 8
 SHARPEN = 12.0  # scale of the tiny target's lm_head: peaked next-token distributions
@@ -63,11 +64,7 @@ def target(target_dir):
 
 def plain_answer(target, prompt: str, max_new: int = MAX_NEW) -> tuple[list[int], list[int]]:
     ids = target.tokenizer(prompt).input_ids
-    with torch.no_grad():
-        out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    do_sample=False, max_new_tokens=max_new,
-                                    pad_token_id=target.tokenizer.pad_token_id)
-    return ids, out[0, len(ids):].tolist()
+    return ids, hf_greedy(target.model, ids, max_new)
 
 
 def transformers_answerer(target):
