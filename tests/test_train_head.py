@@ -11,6 +11,7 @@ like a trained model's (a random model's are nearly flat, and a head learns noth
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,9 @@ def test_train_head_command_end_to_end(target_dir, target, tmp_path):
 
     sd = load_file(str(out / "model.safetensors"))
     assert "embed_tokens.weight" not in sd and sd["lm_head.weight"].shape[0] == 150
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' 0600
     # strict greedy with the trained head equals plain decoding, through generate
     gen = ["generate", str(src), "--target", str(target_dir), "--max-tokens", str(MAX_NEW), "--no-profile",
            "--dtype", "float32", "--device", "cpu"]

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -595,6 +596,13 @@ def load_head(source: str, target, *, log=None) -> LoadedHead:
     return LoadedHead(head, identity, emb.device)
 
 
+def usual_file_mode(path: str | os.PathLike) -> None:
+    """Give a file safetensors wrote (mode 0600) the umask's usual mode, as open() would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_head(head: Eagle3Head, folder: str | Path, *, fmt: str = "safetensors",
               extra_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write a head in the published format (config.json + model.safetensors or
@@ -622,6 +630,7 @@ def save_head(head: Eagle3Head, folder: str | Path, *, fmt: str = "safetensors",
         from safetensors.torch import save_file
 
         save_file(sd, str(folder / SAFETENSORS_FILE))
+        usual_file_mode(folder / SAFETENSORS_FILE)
     elif fmt == "bin":
         torch.save(sd, str(folder / BIN_FILE))
     else:
