@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft")
     ap.add_argument("--draft-quant", help="quantized draft-model weights, as bench --draft-quant (e.g. int8)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the split is decoded at this temperature (as bench --temperature)")
+    ap.add_argument("--seed", default="0", help="and this seed (bench's first --seeds)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", help="write the fit here (JSON)")
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                              draft_quant=args.draft_quant)
     cfg = bench_config(args.input or args.calibrate_on, opts, methods=args.rules,
                        max_tokens=args.max_tokens, limit=args.limit, match_relax_rate=0.5,
+                       temperature=args.temperature, seeds=args.seed,
                        calibrate_on=args.calibrate_on,
                        calibration_records=args.calibration_records, note=log)
     (reference,) = parse_methods(args.reference, ())
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"reference": reference.name, "share": share, "relax_rate_reference": at_reference.relax_rate,
            "calibration": {"file": split.source, "records": data.records, "positions": data.positions,
                            "tokens": data.tokens, "dropped_overlap": split.dropped, "skipped": split.skipped},
-           "max_tokens": args.max_tokens, "target": args.target, "draft": args.draft,
+           "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+           "target": args.target, "draft": args.draft,
            "draft_quant": args.draft_quant,
            "seconds": round(time.perf_counter() - t0, 1), "rules": fitted,
            "methods": ",".join([reference.name, *fitted])}

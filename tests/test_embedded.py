@@ -96,3 +96,31 @@ def test_calibrate_then_generate_on_the_embedded_model(use_embedded_cache, tmp_p
         assert spec["verify"] == "strict" and "verifying strictly" in g.stderr
     else:
         assert spec["theta"] == prof.theta
+
+
+def test_the_shipped_head_drafts_for_the_embedded_model(embedded_model, use_embedded_cache, tmp_path):
+    """`--draft eagle3` with no path finds the head trained for the embedded model: strict
+    greedy output equals plain decoding on held-out prompts (the shipped examples; the head
+    was trained on @stdlib only), and it drafts tokens the target keeps."""
+    from typer.testing import CliRunner
+
+    from marscli.cli import app
+    from marscli.heads import shipped_head_for
+
+    folder = shipped_head_for(embedded_model.identity)
+    assert folder is not None
+    record = json.loads((folder / "training.json").read_text())
+    assert record["target"]["sha256"] == embedded_model.identity["sha256"]
+    assert record["corpus"] == {"@stdlib": record["corpus"]["@stdlib"]}  # no evaluation set
+    src = tmp_path / "heldout.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in first_turns("humaneval.jsonl", 2)
+                           + first_turns("mt_bench.jsonl", 1)))
+    runner = CliRunner()
+    common = ["generate", str(src), "--max-tokens", str(MAX_NEW), "--no-profile", "--no-timing"]
+    plain = runner.invoke(app, [*common, "--draft", "none"])
+    spec = runner.invoke(app, [*common, "--draft", "eagle3", "-k", "4", "--fixed-k"])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.stderr
+    rows = [json.loads(x) for x in spec.stdout.splitlines()]
+    assert [r["output"] for r in rows] == [json.loads(x)["output"] for x in plain.stdout.splitlines()]
+    assert all(r["spec"]["drafter"] == "eagle3" for r in rows)
+    assert sum(r["spec"]["accepted"] for r in rows) > 0
