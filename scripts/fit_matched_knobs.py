@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     measured = read_prompt_records(args.input, args.limit)[0] if args.input else []
     t0 = time.perf_counter()
     target, draft = load_models(cfg.target, cfg.draft_model, log, kind=cfg.draft.kind)
-    calibration = read_prompt_records(args.calibrate_on, args.calibration_records)[0]
+    # The measured file given as its own calibration split: its records after --limit (as bench).
+    same = bool(args.input) and os.path.samefile(args.input, args.calibrate_on)
+    skip = (args.limit or 0) if same else 0
+    calibration = read_prompt_records(args.calibrate_on, skip + args.calibration_records)[0][skip:]
     split = collect_calibration(dataclasses.replace(cfg, match_relax_rate=None), calibration, measured, target,
                                 draft, log)
     data = split.data
