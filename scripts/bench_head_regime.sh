@@ -18,7 +18,8 @@
 #
 # Environment (all optional): LIMIT (20), CALIB (calibration records, 20), THETA (0.9299),
 # MAX_TOKENS (128), TASK (sum),
-# HEAD (eagle3: the head shipped for the target), TEMPS ("0 1"), PYTHON (python),
+# HEAD (eagle3: the head shipped for the target), TEMPS ("0 1"), PYTHON (python), NO_FIT
+# (set: no ratio rule, no fit: ar, strict and MARS only, plus the trees),
 # EXTRA_ARGS (further bench options, split on spaces).
 # Run it with nothing else on the machine: it measures speed.
 set -euo pipefail
@@ -39,10 +40,13 @@ for t in ${TEMPS:-0 1}; do
     log="$out/$name-t$t.log"
     start=$(date +%s)
     set +e
-    fitted=$("$py" scripts/fit_matched_knobs.py --calibrate-on "$prompts" --input "$prompts" \
-      --limit "$limit" --reference "mars@$theta" --rules ratio --draft "$drafter" --calibration-records "${CALIB:-20}" \
-      --max-tokens "$max_tokens" --temperature "$t" --out "$out/$name-t$t.knobs.json" 2> "$log")
-    rc=$?
+    fitted=mars@$theta rc=0
+    if [ -z "${NO_FIT:-}" ]; then
+      fitted=$("$py" scripts/fit_matched_knobs.py --calibrate-on "$prompts" --input "$prompts" \
+        --limit "$limit" --reference "mars@$theta" --rules ratio --draft "$drafter" --calibration-records "${CALIB:-20}" \
+        --max-tokens "$max_tokens" --temperature "$t" --out "$out/$name-t$t.knobs.json" 2> "$log")
+      rc=$?
+    fi
     if [ $rc -eq 0 ]; then
       methods=ar,strict,$fitted
       [ "$name" = eagle3 ] && methods=$methods,strict-tree,mars-tree@$theta
