@@ -160,8 +160,8 @@ class ResultWriter:
 
         Results stuck behind a gap are NOT written to the output (it stays an ordered prefix);
         see `pending`; they are in the held file, when there is one. With ``strict=True`` a
-        gap raises RuntimeError: indices below the
-        highest buffered one, or below `total` when given, that never arrived.
+        gap raises RuntimeError: indices below the highest buffered one, or below `total`
+        when given, that never arrived.
         """
         if self._closed:
             return

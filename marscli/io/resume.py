@@ -272,13 +272,8 @@ class RunOutput:
             return
         if self.needs_merge(items):
             self.merge(items)
-            return
-        try:
-            os.unlink(held_path(self.path))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise MarscliError(f"cannot remove {held_path(self.path)}: {e.strerror or e}") from None
+        else:  # no part of another rank can be here: only this run's held file
+            remove_parts(self.path)
 
     def needs_merge(self, items: list[Request | RecordError]) -> bool:
         """After a resume: is the output not simply in input order (parts, or gaps)?"""
