@@ -71,7 +71,7 @@ def plain_answer(target, prompt: str, max_new: int = MAX_NEW) -> tuple[list[int]
 def transformers_answerer(target):
     """Answers from transformers' generate() (an oracle independent of marscli's engine)."""
     def answer(records, s: CollectSettings):
-        return [plain_answer(target, r["prompt"], s.max_tokens) for r in records]
+        return [(*plain_answer(target, r["prompt"], s.max_tokens), None) for r in records]
     return answer
 
 
@@ -198,6 +198,38 @@ def test_simulated_acceptance_equals_what_the_drafter_measures(target, collectio
     assert (sim.steps, sim.emitted, sim.accepted_per_position, sim.drafted_per_position) == (steps, emitted, acc, dra)
 
 
+@pytest.mark.parametrize("draft", ["ngram", "none", "eagle3"])
+def test_engine_recording_equals_a_teacher_forced_pass(target_dir, target, trained, draft):
+    """The collection records the engine's own forward passes (batched, cached, drafted by
+    `draft`; an EAGLE-3 drafter reads its own columns of the same capture): every record
+    equals one teacher-forced pass over prompt + answer, but for the last position, which the
+    target never runs on."""
+    from marscli.config import GenerationOptions
+    from marscli.drafters.eagle3_head import default_feature_layers
+    from marscli.jobs.setup import build_generator, generation_setup
+    from marscli.jobs.train_head import answerer
+    from marscli.training.collect import record_from_features, record_sequence
+
+    spec = f"eagle3:{trained[0]}" if draft == "eagle3" else draft
+    opts = GenerationOptions(target=str(target_dir), draft=spec, verify="strict", batch_size=3,
+                             dtype="float32", device="cpu", auto_profile=False)
+    gen = build_generator(generation_setup(opts))
+    answers = answerer(gen)([{"id": str(i), "prompt": p} for i, p in enumerate(PROMPTS)], CollectSettings(MAX_NEW))
+    tap = FeatureTap(target.model, default_feature_layers(LAYERS))
+    for p, got in zip(PROMPTS, answers, strict=True):
+        ids, out, feats = got
+        assert (ids, out) == plain_answer(target, p)  # the target's greedy answer, whatever drafted
+        assert feats is not None and feats.shape[0] == len(ids) + len(out) - 1
+        rec = record_from_features(target.model, ids + out, len(ids), feats, greedy=True)
+        ref = record_sequence(target.model, tap, ids + out, len(ids))
+        assert rec.tokens.tolist() == ref.tokens.tolist() and rec.prompt_len == ref.prompt_len
+        last = rec.tokens.numel() - 1
+        torch.testing.assert_close(rec.features[:last].float(), ref.features[:last].float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(rec.final[:last].float(), ref.final[:last].float(), rtol=1e-2, atol=1e-2)
+        assert rec.top1[:last].tolist() == ref.top1[:last].tolist()
+        assert not rec.features[last].any() and not rec.final[last].any() and int(rec.top1[last]) == -1
+
+
 def test_walk_replays_steps_by_hand():
     # prompt of 3, 6 answer tokens, chain of 2; matches per entry c (entry c = position c+1)
     m = [9, 2, 1, 0, 2, 0, 0, 0]
@@ -254,13 +286,17 @@ def test_train_head_command_end_to_end(target_dir, target, tmp_path):
     for p, rec in zip(PROMPTS, recs, strict=True):
         ids, ans = plain_answer(target, p)
         assert rec.tokens.tolist() == ids + ans
+    # recorded in the engine's own passes (the last position, never run, is zeros)
+    assert manifest["recorded"] == {"engine": len(PROMPTS), "teacher_forced": 0}
     tap = FeatureTap(target.model, load_head(str(out), target).head.feature_layers)
     with torch.no_grad(), tap.capture():
         target.model(recs[0].tokens.long()[None])
-    torch.testing.assert_close(recs[0].features.float(), tap.features[0].to(torch.bfloat16).float())
+    torch.testing.assert_close(recs[0].features[:-1].float(), tap.features[0, :-1], rtol=1e-2, atol=1e-2)
+    assert not recs[0].features[-1].any()
     # the training record, on stdout and in the folder
     record = json.loads(r.stdout.strip().splitlines()[-1])
     assert record == json.loads((out / "training.json").read_text())
+    assert record["collection"]["recorded"] == manifest["recorded"]
     assert len(record["epochs"]) == 2 and record["heldout_records"] == 2 and record["train_records"] == 6
     assert all("heldout_acceptance_length" in e for e in record["epochs"])
     # the published layout: no embedding (the target's is shared), the EAGLE-3 architecture

@@ -349,31 +349,46 @@ def decoder_layers(model) -> nn.ModuleList:
 class FeatureTap:
     """Captures the hidden states entering chosen decoder layers during the target's own
     forward passes (forward pre-hooks, registered only for the duration of a capture), so the
-    verification pass yields the head's features: no second target pass."""
+    verification pass yields the head's features: no second target pass.
+
+    Layer id ``len(layers)`` (one past the last layer) stands for the decoder's output after
+    its final norm, the hidden state the output layer reads (train-head records it)."""
 
     def __init__(self, model, layer_ids: tuple[int, ...]):
         self.layers = decoder_layers(model)
         self.layer_ids = tuple(layer_ids)
+        self.norm = None
+        if len(self.layers) in self.layer_ids:
+            inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+            self.norm = getattr(inner, "norm", None)
+            if self.norm is None:
+                raise ModelLoadError(f"cannot find the final norm of {type(model).__name__} (model.norm)")
         self.features: torch.Tensor | None = None  # [B, S, len(layer_ids) * H], last capture
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[FeatureTap]:
         got: dict[int, torch.Tensor] = {}
+        final = len(self.layers)
 
         def hook_for(i: int):
             def hook(_module, args, kwargs):
                 got[i] = args[0] if args else kwargs["hidden_states"]
             return hook
 
+        def norm_hook(_module, _args, output):
+            got[final] = output
+
         handles = [self.layers[i].register_forward_pre_hook(hook_for(i), with_kwargs=True)
-                   for i in self.layer_ids]
+                   for i in sorted(set(self.layer_ids)) if i != final]
+        if self.norm is not None:
+            handles.append(self.norm.register_forward_hook(norm_hook))
         self.features = None
         try:
             yield self
         finally:
             for h in handles:
                 h.remove()
-        if len(got) == len(self.layer_ids):
+        if len(got) == len(set(self.layer_ids)):
             dev = got[self.layer_ids[-1]].device  # layers may sit on several GPUs (device_map)
             self.features = torch.cat([got[i].to(dev) for i in self.layer_ids], dim=-1)
 

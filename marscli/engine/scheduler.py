@@ -317,6 +317,19 @@ class Engine:
                             batch_capacity=self.batch_size)
         self.drafters.reset()
 
+    def use_drafters(self, drafters: BatchedDrafter) -> None:
+        """Draft with `drafters` from the next record on (between jobs: no row is active), and
+        capture the target features it reads (train-head wraps the drafter to record them)."""
+        if self.rows:
+            raise RuntimeError("use_drafters: rows are still active")
+        if drafters.tree is not self.tree:
+            raise ValueError("use_drafters: the new drafter must draft the same tree shape")
+        self.drafters = drafters
+        self.tap = FeatureTap(self.model, drafters.feature_layers) if drafters.feature_layers else None
+        self.last_features = None
+        self._prefills.clear()  # their features were captured for the previous drafter
+        self.drafters.reset()
+
     def forget_earlier_records(self) -> None:
         """Empty the job corpus the n-gram drafter falls back on (drafters.ngram.JobCorpus),
         so that what ran before (bench's warm-up, another seed's pass) cannot draft for what

@@ -14,12 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from marscli.config import GenerationOptions, Request, SamplingParams
+from marscli.drafters.eagle3_head import default_feature_layers
 from marscli.errors import InputError, UsageError
 from marscli.io.records import read_requests
 from marscli.jobs.console import UNIT_COUNT, Log, Progress
 from marscli.jobs.results import ResultOptions
 from marscli.jobs.setup import build_generator, generation_setup
-from marscli.training.collect import Answerer, CollectSettings, collect, read_manifest, read_records
+from marscli.training.collect import (
+    Answer,
+    Answerer,
+    CollectSettings,
+    FeatureRecorder,
+    collect,
+    read_manifest,
+    read_records,
+)
 from marscli.training.corpus import build_corpus, corpus_description
 from marscli.training.train import TrainSettings, train_head
 
@@ -92,17 +101,30 @@ def read_prompts(sources: tuple[str, ...]) -> tuple[list[dict[str, Any]], dict[s
 
 def answerer(gen) -> Answerer:
     """Answers through a Generator (marscli.jobs.setup): the engine's batching and drafter,
-    strict verification; per record (prompt ids as the engine encoded them, answer ids)."""
+    strict verification, its forward passes recorded (FeatureRecorder); per record (prompt ids
+    as the engine encoded them, answer ids, recorded features or None)."""
+    model = gen.target.model
+    num_layers = int(model.config.num_hidden_layers)
+    recorder = FeatureRecorder(gen.engine.drafters, default_feature_layers(num_layers), num_layers)
+    gen.engine.use_drafters(recorder)
 
-    def answer(records: list[dict[str, Any]], s: CollectSettings) -> list[tuple[list[int], list[int]] | None]:
+    def answer(records: list[dict[str, Any]], s: CollectSettings) -> list[Answer | None]:
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
         items = list(read_requests(io.BytesIO(data)))
         sampling = SamplingParams(s.temperature, s.top_p, 0, s.max_tokens, s.seed)
         options = ResultOptions(timing=False, token_ids=True)
-        got: dict[int, tuple[list[int], list[int]] | None] = {}
-        for item, result, _ in gen.results(items, sampling, options):
-            ok = isinstance(item, Request) and result.get("error") is None and result.get("token_ids")
-            got[item.index] = (gen.engine.prompts.encode(item), list(result["token_ids"])) if ok else None
+        got: dict[int, Answer | None] = {}
+        try:
+            for item, result, _ in gen.results(items, sampling, options):
+                ok = isinstance(item, Request) and result.get("error") is None and result.get("token_ids")
+                if not ok:
+                    got[item.index] = None
+                    continue
+                ids = gen.engine.prompts.encode(item)
+                out = list(result["token_ids"])
+                got[item.index] = (ids, out, recorder.take(ids, list(ids) + out))
+        finally:
+            recorder.clear()
         return [got.get(i) for i in range(len(records))]
 
     return answer
@@ -137,6 +159,7 @@ def run_train_head(cfg: TrainHeadConfig, log: Log, argv: list[str] | None = None
                        "answer_tokens": held, "tokens": sum(s["tokens"] for s in manifest["shards"]),
                        "prompts_consumed": manifest["prompts_consumed"], "settings": manifest["settings"],
                        "seconds": {k: round(v, 1) for k, v in manifest["seconds"].items()},
+                       "recorded": manifest.get("recorded"),
                        "drafter": cfg.draft, "batch_size": cfg.batch_size},
         "load_seconds": round(load_s, 1),
     }

@@ -1,16 +1,22 @@
 """Stage 1 of train-head: the target answers prompts, and what a head learns from is recorded.
 
 The target generates through marscli's own engine (batched, plain decoding of the target or
-any lossless drafter: strict greedy output is the target's greedy output whatever drafts it).
-Each finished answer is then recorded with one teacher-forced pass of the target's decoder
-over prompt + answer: the hidden states entering the head's feature layers (EAGLE-3: 2, L//2,
-L-3), the target's top-1 token after every position, and its final (normed) hidden state,
-from which training recomputes the target's logits on the draft vocabulary (so no
-vocabulary-wide logits are stored). The target thus runs twice; the recording pass is a
-prefill, cheap on a GPU but compute-bound on a CPU: on the embedded model at batch 16 it took
-42% of the generation's time (34.8 s against 81.9 s for 6,081 answer tokens). Recording
-inside the engine's own forwards (as EAGLE-3 drafting already taps them) would save it; the
-manifest keeps both times.
+any lossless drafter: strict greedy output is the target's greedy output whatever drafts it),
+and the generating forward passes themselves are recorded (``FeatureRecorder`` wraps the
+engine's drafter, as EAGLE-3 drafting taps the target): for every position the target ran on,
+the hidden states entering the head's feature layers (EAGLE-3: 2, L//2, L-3) and its final
+(normed) hidden state, from which training recomputes the target's logits on the draft
+vocabulary (so no vocabulary-wide logits are stored), and the target's top-1 token after
+every position (greedy answers: the next answer token; prompt positions and sampled answers:
+the output layer over the recorded final state). The target thus runs once. The answer's
+last token is never fed to the target: its row of ``features`` and ``final`` is zeros and its
+``top1`` is -1 (training never reads them: the last position predicts nothing).
+
+A record the engine's passes could not be matched to (none so far; the count is in the
+manifest) is recorded with one teacher-forced pass over prompt + answer instead
+(``record_sequence``), which also fills the last position. Earlier collections were all
+recorded that way: on the embedded model at batch 16 that pass took 33% of the collection's
+time (1,316 s of 3,973 s for 164,807 answer tokens).
 
 On disk, DATA/ holds ``manifest.json`` and shards ``shard-NNNNN.safetensors`` of whole
 records, each shard with
@@ -24,12 +30,15 @@ key                shape, dtype                    what
 ``features``       [N, F] bfloat16                 hidden states entering the feature layers
 ``final``          [N, H] bfloat16                 the decoder's output (after the final norm)
 ``top1``           [N] int32                       the target's top-1 token after each position
+                                                   (-1: not recorded, the last position)
 =================  ==============================  ================================================
 
 ``manifest.json``: format version, the target's identity, feature layers, hidden size, the
 generation settings and the prompt files' sha256 (a run with other settings is refused, not
 mixed in), the number of prompts consumed so far (resume continues after them), per shard
-its record and token counts, and the seconds spent generating and recording. A run stops
+its record and token counts, the seconds spent generating and recording (the teacher-forced
+passes, and the output layer over prompt positions), and ``recorded``: how many records came
+from the engine's own passes and how many from a teacher-forced pass. A run stops
 once the recorded answer tokens reach the asked number; run it again with a larger number
 to collect more.
 """
@@ -120,6 +129,109 @@ def record_sequence(model, tap: FeatureTap, ids: list[int], prompt_len: int) -> 
                   final.to(STORE_DTYPE).cpu(), top1)
 
 
+def record_from_features(model, ids: list[int], prompt_len: int, feats: torch.Tensor, *,
+                         greedy: bool) -> Record:
+    """A Record from what the engine's own passes captured: feats [len(ids) - 1, F + H], the
+    feature layers' inputs then the final norm's output, for every position but the last
+    (see the module's docstring). greedy: the answer is the target's greedy one, so the top-1
+    after an answer position is the next token; the output layer gives the rest."""
+    n = len(ids)
+    H = int(model.config.hidden_size)
+    assert feats.shape[0] == n - 1 and feats.shape[1] > H, (tuple(feats.shape), n, H)
+    zero = feats.new_zeros(1, feats.shape[1])
+    rows = torch.cat([feats.to(STORE_DTYPE).cpu(), zero.to(STORE_DTYPE).cpu()])
+    final = rows[:, -H:].contiguous()
+    top1 = torch.full((n,), -1, dtype=torch.int32)
+    known = prompt_len - 1 if greedy else n - 1  # positions whose top-1 the output layer gives
+    if greedy:
+        top1[prompt_len - 1: n - 1] = torch.tensor(ids[prompt_len:], dtype=torch.int32)
+    lm = model.get_output_embeddings()
+    with torch.inference_mode():
+        for s in range(0, max(known, 0), 256):
+            e = min(s + 256, known)
+            h = final[s:e].to(device=lm.weight.device, dtype=lm.weight.dtype)
+            top1[s:e] = lm(h).argmax(-1).to(torch.int32).cpu()
+    return Record(torch.tensor(ids, dtype=torch.int32), prompt_len, rows[:, :-H].contiguous(), final, top1)
+
+
+class FeatureRecorder:
+    """A BatchedDrafter that drafts with `inner` and records, row by row, the target features
+    the engine's passes computed at the row's committed positions: the inputs of `layers` and
+    the final norm's output (FeatureTap's id ``num_layers``). Install it with
+    ``Engine.use_drafters``; after a job, ``take`` hands each finished record's features over.
+    An inner drafter that reads features itself (EAGLE-3) gets its own columns."""
+
+    def __init__(self, inner, layers: tuple[int, ...], num_layers: int):
+        self.inner = inner
+        self.n_inner = len(inner.feature_layers)
+        self.feature_layers = tuple(inner.feature_layers) + tuple(layers) + (num_layers,)
+        self.tree = inner.tree
+        self.rows: list[list] = []  # per active row: [prompt ids, feature chunks, committed seq]
+        self.finished: dict[tuple[int, ...], list[list]] = {}
+
+    def __getattr__(self, name: str):  # the job corpus, hybrid curves...: the inner drafter's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _finish(self, row: list) -> None:
+        if row[1]:
+            self.finished.setdefault(tuple(row[0]), []).append(row)
+
+    def reset(self) -> None:
+        for row in self.rows:
+            self._finish(row)
+        self.rows = []
+        self.inner.reset()
+
+    def add_row(self, prompt_ids, sampling, generator) -> None:
+        self.rows.append([list(prompt_ids), [], None])
+        self.inner.add_row(prompt_ids, sampling, generator)
+
+    def keep(self, rows: list[int]) -> None:
+        kept = set(rows)
+        for b, row in enumerate(self.rows):
+            if b not in kept:
+                self._finish(row)
+        self.rows = [self.rows[b] for b in rows]
+        self.inner.keep(rows)
+
+    def offers(self, seqs, k_caps):
+        return self.inner.offers(seqs, k_caps)
+
+    def propose(self, seqs, ks):
+        return self.inner.propose(seqs, ks)
+
+    def propose_tree(self, row, seq, max_path):
+        return self.inner.propose_tree(row, seq, max_path)
+
+    def observe(self, row: int, features: torch.Tensor) -> None:
+        width = features.shape[1] // len(self.feature_layers)
+        if self.n_inner:
+            self.inner.observe(row, features[:, : self.n_inner * width])
+        self.rows[row][1].append(features[:, self.n_inner * width:].to(STORE_DTYPE).cpu())
+
+    def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
+        self.rows[row][2] = seq
+        self.inner.accepted(row, proposed, accepted, seq)
+
+    def take(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor | None:
+        """The recorded features of the finished record whose prompt is prompt_ids and whose
+        committed tokens start with `tokens` (prompt + answer): [len(tokens) - 1, F + H], or
+        None when no finished row matches (the caller records it another way)."""
+        rows = self.finished.get(tuple(prompt_ids), [])
+        for i, (_, chunks, seq) in enumerate(rows):
+            got = sum(int(c.shape[0]) for c in chunks)
+            if got >= len(tokens) - 1 and (seq is None or list(seq[: len(tokens)]) == list(tokens)):
+                rows.pop(i)
+                return torch.cat(chunks)[: len(tokens) - 1]
+        return None
+
+    def clear(self) -> None:
+        """Forget the finished rows not taken (records that failed, restarted rows)."""
+        self.finished = {}
+
+
 def write_shard(path: Path, records: list[Record]) -> dict[str, int]:
     from safetensors.torch import save_file
 
@@ -162,9 +274,11 @@ def read_records(data_dir: Path) -> Iterator[Record]:
                          sd["final"][a:b], sd["top1"][a:b])
 
 
-#: Answers a chunk of prompt records: per record (prompt ids, answer ids) or None (the record
-#: failed: too long for the context, no chat template, ...).
-Answerer = Callable[[list[dict[str, Any]], CollectSettings], list[tuple[list[int], list[int]] | None]]
+#: Answers a chunk of prompt records: per record (prompt ids, answer ids, the features the
+#: engine's passes recorded or None) or None (the record failed: too long for the context, no
+#: chat template, ...).
+Answer = tuple[list[int], list[int], torch.Tensor | None]
+Answerer = Callable[[list[dict[str, Any]], CollectSettings], list[Answer | None]]
 
 
 def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: Path, *, tokens_wanted: int,
@@ -183,7 +297,8 @@ def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: P
              "hidden_size": int(model.config.hidden_size), "settings": settings.to_dict(),
              "prompt_files": prompt_files}
     if doc is None:
-        doc = {**fresh, "prompts_consumed": 0, "shards": [], "seconds": {"generate": 0.0, "record": 0.0}}
+        doc = {**fresh, "prompts_consumed": 0, "shards": [], "seconds": {"generate": 0.0, "record": 0.0},
+               "recorded": {"engine": 0, "teacher_forced": 0}}
     else:
         for key in ("feature_layers", "hidden_size", "settings", "prompt_files"):
             if doc.get(key) != fresh[key]:
@@ -193,7 +308,9 @@ def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: P
         if (old_t.get("sha256"), old_t.get("name")) != (new_t.get("sha256"), new_t.get("name")):
             raise InputError(f"{data_dir / MANIFEST}: collected from target {old_t.get('name')!r}, not "
                              f"{new_t.get('name')!r}")
+    doc.setdefault("recorded", {"engine": 0, "teacher_forced": sum(s["records"] for s in doc["shards"])})
     tap = FeatureTap(model, layers)
+    greedy = settings.temperature == 0
     have = sum(s["answer_tokens"] for s in doc["shards"])
     progress(have, tokens_wanted)
     start = doc["prompts_consumed"]
@@ -211,8 +328,14 @@ def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: P
         for got in answers:
             if got is None or not got[1]:
                 continue  # a record that cannot be prompted (too long, no template) adds nothing
-            ids, out = got
-            records.append(record_sequence(model, tap, list(ids) + list(out), len(ids)))
+            ids, out, feats = got
+            seq = list(ids) + list(out)
+            if feats is not None:
+                records.append(record_from_features(model, seq, len(ids), feats, greedy=greedy))
+                doc["recorded"]["engine"] += 1
+            else:
+                records.append(record_sequence(model, tap, seq, len(ids)))
+                doc["recorded"]["teacher_forced"] += 1
         t2 = time.perf_counter()
         start += len(batch)
         if records:
@@ -230,5 +353,5 @@ def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: P
     return doc
 
 
-__all__ = ["CollectSettings", "FORMAT_VERSION", "Record", "collect", "read_manifest", "read_records",
-           "record_sequence", "write_shard", "Answerer"]
+__all__ = ["Answer", "Answerer", "CollectSettings", "FORMAT_VERSION", "FeatureRecorder", "Record", "collect",
+           "read_manifest", "read_records", "record_from_features", "record_sequence", "write_shard"]
