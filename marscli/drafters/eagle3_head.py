@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from marscli.errors import ModelLoadError
+from marscli.io.results import usual_file_mode
 from marscli.models.quant import output_rows
 from marscli.models.sources import KIND_DIR, fingerprint_or_none, resolve_source
 
@@ -611,13 +612,6 @@ def load_head(source: str, target, *, log=None) -> LoadedHead:
     return LoadedHead(head, identity, emb.device)
 
 
-def usual_file_mode(path: str | os.PathLike) -> None:
-    """Give a file safetensors wrote (mode 0600) the umask's usual mode, as open() would."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def save_head(head: Eagle3Head, folder: str | Path, *, fmt: str = "safetensors",
               extra_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write a head in the published format (config.json + model.safetensors or
@@ -645,7 +639,7 @@ def save_head(head: Eagle3Head, folder: str | Path, *, fmt: str = "safetensors",
         from safetensors.torch import save_file
 
         save_file(sd, str(folder / SAFETENSORS_FILE))
-        usual_file_mode(folder / SAFETENSORS_FILE)
+        os.chmod(folder / SAFETENSORS_FILE, usual_file_mode())
     elif fmt == "bin":
         torch.save(sd, str(folder / BIN_FILE))
     else:

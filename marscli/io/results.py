@@ -215,6 +215,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text.encode("utf-8"))
 
 
+def usual_file_mode() -> int:
+    """The mode open() gives a new file under the process's umask (0o666 & ~umask): for files
+    written through a temp file or by a library that makes them 0600 (safetensors)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """A binary file that replaces `path` when the block ends without an error.
@@ -228,9 +236,7 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
     try:
         mode = os.stat(path).st_mode & 0o7777
     except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
+        mode = usual_file_mode()
     tmp = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed below
         "wb", delete=False, dir=directory, prefix=f".{name}.", suffix=".tmp",
     )

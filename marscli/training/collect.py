@@ -55,8 +55,9 @@ from typing import Any
 
 import torch
 
-from marscli.drafters.eagle3_head import FeatureTap, default_feature_layers, usual_file_mode
+from marscli.drafters.eagle3_head import FeatureTap, default_feature_layers
 from marscli.errors import InputError
+from marscli.io.results import usual_file_mode
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -248,7 +249,7 @@ def write_shard(path: Path, records: list[Record]) -> dict[str, int]:
     }
     tmp = path.with_name(path.name + ".tmp")
     save_file(sd, str(tmp))
-    usual_file_mode(tmp)
+    os.chmod(tmp, usual_file_mode())
     os.replace(tmp, path)
     return {"records": len(records), "tokens": int(offsets[-1]),
             "answer_tokens": sum(r.answer_tokens for r in records)}
