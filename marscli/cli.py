@@ -544,6 +544,7 @@ def train_head(
     tokens_per_batch: Annotated[int, typer.Option(min=1, help="Padded tokens per optimizer step.", rich_help_panel="Training")] = 4096,
     holdout: Annotated[int, typer.Option(min=0, help="Hold out every N-th record for the per-epoch acceptance length (0: none).", rich_help_panel="Training")] = 20,
     eval_k: Annotated[int, typer.Option(min=1, help="Chain length of the held-out acceptance length.", rich_help_panel="Training")] = 4,
+    init: Annotated[str | None, typer.Option(help="Start from this head's weights (a folder train-head wrote from the same collection) instead of a fresh head: more epochs without repeating the first ones.", rich_help_panel="Training")] = None,
     save_dtype: Annotated[str, typer.Option(help="Weights on disk: bfloat16, float16 or float32.", rich_help_panel=PANEL_OUTPUT)] = "bfloat16",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No narration or progress on stderr.", rich_help_panel=PANEL_OUTPUT)] = False,
 ) -> None:
@@ -571,7 +572,7 @@ def train_head(
             collect=CollectSettings(max_tokens, temperature, top_p, seed),
             train=TrainSettings(epochs=epochs, draft_vocab=draft_vocab, ttt_steps=ttt_steps, lr=lr,
                                 tokens_per_batch=tokens_per_batch, holdout=holdout, eval_k=eval_k, seed=seed,
-                                save_dtype=save_dtype),
+                                save_dtype=save_dtype, init=init),
             collect_only=collect_only)
         check_output(cfg)
         return run_train_head(cfg, Log(quiet))

@@ -230,6 +230,41 @@ def test_engine_recording_equals_a_teacher_forced_pass(target_dir, target, train
         assert not rec.features[last].any() and not rec.final[last].any() and int(rec.top1[last]) == -1
 
 
+def test_init_continues_from_a_written_head(target, collection, tmp_path):
+    """--init: a second run starts where the first ended (its held-out acceptance before
+    training is the first run's after it), over the first's draft vocabulary even when the
+    data differs, and refuses a head of another vocabulary size."""
+    from marscli.drafters.eagle3_head import default_feature_layers
+    from marscli.errors import InputError
+
+    recs = list(read_records(collection))
+    layers = default_feature_layers(LAYERS)
+    base = dict(epochs=2, draft_vocab=200, ttt_steps=2, lr=3e-3, tokens_per_batch=512, holdout=4, eval_k=4,
+                save_dtype="float32")
+    first = train_head(target.model, recs, layers, tmp_path / "a", TrainSettings(**base))
+    best = first["epochs"][first["best_epoch"] - 1]["heldout_acceptance_length"]
+    assert best > first["heldout_acceptance_length_before"]  # it learned: the check has teeth
+    second = train_head(target.model, recs, layers, tmp_path / "b",
+                        TrainSettings(**{**base, "epochs": 1, "init": str(tmp_path / "a")}))
+    assert second["heldout_acceptance_length_before"] == best
+    assert second["settings"]["init"] == str(tmp_path / "a")
+    # fewer records (another most-frequent list): the first head's vocabulary is kept
+    third = train_head(target.model, recs[:5], layers, tmp_path / "d",
+                       TrainSettings(**{**base, "epochs": 1, "holdout": 0, "init": str(tmp_path / "a")}))
+    assert third["draft_vocab"] == 200
+    from marscli.training.train import draft_vocabulary
+
+    vocab = int(target.model.get_output_embeddings().weight.shape[0])
+    assert draft_vocabulary(recs[:5], 200, vocab) != draft_vocabulary(recs, 200, vocab)  # teeth
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(tmp_path / "d" / "model.safetensors"))["d2t"],
+                       load_file(str(tmp_path / "a" / "model.safetensors"))["d2t"])
+    with pytest.raises(InputError, match="another vocabulary size"):
+        train_head(target.model, recs, layers, tmp_path / "c",
+                   TrainSettings(**{**base, "draft_vocab": 150, "init": str(tmp_path / "a")}))
+
+
 def test_walk_replays_steps_by_hand():
     # prompt of 3, 6 answer tokens, chain of 2; matches per entry c (entry c = position c+1)
     m = [9, 2, 1, 0, 2, 0, 0, 0]

@@ -583,8 +583,25 @@ def resolve_head_folder(source: str) -> tuple[Path, str, str, str | None]:
 
 def load_head(source: str, target, *, log=None) -> LoadedHead:
     """Load an EAGLE-3 head for `target` (a LoadedModel); ModelLoadError on any mismatch."""
-
     folder, name, kind, revision = resolve_head_folder(source)
+    emb = target.model.get_input_embeddings().weight
+    head = read_head(folder, target.model, emb.dtype, emb.device)
+    if log:
+        log(f"EAGLE-3 head {name}: hidden {head.cfg.hidden_size}, draft vocabulary "
+            f"{head.cfg.draft_vocab_size}/{head.cfg.vocab_size}, features from target layers "
+            f"{list(head.feature_layers)}")
+    identity = {
+        "name": name, "source": source, "kind": kind, "sha256": None,
+        "fingerprint": fingerprint_or_none(folder), "revision": revision,
+        "dtype": str(emb.dtype).removeprefix("torch."), "quantization": None,
+        "device": str(emb.device), "format": "eagle3",
+    }
+    return LoadedHead(head, identity, emb.device)
+
+
+def read_head(folder: Path, target_model, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
+    """The head in a local folder, checked against target_model (an nn.Module) and built in
+    dtype on device; ModelLoadError on any mismatch."""
     cfg_path = folder / CONFIG_FILE
     try:
         raw = json.loads(cfg_path.read_text())
@@ -597,19 +614,8 @@ def load_head(source: str, target, *, log=None) -> LoadedHead:
     if weights is None:
         raise ModelLoadError(f"EAGLE-3 head {folder}: no {' or '.join(WEIGHT_FILES)}")
     sd = _read_weights(weights)
-    layers, sd = check_head(sd, cfg, target.model, str(weights), f"EAGLE-3 head {cfg_path}")
-    emb = target.model.get_input_embeddings().weight
-    head = build_head(sd, cfg, target.model, layers, emb.dtype, emb.device)
-    if log:
-        log(f"EAGLE-3 head {name}: hidden {cfg.hidden_size}, draft vocabulary "
-            f"{cfg.draft_vocab_size}/{cfg.vocab_size}, features from target layers {list(layers)}")
-    identity = {
-        "name": name, "source": source, "kind": kind, "sha256": None,
-        "fingerprint": fingerprint_or_none(folder), "revision": revision,
-        "dtype": str(emb.dtype).removeprefix("torch."), "quantization": None,
-        "device": str(emb.device), "format": "eagle3",
-    }
-    return LoadedHead(head, identity, emb.device)
+    layers, sd = check_head(sd, cfg, target_model, str(weights), f"EAGLE-3 head {cfg_path}")
+    return build_head(sd, cfg, target_model, layers, dtype, device)
 
 
 def save_head(head: Eagle3Head, folder: str | Path, *, fmt: str = "safetensors",
@@ -701,5 +707,5 @@ def head_description(head: Eagle3Head) -> str:
 
 __all__ = [
     "Eagle3Head", "FeatureTap", "HeadConfig", "LoadedHead", "check_head", "default_feature_layers",
-    "load_head", "parse_draft_source", "random_head", "save_head",
+    "load_head", "parse_draft_source", "random_head", "read_head", "save_head",
 ]

@@ -38,9 +38,10 @@ from marscli.drafters.eagle3_head import (
     Eagle3Head,
     default_feature_layers,
     random_head,
+    read_head,
     save_head,
 )
-from marscli.errors import InputError
+from marscli.errors import InputError, ModelLoadError
 from marscli.training.collect import Record
 from marscli.training.ttt import Batch, WalkStats, chain_matches, empty_walk, ttt_loss, walk
 
@@ -61,6 +62,7 @@ class TrainSettings:
     eval_k: int = 4
     seed: int = 0
     save_dtype: str = "bfloat16"
+    init: str | None = None  # a head folder to start from (same target, layers and draft vocabulary)
 
 
 def draft_vocabulary(records: list[Record], size: int, vocab: int) -> list[int]:
@@ -157,6 +159,22 @@ def simulated_acceptance(head: Eagle3Head, records: list[Record], k: int) -> Wal
     return total
 
 
+def read_init(folder: Path, target_model, layers: tuple[int, ...], draft_vocab: int) -> Eagle3Head:
+    """The head --init starts from: the same target and feature layers, a draft vocabulary of
+    the asked size (training keeps its vocabulary, whatever the collection now holds), else
+    InputError."""
+    try:
+        old = read_head(folder, target_model, torch.float32, torch.device("cpu"))
+    except ModelLoadError as e:
+        raise InputError(f"--init {folder}: {e}") from None
+    if tuple(old.feature_layers) != tuple(layers):
+        raise InputError(f"--init {folder}: reads target layers {list(old.feature_layers)}, not {list(layers)}")
+    if old.cfg.draft_vocab_size != draft_vocab:
+        raise InputError(f"--init {folder}: drafts over another vocabulary size ({old.cfg.draft_vocab_size} "
+                         f"tokens, not --draft-vocab {draft_vocab})")
+    return old
+
+
 def train_head(target_model, records: list[Record], layers: tuple[int, ...], out_dir: Path,
                settings: TrainSettings, *, extra_record: dict[str, Any] | None = None,
                log: Callable[[str], None] = lambda _m: None,
@@ -173,12 +191,21 @@ def train_head(target_model, records: list[Record], layers: tuple[int, ...], out
     train = [r for i, r in enumerate(records) if not (k and i % k == k - 1)]
     if not train:
         raise InputError("every record is held out: collect more, or lower --holdout")
-    vocab_ids = draft_vocabulary(train, min(settings.draft_vocab, vocab), vocab)
+    start = None
+    if settings.init:
+        start = read_init(Path(settings.init), target_model, tuple(layers), min(settings.draft_vocab, vocab))
+        vocab_ids = (start.d2t + torch.arange(start.d2t.numel())).tolist()
+    else:
+        vocab_ids = draft_vocabulary(train, min(settings.draft_vocab, vocab), vocab)
     ids_t = torch.tensor(vocab_ids)
     in_draft = torch.zeros(vocab, dtype=torch.bool)
     in_draft[ids_t] = True
     lm_rows = target_model.get_output_embeddings().weight[ids_t].detach().float()
     head = init_head(target_model, vocab_ids, layers, settings.seed)
+    if start is not None:
+        with torch.no_grad():
+            head.load_state_dict(start.state_dict(), strict=True)
+        log(f"starting from the head in {settings.init} (and its draft vocabulary)")
     params = [p for p in head.parameters() if p.requires_grad]
     head.train().requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
