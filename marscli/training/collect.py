@@ -114,6 +114,18 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 @torch.inference_mode()
+def output_top1(model, final: torch.Tensor) -> torch.Tensor:
+    """The target's top-1 token after each of `final`'s positions ([S, H] normed hidden
+    states), through its output layer a slice at a time (vocabulary-wide logits): [S] int32."""
+    lm = model.get_output_embeddings()
+    out = torch.empty(final.shape[0], dtype=torch.int32)
+    for s in range(0, final.shape[0], 256):
+        h = final[s:s + 256].to(device=lm.weight.device, dtype=lm.weight.dtype)
+        out[s:s + 256] = lm(h).argmax(-1).to(torch.int32).cpu()
+    return out
+
+
+@torch.inference_mode()
 def record_sequence(model, tap: FeatureTap, ids: list[int], prompt_len: int) -> Record:
     """One teacher-forced decoder pass over ids -> the recorded Record."""
     dev = next(model.parameters()).device
@@ -122,10 +134,7 @@ def record_sequence(model, tap: FeatureTap, ids: list[int], prompt_len: int) -> 
     with tap.capture():
         final = decoder(input_ids=x).last_hidden_state[0]  # [L, H], normed
     feats = tap.features[0]
-    lm = model.get_output_embeddings()
-    top1 = torch.empty(len(ids), dtype=torch.int32)
-    for s in range(0, len(ids), 256):  # the vocabulary-wide logits, a slice at a time
-        top1[s:s + 256] = lm(final[s:s + 256].to(lm.weight.dtype)).argmax(-1).to(torch.int32).cpu()
+    top1 = output_top1(model, final)
     return Record(torch.tensor(ids, dtype=torch.int32), prompt_len, feats.to(STORE_DTYPE).cpu(),
                   final.to(STORE_DTYPE).cpu(), top1)
 
@@ -146,12 +155,8 @@ def record_from_features(model, ids: list[int], prompt_len: int, feats: torch.Te
     known = prompt_len - 1 if greedy else n - 1  # positions whose top-1 the output layer gives
     if greedy:
         top1[prompt_len - 1: n - 1] = torch.tensor(ids[prompt_len:], dtype=torch.int32)
-    lm = model.get_output_embeddings()
-    with torch.inference_mode():
-        for s in range(0, max(known, 0), 256):
-            e = min(s + 256, known)
-            h = final[s:e].to(device=lm.weight.device, dtype=lm.weight.dtype)
-            top1[s:e] = lm(h).argmax(-1).to(torch.int32).cpu()
+    if known > 0:
+        top1[:known] = output_top1(model, final[:known])
     return Record(torch.tensor(ids, dtype=torch.int32), prompt_len, rows[:, :-H].contiguous(), final, top1)
 
 

@@ -194,7 +194,7 @@ def train_head(target_model, records: list[Record], layers: tuple[int, ...], out
     start = None
     if settings.init:
         start = read_init(Path(settings.init), target_model, tuple(layers), min(settings.draft_vocab, vocab))
-        vocab_ids = (start.d2t + torch.arange(start.d2t.numel())).tolist()
+        vocab_ids = start.to_target(torch.arange(start.cfg.draft_vocab_size)).tolist()
     else:
         vocab_ids = draft_vocabulary(train, min(settings.draft_vocab, vocab), vocab)
     ids_t = torch.tensor(vocab_ids)
