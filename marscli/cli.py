@@ -531,6 +531,7 @@ def train_head(
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per answer.", rich_help_panel="Collection")] = 256,
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts answered at a time.", rich_help_panel="Collection")] = 8,
     draft: Annotated[str, typer.Option(help="Drafter while collecting (strict verification: the answers are the target's whatever it drafts).", rich_help_panel="Collection")] = "ngram",
+    draft_quant: Annotated[Optional[str], typer.Option(help="Quantized draft-model weights while collecting ('none', 'int8', '4bit'; as generate's --draft-quant): speed only.", rich_help_panel="Collection")] = None,
     temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature of the answers (0: greedy).", rich_help_panel="Collection")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling of the answers.", rich_help_panel="Collection")] = 1.0,
     seed: Annotated[int, typer.Option(help="Seed of the answers' sampling, the batch order and the head's initialisation.", rich_help_panel="Collection")] = 0,
@@ -568,7 +569,7 @@ def train_head(
             raise UsageError(f"--save-dtype must be bfloat16, float16 or float32, got {save_dtype!r}")
         cfg = TrainHeadConfig(
             prompts=tuple(prompts), output=output, target=target, data=data, collect_tokens=collect_tokens,
-            max_tokens=max_tokens, batch_size=batch_size, draft=draft, dtype=dtype, device=device,
+            max_tokens=max_tokens, batch_size=batch_size, draft=draft, draft_quant=draft_quant, dtype=dtype, device=device,
             collect=CollectSettings(max_tokens, temperature, top_p, seed),
             train=TrainSettings(epochs=epochs, draft_vocab=draft_vocab, ttt_steps=ttt_steps, lr=lr,
                                 tokens_per_batch=tokens_per_batch, holdout=holdout, eval_k=eval_k, seed=seed,

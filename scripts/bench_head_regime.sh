@@ -17,7 +17,8 @@
 #   OUTDIR/{eagle3,ngram}-t{0,1}.knobs.json  the ratio fit
 #
 # Environment (all optional): LIMIT (20), CALIB (calibration records, 20), THETA (0.9299),
-# MAX_TOKENS (128), TASK (sum),
+# MAX_TOKENS (128), TASK (sum; 'none' for prompts without references, e.g. held-out @stdlib
+# records: speed, tau and relaxed share only),
 # HEAD (eagle3: the head shipped for the target), TEMPS ("0 1"), PYTHON (python), NO_FIT
 # (set: no ratio rule, no fit: ar, strict and MARS only, plus the trees),
 # EXTRA_ARGS (further bench options, split on spaces).
@@ -29,7 +30,8 @@ prompts=${2:-../shared/data/prompts/sum.jsonl}
 limit=${LIMIT:-20}
 theta=${THETA:-0.9299}
 max_tokens=${MAX_TOKENS:-128}
-task=${TASK:-sum}
+task=()
+[ "${TASK:-sum}" = none ] || task=(--task "${TASK:-sum}")
 head=${HEAD:-eagle3}
 py=${PYTHON:-python}
 read -r -a extra <<< "${EXTRA_ARGS:-}"
@@ -50,7 +52,7 @@ for t in ${TEMPS:-0 1}; do
     if [ $rc -eq 0 ]; then
       methods=ar,strict,$fitted
       [ "$name" = eagle3 ] && methods=$methods,strict-tree,mars-tree@$theta
-      "$py" -m marscli bench "$prompts" --limit "$limit" --task "$task" --draft "$drafter" \
+      "$py" -m marscli bench "$prompts" --limit "$limit" "${task[@]}" --draft "$drafter" \
         --methods "$methods" --temperature "$t" --seeds 0 --max-tokens "$max_tokens" \
         --dtype float32 --device cpu --report "$out/$name-t$t.json" "${extra[@]}" 2>> "$log" > /dev/null
       rc=$?

@@ -370,6 +370,11 @@ def test_train_head_refuses_bad_input(target_dir, tmp_path):
     (tmp_path / "full" / "notes.txt").write_text("mine")
     r = CliRunner().invoke(app, ["train-head", str(bad), "--target", str(target_dir), "-o", str(tmp_path / "full")])
     assert r.exit_code == 2 and "notes.txt" in r.stderr
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"id": "a", "prompt": "x"}\n')
+    r = CliRunner().invoke(app, ["train-head", str(good), "--target", str(target_dir), "-o", str(tmp_path / "q"),
+                                 "--draft-quant", "int8"])
+    assert r.exit_code == 2 and "--draft-quant applies to a draft model; the drafter is ngram" in r.stderr
 
 
 def test_collection_refuses_other_settings(target, collection):

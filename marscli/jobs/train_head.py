@@ -46,6 +46,7 @@ class TrainHeadConfig:
     max_tokens: int = 256
     batch_size: int = 8
     draft: str = "ngram"  # a lossless drafter speeds up collection; strict greedy output is the target's
+    draft_quant: str | None = None  # a draft model's weights ('int8', ...): speed only, as above
     dtype: str = "auto"
     device: str | None = None
     collect: CollectSettings = field(default_factory=lambda: CollectSettings(256))
@@ -137,7 +138,8 @@ def run_train_head(cfg: TrainHeadConfig, log: Log, argv: list[str] | None = None
     log.info(f"{len(prompts)} prompts from {', '.join(cfg.prompts)}; collection in {ddir}")
     t0 = time.perf_counter()
     opts = GenerationOptions(target=cfg.target, draft=cfg.draft, verify="strict", batch_size=cfg.batch_size,
-                             dtype=cfg.dtype, device=cfg.device or "auto", auto_profile=False)
+                             draft_quant=cfg.draft_quant, dtype=cfg.dtype, device=cfg.device or "auto",
+                             auto_profile=False)
     gen = build_generator(generation_setup(opts), log.info)
     target = gen.target
     load_s = time.perf_counter() - t0
@@ -160,7 +162,7 @@ def run_train_head(cfg: TrainHeadConfig, log: Log, argv: list[str] | None = None
                        "prompts_consumed": manifest["prompts_consumed"], "settings": manifest["settings"],
                        "seconds": {k: round(v, 1) for k, v in manifest["seconds"].items()},
                        "recorded": manifest.get("recorded"),
-                       "drafter": cfg.draft, "batch_size": cfg.batch_size},
+                       "drafter": cfg.draft, "draft_quant": cfg.draft_quant, "batch_size": cfg.batch_size},
         "load_seconds": round(load_s, 1),
     }
     log.info(f"training on {len(records)} records ({held} answer tokens), settings {asdict(cfg.train)}")

@@ -49,7 +49,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +160,16 @@ def record_from_features(model, ids: list[int], prompt_len: int, feats: torch.Te
     return Record(torch.tensor(ids, dtype=torch.int32), prompt_len, rows[:, :-H].contiguous(), final, top1)
 
 
+@dataclass
+class _RecordedRow:
+    """One engine row as FeatureRecorder sees it: its prompt, the feature rows the passes
+    captured at its committed positions (in order), and its committed sequence so far."""
+
+    prompt_ids: list[int]
+    chunks: list[torch.Tensor] = field(default_factory=list)
+    seq: list[int] | None = None
+
+
 class FeatureRecorder:
     """A BatchedDrafter that drafts with `inner` and records, row by row, the target features
     the engine's passes computed at the row's committed positions: the inputs of `layers` and
@@ -172,17 +182,17 @@ class FeatureRecorder:
         self.n_inner = len(inner.feature_layers)
         self.feature_layers = tuple(inner.feature_layers) + tuple(layers) + (num_layers,)
         self.tree = inner.tree
-        self.rows: list[list] = []  # per active row: [prompt ids, feature chunks, committed seq]
-        self.finished: dict[tuple[int, ...], list[list]] = {}
+        self.rows: list[_RecordedRow] = []  # per active engine row
+        self.finished: dict[tuple[int, ...], list[_RecordedRow]] = {}
 
     def __getattr__(self, name: str):  # the job corpus, hybrid curves...: the inner drafter's
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def _finish(self, row: list) -> None:
-        if row[1]:
-            self.finished.setdefault(tuple(row[0]), []).append(row)
+    def _finish(self, row: _RecordedRow) -> None:
+        if row.chunks:
+            self.finished.setdefault(tuple(row.prompt_ids), []).append(row)
 
     def reset(self) -> None:
         for row in self.rows:
@@ -191,7 +201,7 @@ class FeatureRecorder:
         self.inner.reset()
 
     def add_row(self, prompt_ids, sampling, generator) -> None:
-        self.rows.append([list(prompt_ids), [], None])
+        self.rows.append(_RecordedRow(list(prompt_ids)))
         self.inner.add_row(prompt_ids, sampling, generator)
 
     def keep(self, rows: list[int]) -> None:
@@ -215,10 +225,10 @@ class FeatureRecorder:
         width = features.shape[1] // len(self.feature_layers)
         if self.n_inner:
             self.inner.observe(row, features[:, : self.n_inner * width])
-        self.rows[row][1].append(features[:, self.n_inner * width:].to(STORE_DTYPE).cpu())
+        self.rows[row].chunks.append(features[:, self.n_inner * width:].to(STORE_DTYPE).cpu())
 
     def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
-        self.rows[row][2] = seq
+        self.rows[row].seq = seq
         self.inner.accepted(row, proposed, accepted, seq)
 
     def take(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor | None:
@@ -226,11 +236,11 @@ class FeatureRecorder:
         committed tokens start with `tokens` (prompt + answer): [len(tokens) - 1, F + H], or
         None when no finished row matches (the caller records it another way)."""
         rows = self.finished.get(tuple(prompt_ids), [])
-        for i, (_, chunks, seq) in enumerate(rows):
-            got = sum(int(c.shape[0]) for c in chunks)
-            if got >= len(tokens) - 1 and (seq is None or list(seq[: len(tokens)]) == list(tokens)):
+        for i, row in enumerate(rows):
+            got = sum(int(c.shape[0]) for c in row.chunks)
+            if got >= len(tokens) - 1 and (row.seq is None or list(row.seq[: len(tokens)]) == list(tokens)):
                 rows.pop(i)
-                return torch.cat(chunks)[: len(tokens) - 1]
+                return torch.cat(row.chunks)[: len(tokens) - 1]
         return None
 
     def clear(self) -> None:
