@@ -82,7 +82,7 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """
     cdf = probs.double().cumsum(dim=-1)  # [B, V]
     total = cdf[:, -1:]
-    x = u.double().unsqueeze(1) * total
+    x = u.to(total.device).double().unsqueeze(1) * total
     idx = torch.searchsorted(cdf, x, right=True).squeeze(1)
     idx = idx.clamp(max=probs.shape[-1] - 1)
     # u * total can round up to total: fall back to the most likely token in that corner.
