@@ -309,8 +309,9 @@ def test_train_head_command_end_to_end(target_dir, target, tmp_path):
     first = manifest["prompts_consumed"]
     assert 0 < first < len(PROMPTS) and sum(s["answer_tokens"] for s in manifest["shards"]) >= 40
     assert not out.exists()
-    # resumed with a larger budget: only the prompts not yet consumed are answered, then training
-    r = runner.invoke(app, base + ["--collect-tokens", "100000", "--epochs", "2"])
+    # resumed with a larger budget and another drafter: only the prompts not yet consumed are
+    # answered, then training
+    r = runner.invoke(app, base + ["--collect-tokens", "100000", "--epochs", "2", "--draft", "none"])
     assert r.exit_code == 0, r.stderr
     manifest = json.loads((tmp_path / "head.collect" / "manifest.json").read_text())
     assert manifest["prompts_consumed"] == len(PROMPTS)
@@ -332,6 +333,12 @@ def test_train_head_command_end_to_end(target_dir, target, tmp_path):
     record = json.loads(r.stdout.strip().splitlines()[-1])
     assert record == json.loads((out / "training.json").read_text())
     assert record["collection"]["recorded"] == manifest["recorded"]
+    # each collecting invocation as it ran, not the training invocation's drafter for all
+    runs = record["collection"]["runs"]
+    assert runs == manifest["runs"] and [r["drafter"] for r in runs] == ["ngram", "none"]
+    assert [r["prompts"] for r in runs] == [[0, first], [first, len(PROMPTS)]]
+    assert sum(r["answer_tokens"] for r in runs) == sum(s["answer_tokens"] for s in manifest["shards"])
+    assert all(r["batch_size"] == 2 and r["draft_quant"] is None for r in runs)
     assert len(record["epochs"]) == 2 and record["heldout_records"] == 2 and record["train_records"] == 6
     assert all("heldout_acceptance_length" in e for e in record["epochs"])
     # the published layout: no embedding (the target's is shared), the EAGLE-3 architecture

@@ -146,7 +146,8 @@ def run_train_head(cfg: TrainHeadConfig, log: Log, argv: list[str] | None = None
     with Progress(log, cfg.collect_tokens, label="collecting answer tokens", unit=UNIT_COUNT) as bar:
         manifest = collect(target, answerer(gen), prompts, ddir, tokens_wanted=cfg.collect_tokens,
                            settings=cfg.collect, prompt_files=described, chunk=2 * cfg.batch_size, log=log.info,
-                           progress=lambda d, t: bar.update(min(d, t), t))
+                           progress=lambda d, t: bar.update(min(d, t), t),
+                           runner={"drafter": cfg.draft, "draft_quant": cfg.draft_quant, "batch_size": cfg.batch_size})
     held = sum(s["answer_tokens"] for s in manifest["shards"])
     if cfg.collect_only:
         log.info(f"collected {held} answer tokens in {ddir} (--collect-only: no training)")
@@ -162,7 +163,9 @@ def run_train_head(cfg: TrainHeadConfig, log: Log, argv: list[str] | None = None
                        "prompts_consumed": manifest["prompts_consumed"], "settings": manifest["settings"],
                        "seconds": {k: round(v, 1) for k, v in manifest["seconds"].items()},
                        "recorded": manifest.get("recorded"),
-                       "drafter": cfg.draft, "draft_quant": cfg.draft_quant, "batch_size": cfg.batch_size},
+                       # per collecting invocation (collect's runner): a collection resumed
+                       # with another drafter than this invocation's is recorded as it ran
+                       "runs": manifest.get("runs", [])},
         "load_seconds": round(load_s, 1),
     }
     log.info(f"training on {len(records)} records ({held} answer tokens), settings {asdict(cfg.train)}")

@@ -300,11 +300,17 @@ Answerer = Callable[[list[dict[str, Any]], CollectSettings], list[Answer | None]
 def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: Path, *, tokens_wanted: int,
             settings: CollectSettings, prompt_files: dict[str, str], chunk: int = 64,
             log: Callable[[str], None] = lambda _m: None,
-            progress: Callable[[int, int], None] = lambda _done, _want: None) -> dict[str, Any]:
+            progress: Callable[[int, int], None] = lambda _done, _want: None,
+            runner: dict[str, Any] | None = None) -> dict[str, Any]:
     """Answer `prompts` (JSONL record dicts) after the ones already consumed with `answer`
     (the target, through marscli's engine: marscli.jobs.train_head), record the answers of
     `target` (a LoadedModel) into data_dir until `tokens_wanted` answer tokens are held, and
-    return the manifest. Resumable: the manifest is rewritten after every shard."""
+    return the manifest. Resumable: the manifest is rewritten after every shard.
+
+    runner: how this invocation answers (drafter, draft weights, batch size: speed only, the
+    answers are the target's either way). Each invocation that answers prompts appends it to
+    the manifest's ``runs`` with the prompts it consumed and the answer tokens it added, so a
+    collection resumed with another drafter says which run collected what."""
     model = target.model
     layers = default_feature_layers(int(model.config.num_hidden_layers))
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -330,6 +336,7 @@ def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: P
     have = sum(s["answer_tokens"] for s in doc["shards"])
     progress(have, tokens_wanted)
     start = doc["prompts_consumed"]
+    run = None
     if have >= tokens_wanted:
         log(f"collection holds {have} answer tokens (>= {tokens_wanted}): nothing to collect")
     elif start >= len(prompts):
@@ -360,6 +367,11 @@ def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: P
             doc["shards"].append({"file": name, **info})
             have += info["answer_tokens"]
         doc["prompts_consumed"] = start
+        if run is None:
+            run = {**(runner or {}), "prompts": [start - len(batch), start], "answer_tokens": 0}
+            doc.setdefault("runs", []).append(run)
+        run["prompts"][1] = start
+        run["answer_tokens"] += info["answer_tokens"] if records else 0
         doc["seconds"]["generate"] += t1 - t0
         doc["seconds"]["record"] += t2 - t1
         _write_json(data_dir / MANIFEST, doc)
