@@ -7,7 +7,7 @@
 # ~15 tokens/s on this model (a 21 ms forward, launch-bound, plus the engine's per-step
 # work), and bitsandbytes 8-bit ~5x slower.
 #
-#   scripts/gpu_check.sh OUTDIR PROMPTS_DIR
+#   scripts/gpu_embedded.sh OUTDIR PROMPTS_DIR
 #
 # PROMPTS_DIR holds humaneval8.jsonl (HumanEval 1-8) and mt32.jsonl (MT-Bench, 16 or more).
 # Environment: PYTHON (python3), LIMIT (HumanEval records, 3), MAX_TOKENS (64),
