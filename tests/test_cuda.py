@@ -16,6 +16,7 @@ from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfi
 from marscli.engine import build_engine
 from marscli.models.loading import load_model
 from marscli.verification.registry import MARS
+from tests.oracles import hf_greedy
 
 pytestmark = [
     pytest.mark.cuda,
@@ -29,14 +30,6 @@ PROMPTS = [
     "speculative decoding drafts tokens and the target verifies them in one pass. speculative",
 ]
 N = 32
-
-
-def _hf_greedy(model, ids: list[int], max_new: int) -> list[int]:
-    dev = model.device
-    mask = torch.ones(1, len(ids), dtype=torch.long, device=dev)
-    out = model.generate(torch.tensor([ids], device=dev), attention_mask=mask, do_sample=False,
-                         max_new_tokens=max_new, pad_token_id=model.generation_config.pad_token_id)
-    return out[0, len(ids):].tolist()
 
 
 def _engine(target, kind, draft=None, k=4, verify=None, batch_size=1, **tree):
@@ -60,7 +53,7 @@ def test_strict_greedy_on_cuda_is_the_loaded_models_generate(cuda_pair, kind):
     for text in PROMPTS:
         ids = target.tokenizer(text).input_ids
         res = engine.generate_ids(ids, SamplingParams(max_tokens=N))
-        assert res.token_ids == _hf_greedy(target.model, ids, N), text
+        assert res.token_ids == hf_greedy(target.model, ids, N), text
         drafted += res.stats.drafted
     assert kind == "none" or drafted > 0
 
@@ -71,7 +64,7 @@ def test_strict_greedy_with_a_draft_model_tree_on_cuda(cuda_pair):
     for text in PROMPTS:
         ids = target.tokenizer(text).input_ids
         got = engine.generate_ids(ids, SamplingParams(max_tokens=N)).token_ids
-        assert got == _hf_greedy(target.model, ids, N), text
+        assert got == hf_greedy(target.model, ids, N), text
 
 
 @pytest.mark.parametrize("verify", ["strict", "mars"])
@@ -105,7 +98,7 @@ def test_bitsandbytes_strict_is_the_quantized_models_generate(tiny_model_dir, ti
         for text in PROMPTS:
             ids = target.tokenizer(text).input_ids
             got = engine.generate_ids(ids, SamplingParams(max_tokens=N)).token_ids
-            assert got == _hf_greedy(target.model, ids, N), (kind, text)
+            assert got == hf_greedy(target.model, ids, N), (kind, text)
 
 
 def test_device_map_auto_decodes_as_one_device(tiny_model_dir):
@@ -117,4 +110,4 @@ def test_device_map_auto_decodes_as_one_device(tiny_model_dir):
         ids = whole.tokenizer(text).input_ids
         res = b.generate_ids(ids, SamplingParams(max_tokens=N)).token_ids
         assert res == a.generate_ids(ids, SamplingParams(max_tokens=N)).token_ids, text
-        assert res == _hf_greedy(mapped.model, ids, N), text
+        assert res == hf_greedy(mapped.model, ids, N), text

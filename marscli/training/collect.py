@@ -336,7 +336,7 @@ def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: P
     have = sum(s["answer_tokens"] for s in doc["shards"])
     progress(have, tokens_wanted)
     start = doc["prompts_consumed"]
-    run = None
+    have_before, run = have, None
     if have >= tokens_wanted:
         log(f"collection holds {have} answer tokens (>= {tokens_wanted}): nothing to collect")
     elif start >= len(prompts):
@@ -371,7 +371,7 @@ def collect(target, answer: Answerer, prompts: list[dict[str, Any]], data_dir: P
             run = {**(runner or {}), "prompts": [start - len(batch), start], "answer_tokens": 0}
             doc.setdefault("runs", []).append(run)
         run["prompts"][1] = start
-        run["answer_tokens"] += info["answer_tokens"] if records else 0
+        run["answer_tokens"] = have - have_before
         doc["seconds"]["generate"] += t1 - t0
         doc["seconds"]["record"] += t2 - t1
         _write_json(data_dir / MANIFEST, doc)
