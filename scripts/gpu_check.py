@@ -193,7 +193,9 @@ def run_one(target, head, mode: str, bs: int, prompts: list[list[int]], max_toke
     if target.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    results = [res for _, res in engine.run(prompts, lambda ids: (ids, sampling))]
+    # run() yields (item, result) as rows finish, not in prompt order: the items are indices
+    done = dict(engine.run(range(len(prompts)), lambda i: (prompts[i], sampling)))
+    results = [done[i] for i in range(len(prompts))]
     if target.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
