@@ -30,6 +30,8 @@
 # pair takes ~1-2 minutes (the first run also assembles and converts it: ~3 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/background_marscli.sh
+source scripts/background_marscli.sh
 task=${1:?usage: $0 humaneval|gsm8k|sum N [OUTDIR]}
 n=${2:?usage: $0 humaneval|gsm8k|sum N [OUTDIR]}
 out=${3:-bench-qwen}
@@ -59,8 +61,6 @@ args=(bench "$prompts" --limit "$n" --task "$task"
 if [ -n "${PROFILE:-}" ]; then args+=(--profile "$PROFILE"); fi
 # shellcheck disable=SC2206  # word splitting is the point: a list of options
 if [ -n "${EXTRA_ARGS:-}" ]; then args+=(${EXTRA_ARGS}); fi
-nohup bash -c 'start=$(date +%s); "$0" -m marscli "$@"; rc=$?; echo "wall seconds: $(( $(date +%s) - start )), exit code: $rc"' \
-  "${PYTHON:-python}" "${args[@]}" > "$log" 2>&1 < /dev/null &
-echo "$!"
+background_marscli "$log" new "${args[@]}"
 echo "started: ${PYTHON:-python} -m marscli ${args[*]}" >&2
 echo "log: $log   report: $report" >&2

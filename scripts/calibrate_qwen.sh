@@ -12,6 +12,8 @@
 # halves the wall time at 4 (the margins are the target's own, whatever the batch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/background_marscli.sh
+source scripts/background_marscli.sh
 skip=${1:?usage: $0 SKIP M [DRAFT]}
 m=${2:?usage: $0 SKIP M [DRAFT]}
 draft=${3:-qwen2.5-coder-0.5b-instruct}
@@ -31,9 +33,6 @@ for name in ("humaneval", "gsm8k"):
             print(json.dumps(record, ensure_ascii=False))
 PY
 log="calibrate-qwen-$kind.log"
-nohup bash -c 'start=$(date +%s); "$0" -m marscli "$@"; rc=$?; echo "wall seconds: $(( $(date +%s) - start )), exit code: $rc"' \
-  "${PYTHON:-python}" calibrate "$calib" --target qwen2.5-coder-1.5b-instruct --draft "$draft" \
-  --dtype float32 --device cpu --max-tokens "${MAX_TOKENS:-256}" --batch-size "${BATCH_SIZE:-1}" --name "$name" -o "profiles/$name.yaml" \
-  > "$log" 2>&1 < /dev/null &
-echo "$!"
+background_marscli "$log" new calibrate "$calib" --target qwen2.5-coder-1.5b-instruct --draft "$draft" \
+  --dtype float32 --device cpu --max-tokens "${MAX_TOKENS:-256}" --batch-size "${BATCH_SIZE:-1}" --name "$name" -o "profiles/$name.yaml"
 echo "calibrating on $(wc -l < "$calib") records from $calib; log: $log; profile: profiles/$name.yaml" >&2

@@ -27,6 +27,8 @@
 # "wall seconds: S, exit code: C" per run, which quality_table.py sums.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/background_marscli.sh
+source scripts/background_marscli.sh
 arm=${1:?usage: $0 strict|mars|mars-code|ratio [OUTDIR]}
 out=${2:-quality-qwen}
 theta=${THETA:-0.8604}
@@ -45,8 +47,6 @@ args=(generate "$prompts" -o "$out/$arm.jsonl" --resume --limit "${LIMIT:-164}"
       --draft-quant "${DRAFT_QUANT:-int8}" --dtype float32 --device cpu
       --temperature "${TEMPERATURE:-1}" --top-p "${TOP_P:-1}" --seed "${SEED:-0}"
       --max-tokens "${MAX_TOKENS:-1024}" --batch-size "${BATCH:-16}" "${rule[@]}")
-nohup bash -c 'start=$(date +%s); "$0" -m marscli "$@"; rc=$?; echo "wall seconds: $(( $(date +%s) - start )), exit code: $rc"' \
-  "${PYTHON:-python}" "${args[@]}" >> "$out/$arm.log" 2>&1 < /dev/null &
-echo "$!"
+background_marscli "$out/$arm.log" append "${args[@]}"
 echo "started: ${PYTHON:-python} -m marscli ${args[*]}" >&2
 echo "log: $out/$arm.log   results: $out/$arm.jsonl" >&2

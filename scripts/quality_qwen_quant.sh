@@ -18,6 +18,8 @@
 # stderr, then "wall seconds: S, exit code: C" per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/background_marscli.sh
+source scripts/background_marscli.sh
 task=${1:?usage: $0 humaneval|gsm8k f32|int8 [OUTDIR]}
 quant=${2:?usage: $0 humaneval|gsm8k f32|int8 [OUTDIR]}
 out=${3:-quality-int8/$task}
@@ -34,13 +36,10 @@ esac
 prompts="${PROMPTS_DIR:-../shared/data/prompts}/$task.jsonl"
 [ -f "$prompts" ] || { echo "prompt set $prompts not found" >&2; exit 2; }
 mkdir -p "$out"
-name="$quant"
-args=(generate "$prompts" -o "$out/$name.jsonl" --resume --limit "${LIMIT:-40}"
+args=(generate "$prompts" -o "$out/$quant.jsonl" --resume --limit "${LIMIT:-40}"
       --target qwen2.5-coder-1.5b-instruct "${q[@]}" --draft qwen2.5-coder-0.5b-instruct --draft-quant int8
       --dtype float32 --device cpu --temperature 0 --verify strict
       --max-tokens "${MAX_TOKENS:-$default_max}" --batch-size "${BATCH:-16}")
-nohup bash -c 'start=$(date +%s); "$0" -m marscli "$@"; rc=$?; echo "wall seconds: $(( $(date +%s) - start )), exit code: $rc"' \
-  "${PYTHON:-python}" "${args[@]}" >> "$out/$name.log" 2>&1 < /dev/null &
-echo "$!"
+background_marscli "$out/$quant.log" append "${args[@]}"
 echo "started: ${PYTHON:-python} -m marscli ${args[*]}" >&2
-echo "log: $out/$name.log   results: $out/$name.jsonl" >&2
+echo "log: $out/$quant.log   results: $out/$quant.jsonl" >&2
