@@ -83,18 +83,23 @@ def make_tiny_model_dir(
     layers: int = 2,
     vocab_pad: int = 0,
     tokenizer=None,
+    arch: str = "llama",
 ) -> Path:
     """Save a tiny random Llama (float32) with `tokenizer` to `path`; return `path`.
 
     vocab_pad adds embedding/lm_head rows beyond len(tokenizer), as padded checkpoints have.
+    arch "qwen2" saves a Qwen2 of the same size instead (biases on q/k/v).
     """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_class, model_class = classes[arch]
 
     tokenizer = tokenizer if tokenizer is not None else make_tiny_tokenizer()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=len(tokenizer) + vocab_pad,
         hidden_size=TINY_HIDDEN,
         intermediate_size=TINY_INTERMEDIATE,
@@ -108,7 +113,12 @@ def make_tiny_model_dir(
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = model_class(config).to(torch.float32).eval()
+    if arch != "llama":  # initialised to zero: give the q/k/v biases values a test can see
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.5)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from marscli.models.fastpath import signature as fastpath_signature
+from marscli.models.int8_decoder import SIGNATURE as INT8_DECODER
 from marscli.models.kvcache import HoleCache, rollback
-from marscli.models.quant import weight_bytes
+from marscli.models.quant import CPU_INT8, weight_bytes
 from marscli.models.sources import cache_root
 
 COSTS_ENV = "MARSCLI_COSTS"
@@ -244,6 +245,9 @@ def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identi
         # The engine patches CPU float32 linear layers (marscli.models.fastpath): their kernels are
         # part of what was timed.
         "cpu_fastpath": fastpath_signature() if target.device.type == "cpu" else None,
+        # int8 CPU models run their decoder layers through TorchScript (marscli.models.int8_decoder).
+        "int8_decoder": INT8_DECODER if CPU_INT8 in (ident.get("quantization"),
+                                                     (draft_identity or {}).get("quantization")) else None,
         "context": context,
         "batch_sizes": list(batch_sizes),
         "new_tokens": list(MEASURE_NEW_TOKENS),

@@ -34,6 +34,7 @@ from transformers import (
 
 from marscli.config import ModelConfig
 from marscli.errors import ModelLoadError, VocabMismatchError
+from marscli.models.int8_decoder import install_int8_decoder
 from marscli.models.quant import (
     CPU_INT8,
     install_f64_attention,
@@ -354,6 +355,7 @@ def load_model(
         quantize_int8(model)
         own_float_tensors(model)  # else the float32 file stays mapped and resident
         install_f64_attention(model)
+        install_int8_decoder(model)  # the same bits with fewer Python trips per layer
 
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad; it is masked anyway

@@ -44,7 +44,9 @@ slower than this path.
 
 from __future__ import annotations
 
+import functools
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -71,6 +73,59 @@ def int8_available() -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def _int8_rows(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase,
+               bias: Optional[torch.Tensor], levels: torch.Tensor, tiny: float, scale: float, zero: int,
+               out_features: int) -> torch.Tensor:
+    """`Int8Linear`'s product: x's rows quantized alone in two levels, times the packed
+    weight. TorchScript-compatible (`int8_rows` runs it scripted; the ops are the same)."""
+    # In place in one buffer, one norm for |x|'s row maximum, and a tensor constant for the
+    # levels: each op costs dispatch time, as much as the product of a small layer.
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        x2 = x2.to(torch.float32)
+    m = x2.shape[0]
+    # Each row in units of its own largest magnitude / X_LEVELS: t in [-X_LEVELS, X_LEVELS].
+    step = torch.linalg.vector_norm(x2, float("inf"), dim=[1], keepdim=True).clamp_min_(tiny).div_(levels)
+    buf = torch.empty([2 * m, x2.shape[1]])
+    hi = buf[:m]
+    lo = buf[m:]
+    t = torch.div(x2, step, out=lo)
+    torch.round(t, out=hi)  # integers: quantized exactly
+    # What the grid missed, |t - hi| <= 1/2, times X_LEVELS (room for hi one level off),
+    # quantized on the same grid: 12-13 bits in all.
+    lo.sub_(hi).mul_(levels)
+    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(buf, 1.0, zero, packed)
+    out = torch.add(y[:m], y[m:], alpha=scale).mul_(step)
+    if bias is not None:
+        out.add_(bias)
+    shape = list(x.shape[:-1])
+    shape.append(out_features)
+    return out.view(shape)
+
+
+def script(fn):
+    """`fn` compiled by TorchScript, or `fn` itself where this torch cannot script it.
+
+    Same ATen kernels in the same order, so the same bits either way; the interpreter only
+    skips Python's cost per op (a decoder layer of an int8 model runs ~130 small ops around
+    its 4 products, and Python's share of them was a third of a 1-token forward of
+    Qwen2.5-Coder-0.5B). torch deprecates `torch.jit.script` in favour of `torch.compile`,
+    which is no use here (docs/benchmarks.md: recompiles on the KV cache, ~2 s a forward,
+    not row-exact); if a future torch drops it, the plain functions run."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.jit.script(fn)
+    except Exception:  # noqa: BLE001 - any failure to script means: run the Python function
+        return fn
+
+
+@functools.cache
+def int8_rows():
+    """`_int8_rows`, scripted once per process on first use."""
+    return script(_int8_rows)
 
 
 class Int8Linear(nn.Module):
@@ -100,28 +155,7 @@ class Int8Linear(nn.Module):
         self._last: tuple | None = None  # (input, its version, output) for shared layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Each torch op here costs a few microseconds of dispatch, as much as the product of a
-        # small layer: hence in-place work in one buffer, one norm for |x|'s row maximum, and a
-        # tensor constant for the levels (a Python number is wrapped into a tensor per call).
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32:
-            x2 = x2.to(torch.float32)
-        m = x2.shape[0]
-        # Each row in units of its own largest magnitude / X_LEVELS: t in [-X_LEVELS, X_LEVELS].
-        step = torch.linalg.vector_norm(x2, float("inf"), dim=1, keepdim=True).clamp_min_(_TINY).div_(_LEVELS)
-        buf = torch.empty(2 * m, self.in_features)
-        hi, lo = buf[:m], buf[m:]
-        t = torch.div(x2, step, out=lo)
-        torch.round(t, out=hi)  # integers: quantized exactly
-        # What the grid missed, |t - hi| <= 1/2, times X_LEVELS (room for hi one level off),
-        # quantized on the same grid: 12-13 bits in all.
-        lo.sub_(hi).mul_(_LEVELS)
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(buf, 1.0, X_ZERO, self._packed)
-        out = torch.add(y[:m], y[m:], alpha=X_SCALE).mul_(step)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.view(*lead, self.out_features)
+        return int8_rows()(x, self._packed, self.bias, _LEVELS, _TINY, X_SCALE, X_ZERO, self.out_features)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x), computed once for consecutive calls with the same unchanged input."""
