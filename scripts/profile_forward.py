@@ -9,6 +9,11 @@ layers' own work (fbgemm's product, and the row quantization around it) split ou
 
     python scripts/profile_forward.py [--target NAME] [--context 256] [--tokens 1,9]
         [--rounds 20] [--top 15]
+    python scripts/profile_forward.py --ab-decoder [--target NAME] ...
+
+--ab-decoder times int8 forwards only, alternating round by round between the TorchScript
+decoder layers (marscli.models.int8_decoder, what `--quant int8` runs) and transformers' own
+layers on the same model object, and checks that both give the same logits bit for bit.
 
 Run it on an idle machine.
 """
@@ -70,6 +75,38 @@ def run(quant: str | None, args) -> None:
                 print(f"    {name:60s} {count[name]:6d} calls {us / 1e3:8.2f} ms self")
 
 
+def ab_decoder(args) -> None:
+    """Interleaved rounds: int8 decoder layers in TorchScript against transformers' layers."""
+    from marscli.models.int8_decoder import install_int8_decoder, uninstall_int8_decoder
+
+    lm = load_model(ModelConfig(source=args.target, dtype="float32", device="cpu", quant="int8"))
+    m = lm.model.eval()
+    gen = torch.Generator().manual_seed(0)
+    vocab = m.get_input_embeddings().weight.shape[0]
+    cache = new_cache(m)
+    with torch.inference_mode():
+        m(input_ids=torch.randint(0, vocab, (1, args.context), generator=gen), **cache_kw(m, cache),
+          use_cache=True, logits_to_keep=1)
+        for n in args.tokens:
+            x = torch.randint(0, vocab, (1, n), generator=gen)
+            times, logits = {"torchscript": [], "transformers": []}, {}
+            for r in range(args.rounds + 2):
+                for arm in times:
+                    (install_int8_decoder if arm == "torchscript" else uninstall_int8_decoder)(m)
+                    t0 = time.perf_counter()
+                    logits[arm] = m(input_ids=x, **cache_kw(m, cache), use_cache=True).logits
+                    if r >= 2:
+                        times[arm].append(time.perf_counter() - t0)
+                    rollback(cache, args.context)
+            install_int8_decoder(m)
+            same = torch.equal(logits["torchscript"], logits["transformers"])
+            fast, slow = (min(times[a]) for a in ("torchscript", "transformers"))
+            print(f"int8, {n} new token(s) at {args.context} cached, {args.rounds} alternating rounds: "
+                  + ", ".join(f"{a} fastest {min(v) * 1e3:.1f} / median {statistics.median(v) * 1e3:.1f} ms"
+                              for a, v in times.items())
+                  + f"; transformers / torchscript {slow / fast:.2f}x (fastest); logits equal: {same}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="default: the embedded model")
@@ -78,8 +115,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--modes", default="float32,int8")
+    ap.add_argument("--ab-decoder", action="store_true",
+                    help="int8 only: TorchScript decoder layers against transformers' own, alternating")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    if args.ab_decoder:
+        ab_decoder(args)
+        return
     for mode in args.modes.split(","):
         run(None if mode == "float32" else mode, args)
 

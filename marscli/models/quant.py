@@ -80,14 +80,16 @@ def _int8_rows(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedPara
                out_features: int) -> torch.Tensor:
     """`Int8Linear`'s product: x's rows quantized alone in two levels, times the packed
     weight. TorchScript-compatible (`int8_rows` runs it scripted; the ops are the same)."""
-    # In place in one buffer, one norm for |x|'s row maximum, and a tensor constant for the
-    # levels: each op costs dispatch time, as much as the product of a small layer.
+    # In place in one buffer, and a tensor constant for the levels: each op costs dispatch
+    # time, as much as the product of a small layer.
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32:
         x2 = x2.to(torch.float32)
     m = x2.shape[0]
     # Each row in units of its own largest magnitude / X_LEVELS: t in [-X_LEVELS, X_LEVELS].
-    step = torch.linalg.vector_norm(x2, float("inf"), dim=[1], keepdim=True).clamp_min_(tiny).div_(levels)
+    # (abs + amax, not vector_norm's inf norm: the same exact maxima, and the norm ran 5-9x
+    # slower for 9-141 rows: 11 of a 9-token forward's 200 ms on Qwen2.5-Coder-1.5B)
+    step = x2.abs().amax(dim=1, keepdim=True).clamp_min_(tiny).div_(levels)
     buf = torch.empty([2 * m, x2.shape[1]])
     hi = buf[:m]
     lo = buf[m:]
