@@ -52,7 +52,7 @@ def test_every_layer_is_patched_and_scripted(lm8):
         install_int8_decoder(lm8.model)
     # This torch scripts them: the speed is real, not the plain-Python fallback.
     assert all(isinstance(f, torch.jit.ScriptFunction) for f in int8_decoder._scripted())
-    assert isinstance(quant.int8_rows(), torch.jit.ScriptFunction)
+    assert isinstance(quant.scripted_int8_product(), torch.jit.ScriptFunction)
 
 
 def test_the_same_logits_as_transformers_layers(lm8):

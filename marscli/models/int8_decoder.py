@@ -30,14 +30,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from marscli.models.quant import (
-    _LEVELS,
-    _TINY,
     F64_SDPA,
+    LEVELS,
+    TINY,
     X_SCALE,
     X_ZERO,
     Int8Linear,
     Int8Slice,
-    _int8_rows,
+    int8_product,
     script,
 )
 
@@ -73,7 +73,7 @@ def _pre(x: torch.Tensor, norm: torch.Tensor, eps: float, qkv: Packed, qkv_bias:
     """Input norm, the fused q/k/v product, and the rotary embedding: [q, k, v] as
     (batch, heads, tokens, head_dim), as transformers' attention builds them."""
     h = _rms_norm(x, norm, eps)
-    y = _int8_rows(h, qkv, qkv_bias, levels, tiny, scale, zero, (heads + 2 * kv_heads) * head_dim)
+    y = int8_product(h, qkv, qkv_bias, levels, tiny, scale, zero, (heads + 2 * kv_heads) * head_dim)
     shape = list(x.shape[:-1])
     shape.extend([-1, head_dim])
     q = y[..., : heads * head_dim].view(shape).transpose(1, 2)
@@ -103,11 +103,11 @@ def _post(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     shape = list(x.shape[:-1])
     shape.append(-1)
     a = a.reshape(shape).contiguous()
-    x = x + _int8_rows(a, o, o_bias, levels, tiny, scale, zero, width)
+    x = x + int8_product(a, o, o_bias, levels, tiny, scale, zero, width)
     h = _rms_norm(x, norm, eps)
-    y = _int8_rows(h, gate_up, gate_up_bias, levels, tiny, scale, zero, 2 * inter)
+    y = int8_product(h, gate_up, gate_up_bias, levels, tiny, scale, zero, 2 * inter)
     h = F.silu(y[..., :inter]) * y[..., inter:]
-    return x + _int8_rows(h, down, down_bias, levels, tiny, scale, zero, width)
+    return x + int8_product(h, down, down_bias, levels, tiny, scale, zero, width)
 
 
 @functools.cache
@@ -162,7 +162,7 @@ def _patch(layer: nn.Module) -> None:
     inter, gqa, idx, scaling = mlp.gate_proj.out_features, heads != kv_heads, att.layer_idx, att.scaling
     original = layer.forward
     pre, post = _scripted()
-    consts = (_LEVELS, _TINY, X_SCALE, X_ZERO)
+    consts = (LEVELS, TINY, X_SCALE, X_ZERO)
 
     def forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, **kwargs):

@@ -57,8 +57,8 @@ from marscli.models.fastpath import cpu_sdpa_forward
 X_LEVELS = 63
 X_ZERO = 64
 X_SCALE = 1.0 / X_LEVELS
-_TINY = torch.finfo(torch.float32).tiny
-_LEVELS = torch.tensor(float(X_LEVELS))  # X_LEVELS as a 0-dim float32 tensor
+TINY = torch.finfo(torch.float32).tiny
+LEVELS = torch.tensor(float(X_LEVELS))  # X_LEVELS as a 0-dim float32 tensor
 #: The identity label of this quantization (profiles, result spec, fingerprints, cost cache).
 CPU_INT8 = "int8-cpu-w8a7x2"
 
@@ -75,11 +75,11 @@ def int8_available() -> bool:
     return True
 
 
-def _int8_rows(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase,
+def int8_product(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase,
                bias: Optional[torch.Tensor], levels: torch.Tensor, tiny: float, scale: float, zero: int,
                out_features: int) -> torch.Tensor:
     """`Int8Linear`'s product: x's rows quantized alone in two levels, times the packed
-    weight. TorchScript-compatible (`int8_rows` runs it scripted; the ops are the same)."""
+    weight. TorchScript-compatible (`scripted_int8_product` runs it scripted; the ops are the same)."""
     # In place in one buffer, and a tensor constant for the levels: each op costs dispatch
     # time, as much as the product of a small layer.
     x2 = x.reshape(-1, x.shape[-1])
@@ -125,9 +125,9 @@ def script(fn):
 
 
 @functools.cache
-def int8_rows():
-    """`_int8_rows`, scripted once per process on first use."""
-    return script(_int8_rows)
+def scripted_int8_product():
+    """`int8_product`, scripted once per process on first use."""
+    return script(int8_product)
 
 
 class Int8Linear(nn.Module):
@@ -157,7 +157,7 @@ class Int8Linear(nn.Module):
         self._last: tuple | None = None  # (input, its version, output) for shared layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_rows()(x, self._packed, self.bias, _LEVELS, _TINY, X_SCALE, X_ZERO, self.out_features)
+        return scripted_int8_product()(x, self._packed, self.bias, LEVELS, TINY, X_SCALE, X_ZERO, self.out_features)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x), computed once for consecutive calls with the same unchanged input."""
