@@ -35,16 +35,24 @@ from marscli.models.loading import load_model
 PRODUCT = "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"
 
 
-def run(quant: str | None, args) -> None:
+def _prefilled(quant: str | None, args):
+    """The model loaded as `generate` loads it, a seeded generator, its vocabulary size, and a
+    KV cache holding args.context random tokens."""
     lm = load_model(ModelConfig(source=args.target, dtype="float32", device="cpu", quant=quant))
     m = lm.model.eval()
     gen = torch.Generator().manual_seed(0)
     vocab = m.get_input_embeddings().weight.shape[0]
     cache = new_cache(m)
-    label = quant or "float32"
     with torch.inference_mode():
         m(input_ids=torch.randint(0, vocab, (1, args.context), generator=gen), **cache_kw(m, cache),
           use_cache=True, logits_to_keep=1)
+    return m, gen, vocab, cache
+
+
+def run(quant: str | None, args) -> None:
+    m, gen, vocab, cache = _prefilled(quant, args)
+    label = quant or "float32"
+    with torch.inference_mode():
         for n in args.tokens:
             times = []
             for r in range(args.rounds + 2):
@@ -79,14 +87,8 @@ def ab_decoder(args) -> None:
     """Interleaved rounds: int8 decoder layers in TorchScript against transformers' layers."""
     from marscli.models.int8_decoder import install_int8_decoder, uninstall_int8_decoder
 
-    lm = load_model(ModelConfig(source=args.target, dtype="float32", device="cpu", quant="int8"))
-    m = lm.model.eval()
-    gen = torch.Generator().manual_seed(0)
-    vocab = m.get_input_embeddings().weight.shape[0]
-    cache = new_cache(m)
+    m, gen, vocab, cache = _prefilled("int8", args)
     with torch.inference_mode():
-        m(input_ids=torch.randint(0, vocab, (1, args.context), generator=gen), **cache_kw(m, cache),
-          use_cache=True, logits_to_keep=1)
         for n in args.tokens:
             x = torch.randint(0, vocab, (1, n), generator=gen)
             times, logits = {"torchscript": [], "transformers": []}, {}

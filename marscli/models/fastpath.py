@@ -57,6 +57,8 @@ and correctness checks see the same kernels.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -131,33 +133,49 @@ def _patch(linear: nn.Linear, lo: int, hi: int, packed: bool) -> None:
 GQA_SDPA = "marscli_gqa_sdpa"
 
 
-def cpu_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                     scaling: float | None = None, is_causal: bool | None = None, *,
-                     compute_dtype: torch.dtype | None = None, **kwargs):
-    """transformers' attention-interface call, computed by torch's SDPA on the CPU: shared
-    key/value heads read in place (``enable_gqa``, no ``repeat_kv`` copy), optionally in
-    ``compute_dtype`` and returned in the query's dtype. Anything unusual (not on the CPU,
-    position bias, softcap, a paged cache, attention weights asked for) goes to transformers'
-    own SDPA. The one wrapper of marscli's two CPU attentions: ``_gqa_sdpa_forward`` here and
-    ``marscli.models.quant``'s float64 attention for int8 models."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if (query.device.type != "cpu" or kwargs.get("position_bias") is not None
+def leaves_to_transformers(device: torch.device, kwargs: dict) -> bool:
+    """Whether an attention call is one `cpu_sdpa_forward` hands to transformers' own SDPA:
+    not on the CPU, a position bias or softcap, a paged cache, attention weights asked for."""
+    return (device.type != "cpu" or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None or kwargs.get("cache") is not None
-            or kwargs.get("output_attentions", False)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
-    groups = getattr(module, "num_key_value_groups", 1)
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
-    q, k, v, mask = query, key, value, attention_mask
+            or bool(kwargs.get("output_attentions", False)))
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+         dropout: float, scaling: Optional[float], causal: bool, gqa: bool,
+         compute_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """torch's SDPA over (batch, heads, tokens, head_dim), shared key/value heads read in place
+    (`gqa`), optionally in `compute_dtype`; returned as (batch, tokens, heads, head_dim) in the
+    query's dtype. Causal only for several queries and no mask (`causal`: the module's flag).
+    TorchScript-compatible: the int8 decoder layers (marscli.models.int8_decoder) run it scripted."""
+    is_causal = causal and query.shape[2] > 1 and mask is None
+    q, k, v = query, key, value
     if compute_dtype is not None and compute_dtype != query.dtype:
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(compute_dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                         is_causal=is_causal, enable_gqa=groups > 1)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+                                         is_causal=is_causal, enable_gqa=gqa)
+    return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
+def cpu_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                     scaling: float | None = None, is_causal: bool | None = None, *,
+                     compute_dtype: torch.dtype | None = None, **kwargs):
+    """transformers' attention-interface call, computed by torch's SDPA on the CPU (`sdpa`):
+    shared key/value heads read in place (``enable_gqa``, no ``repeat_kv`` copy), optionally
+    in ``compute_dtype`` and returned in the query's dtype. Anything unusual
+    (`leaves_to_transformers`) goes to transformers' own SDPA. The one wrapper of marscli's
+    two CPU attentions: ``_gqa_sdpa_forward`` here and ``marscli.models.quant``'s float64
+    attention for int8 models."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if leaves_to_transformers(query.device, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    return sdpa(query, key, value, attention_mask, dropout, scaling, bool(causal), groups > 1, compute_dtype), None
 
 
 def _gqa_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,

@@ -16,7 +16,7 @@ on the VNNI Xeon (`python scripts/profile_forward.py`, docs/benchmarks.md): the 
 Only layers whose code was read and mirrored op for op are patched: transformers' Llama and
 Qwen2 decoder layers (SmolLM2, Qwen2.5), with marscli's fused int8 siblings and float64
 attention. Anything else keeps transformers' modules, as does a call this does not mirror
-(attention weights asked for, a position bias or softcap, a non-float32 input, training).
+(one `fastpath.cpu_sdpa_forward` hands to transformers, a non-float32 input, training).
 tests/test_int8_decoder.py checks the logits against the unpatched layers bit for bit.
 """
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from marscli.models.fastpath import leaves_to_transformers, sdpa
 from marscli.models.quant import (
     F64_SDPA,
     LEVELS,
@@ -87,19 +88,14 @@ def _pre(x: torch.Tensor, norm: torch.Tensor, eps: float, qkv: Packed, qkv_bias:
 
 
 def _post(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-          scaling: float, is_causal: bool, gqa: bool, o: Packed, o_bias: Optional[torch.Tensor],
+          scaling: float, gqa: bool, o: Packed, o_bias: Optional[torch.Tensor],
           norm: torch.Tensor, eps: float, gate_up: Packed, gate_up_bias: Optional[torch.Tensor], inter: int,
           down: Packed, down_bias: Optional[torch.Tensor],
           levels: torch.Tensor, tiny: float, scale: float, zero: int) -> torch.Tensor:
-    """The rest of the layer: float64 attention (`quant._f64_sdpa_forward`), o_proj,
-    residual, post-attention norm, MLP, residual."""
+    """The rest of the layer: float64 attention (the `sdpa` that `quant._f64_sdpa_forward`
+    runs), o_proj, residual, post-attention norm, MLP, residual."""
     width = x.shape[-1]
-    f64 = torch.float64
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(f64)
-    a = F.scaled_dot_product_attention(q.to(f64), k.to(f64), v.to(f64), attn_mask=mask, dropout_p=0.0,
-                                       scale=scaling, is_causal=is_causal, enable_gqa=gqa)
-    a = a.to(q.dtype).transpose(1, 2).contiguous()
+    a = sdpa(q, k, v, mask, 0.0, scaling, True, gqa, torch.float64)
     shape = list(x.shape[:-1])
     shape.append(-1)
     a = a.reshape(shape).contiguous()
@@ -169,8 +165,7 @@ def _patch(layer: nn.Module) -> None:
         if cache is None and "past_key_values" in kwargs:
             cache = kwargs.pop("past_key_values")
         if (layer.training or position_embeddings is None or hidden_states.dtype != torch.float32
-                or hidden_states.device.type != "cpu" or kwargs.get("output_attentions")
-                or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
+                or leaves_to_transformers(hidden_states.device, kwargs)):
             return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                             use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
         cos, sin = position_embeddings
@@ -178,8 +173,7 @@ def _patch(layer: nn.Module) -> None:
                       cos, sin, *consts)
         if cache is not None:
             k, v = cache.update(k, v, idx, kwargs=kwargs)
-        is_causal = q.shape[2] > 1 and attention_mask is None
-        return post(hidden_states, q, k, v, attention_mask, scaling, is_causal, gqa, o._packed, o.bias,
+        return post(hidden_states, q, k, v, attention_mask, scaling, gqa, o._packed, o.bias,
                     ln2.weight, ln2.variance_epsilon, gate_up._packed, gate_up.bias, inter, down._packed, down.bias,
                     *consts)
 
