@@ -2,7 +2,7 @@
 """Fit every relaxed rule's main knob to the relaxed share of a reference method, on a
 calibration split: the knobs `bench --methods` then takes explicitly, so that a long table can
 be measured in chunks (one per session) with the same knobs and merged
-(scripts/merge_bench_reports.py).
+(scripts/report.py merge).
 
 `bench --match-relax-rate S` fits every relaxed method, MARS included, to a share S given in
 advance; this fits the other rules to the share that the reference (e.g. MARS at a profile's

@@ -1,4 +1,4 @@
-"""scripts/merge_bench_reports.py: chunked `bench --task` reports merge into the figures one
+"""scripts/report.py merge: chunked `bench --task` reports merge into the figures one
 run over every record would give, and chunks that cannot be merged are refused."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 from marscli.scoring import stats
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "merge_bench_reports.py"
+SCRIPT = ROOT / "scripts" / "report.py"
 
 
 @pytest.fixture(scope="module")
 def mod():
-    spec = importlib.util.spec_from_file_location("merge_bench_reports", SCRIPT)
+    spec = importlib.util.spec_from_file_location("report", SCRIPT)
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     return m
@@ -100,8 +100,8 @@ def test_quality_only_keeps_common_methods_and_drops_speed(tmp_path):
     pa, pb, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "m.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(pa), str(pb), "--quality-only", "--report", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, check=False)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "merge", str(pa), str(pb), "--quality-only",
+                           "--report", str(out)], capture_output=True, text=True, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr
     merged = json.loads(out.read_text())
     assert list(merged["methods"]) == ["strict", "mars@0.9"]
@@ -110,8 +110,8 @@ def test_quality_only_keeps_common_methods_and_drops_speed(tmp_path):
     assert merged["methods"]["mars@0.9"]["task"]["vs_baseline"]["flips"] == {"down": 2, "up": 0, "same": 3}
     assert "left out, not run in every chunk: ar" in proc.stdout
     # without the flag the same chunks are refused, naming the setting
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(pa), str(pb)], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "merge", str(pa), str(pb)], capture_output=True, text=True,
+                          cwd=ROOT, check=False)
     assert proc.returncode == 2 and "settings.methods differs" in proc.stderr
 
 

@@ -1,4 +1,4 @@
-"""scripts/quality_table.py: arms of a quality run scored and compared with the baseline on
+"""scripts/report.py quality: arms of a quality run scored and compared with the baseline on
 the records every arm has, with each arm's decoding figures and its wall time per record."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "quality_table.py"
+SCRIPT = ROOT / "scripts" / "report.py"
 PROMPTS = ROOT / "examples" / "gsm8k.jsonl"
 ANSWERS = [18, 3, 70000, 540, 20, 64, 260, 160]  # examples/gsm8k.jsonl's references, in order
 
@@ -40,8 +40,8 @@ def test_arms_are_compared_on_their_common_records(tmp_path):
     ratio = {k: v for k, v in right.items() if k != 7}  # still running: record 7 not written yet
     ratio[1] = 4  # one lost
     write_arm(tmp_path, "ratio", ratio, tokens=10, steps=4, relaxed=2, log=loaded + "wall seconds: 70, exit code: 0\n")
-    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--task", "gsm8k", "--prompts", str(PROMPTS),
-                          "--arms", "strict,mars,mars-code,ratio"],
+    out = subprocess.run([sys.executable, str(SCRIPT), "quality", str(tmp_path), "--task", "gsm8k",
+                          "--prompts", str(PROMPTS), "--arms", "strict,mars,mars-code,ratio"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     table = json.loads((tmp_path / "table.json").read_text())

@@ -8,7 +8,7 @@ layer's attention to SDPA's math kernel, which copies the whole KV cache per lay
 repeat the shared heads (6-18 ms a forward at 256 cached tokens, and what made a 2-token
 verification cost 1.2x a 1-token forward). Measured on this project's 2-core AVX2 CPU with
 the embedded SmolLM2-135M (float32, 256-token context, ms per forward, fastest of 16
-interleaved rounds of `python scripts/fastpath_costs.py --rounds 16`):
+interleaved rounds of `python lab/scripts/fastpath_costs.py --rounds 16`):
 
 | new tokens                              | 1  | 2  | 3   | 4   | 5   | 6   | 9   |
 | rows 2-3 patched, transposed (before)   | 74 | 78 | 101 | 113 | 103 | 108 | 118 |
@@ -38,7 +38,7 @@ one). oneDNN's matrix product on a copy of the weights reordered once into its b
 for frozen bf16 linear layers; for float32 it picks MKL's packed GEMM, which was no faster
 than the dense product here: 93 against 42 ms for 3 rows of twelve 8960 x 1536 matrices)
 reads them at full speed for any row count: 266/226/267 ms (`python
-scripts/fastpath_costs.py --target qwen2.5-coder-1.5b-instruct --rounds 6`, 256 cached
+lab/scripts/fastpath_costs.py --target qwen2.5-coder-1.5b-instruct --rounds 6`, 256 cached
 tokens, min). Verifying 8 drafts now costs about one plain step. For 1-2 rows the dense
 product stays (packed is as fast or up to 33% slower there, 10-33% slower with rows padded to
 3), so plain decoding and the draft model's steps are unchanged. The price is memory: the

@@ -29,13 +29,13 @@ row's output is the same bits whoever its neighbours are (tests/test_quant.py).
 The grid uses 7 of uint8's 8 bits (1..127, zero at 64). On CPUs without VNNI fbgemm
 multiplies with `vpmaddubsw`, which sums two uint8 x int8 products into int16 and saturates:
 two full-range products (255 x 127 x 2) overflow, 127 x 127 x 2 do not. Measured on this
-project's AVX2 CPU against exact integer arithmetic (`scripts/int8_kernels.py --saturation`):
+project's AVX2 CPU against exact integer arithmetic (`lab/scripts/int8_kernels.py --saturation`):
 an 8-bit grid (zero at 128) was off by 8-90% of the largest output, the 7-bit grid by 1e-7
 (float rounding). fbgemm's own `reduce_range` exists for the same reason. The one grid is
 used on every CPU, so the int8 model is the same function everywhere.
 
 torch's other CPU paths, timed on the pair's layer shapes on this project's AVX2 CPU
-(`python scripts/int8_kernels.py`; docs/benchmarks.md has the table): `_weight_int8pack_mm`
+(`python lab/scripts/int8_kernels.py`; docs/benchmarks.md has the table): `_weight_int8pack_mm`
 (int8 weights, float inputs: the eager CPU kernel of int8 weight-only linear layers) was
 3-30x slower than float32, `torch._int_mm` (int8 x int8) 60-80x slower, oneDNN's
 `qlinear_pointwise` 3-5x slower than this path, fbgemm's float16-weight linear about 1.7x

@@ -1,13 +1,22 @@
 #!/usr/bin/env python
-"""Behaviour-unchanged check for a refactor: run one fixed matrix of `marscli generate` and
-`marscli calibrate` cases with a given source tree, then compare two such runs byte for byte.
+"""A/B of two source trees (e.g. the commit before a refactor, checked out with
+`git worktree add`, and the refactor): `outputs` checks that they write the same bytes,
+`speed` times them against each other in one session.
 
-    python scripts/compare_outputs.py run --tree /work/baseline --out /work/compare_baseline
-    python scripts/compare_outputs.py run --tree .              --out /work/compare_new
-    python scripts/compare_outputs.py diff /work/compare_baseline /work/compare_new
-    python scripts/compare_outputs.py check /work/compare_baseline   # sanity of one run
+    python scripts/ab.py outputs run --tree /work/baseline --out /work/compare_baseline
+    python scripts/ab.py speed --a /tmp/before --b . --batch-sizes 1,8 --verify strict,mars > ab.md
 
-`run` writes into OUTDIR:
+## ab.py outputs: behaviour unchanged
+
+Run one fixed matrix of `marscli generate` and `marscli calibrate` cases with a given source
+tree, then compare two such runs byte for byte.
+
+    python scripts/ab.py outputs run --tree /work/baseline --out /work/compare_baseline
+    python scripts/ab.py outputs run --tree .              --out /work/compare_new
+    python scripts/ab.py outputs diff /work/compare_baseline /work/compare_new
+    python scripts/ab.py outputs check /work/compare_baseline   # sanity of one run
+
+`outputs run` writes into OUTDIR:
   input.jsonl   the first N/4 records of each of mt_bench, humaneval, gsm8k and sum (in that
                 order, question_id rewritten to "<set>/<id>" because the sets share ids), so
                 both trees read identical bytes; calib.jsonl: the first record of each set.
@@ -17,7 +26,7 @@
 
 Each run gets OMP_NUM_THREADS=MKL_NUM_THREADS=1 (--threads): the comparison is then
 independent of the machine's core count, and on a shared machine it is far faster.
-The tree is chosen with PYTHONPATH=TREE (it wins over the venv's editable install; `run`
+The tree is chosen with PYTHONPATH=TREE (it wins over the venv's editable install; `outputs run`
 checks which marscli was imported). MARSCLI_PROFILE_DIR points at an empty folder so only the
 tree's shipped profiles can match (a profile someone calibrated into ~/.config would
 otherwise change what "mars at the shipped profile" means).
@@ -43,13 +52,13 @@ Draft models. No other model here shares SmolLM2's tokenizer, so:
            model's cache back. Its sha256 is in the manifest; `diff` refuses to compare runs
            whose poor drafter differs.
 
-`diff` compares every case's output and sidecar byte for byte (sidecars after masking
+`outputs diff` compares every case's output and sidecar byte for byte (sidecars after masking
 "written_by", which holds the version, and OUTDIR's own path), and the profiles after masking only the fields that
 vary run to run: created_at, marscli_version, calibration_data.seconds and
 summary.measured_tokens_per_s. One line per case; exit 1 if anything differs or is missing.
 It also refuses (exit 2) to compare runs made with different command lines or inputs.
 
-`check` (also run at the end of `run`) says whether every case exited 0, no result is an
+`outputs check` (also run at the end of `run`) says whether every case exited 0, no result is an
 error or empty, every case drafted something, the mars cases relaxed something, and batch 1
 and 4 wrote the same bytes; it exits 1 on any problem. `run` exits 1 only if a case did.
 
@@ -59,8 +68,42 @@ passes (sum/243 alone in a batch-4 run equals batch 1), none greedy:
   sample-strict-*-ngram  record sum/243 samples another token at character 263;
   sample-mars-*-poor     record mt_bench/84 from character 76;
   calibrate-*            summary and curve nll_increase in the 7th-8th decimal (theta equal).
-`diff` compares like with like (batch 1 old vs batch 1 new), so these do not affect it; they
+`outputs diff` compares like with like (batch 1 old vs batch 1 new), so these do not affect it; they
 would show there if the new code changed the shape of batch 1's forward passes.
+
+## ab.py speed: same-run A/B of generation speed
+
+    git worktree add /tmp/before HEAD~1
+    python scripts/ab.py speed --a /tmp/before --b . --batch-sizes 1,8 --verify strict,mars \\
+        --records 16 --max-tokens 64 --repeats 3 > ab.md
+
+RUN IT ON AN IDLE MACHINE. Every figure is a rate over wall-clock time on a CPU: another
+process (a test suite, a second A/B) takes cores from whichever run it overlaps, and the
+ratio then measures the neighbour, not the code. The script prints the 1-minute load average
+before and after; with a load much above 0 the table is not evidence of anything.
+
+For each (batch size, verify) case it runs `python -m marscli generate` as a fresh
+subprocess per run (PYTHONPATH=tree chooses the code; MARSCLI_PROFILE_DIR is an empty folder,
+so "mars" is the shipped profile's theta), --repeats times per tree, on one input file built
+as `outputs run` builds it (the first N/4 records of mt_bench, humaneval, gsm8k
+and sum). Runs alternate between the trees in ABBA order (A B, B A, A B, ...) so that neither
+tree always runs first, i.e. a slow drift of the machine's speed does not favour one side.
+Pair i is the i-th run of A with the i-th run of B. Before measuring, --warmup untimed runs
+per tree (default 1) fill the page cache and pay first-use costs: without them the very first
+run of a session came out at 1.6 tok/s against 9.6 for the same tree right after it.
+
+tokens/s is marscli's own figure: completion tokens over generation time, which leaves
+model loading out. Batch 1: the sum of the records' timing.seconds, which is what the stderr
+summary line ("done: ... T tokens, R tok/s") divides by, but with 4 decimals instead of R's
+one. Batch N (records overlap): R from that summary line (the wall time of the decoding
+loop); if a tree prints no such line, the process wall time (marked with *). The wall
+seconds of the whole process (load included) are reported beside it.
+--threads N sets OMP_NUM_THREADS/MKL_NUM_THREADS for the runs (default: torch's own choice,
+the setting users get).
+
+stdout: a markdown table: per case the median tok/s of A and B, B/A as the median of the
+per-pair ratios with their min-max, median wall seconds, and whether every run of both trees
+wrote the same results (timing fields removed). stderr: progress. Exit 1 if a run failed.
 """
 
 from __future__ import annotations
@@ -73,8 +116,10 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -565,9 +610,165 @@ def cmd_check(args) -> int:
     return 1 if problems else 0
 
 
+# ---------------------------------------------------------------------------------- speed
+
+DONE = re.compile(r"done: .*?(\d+) tokens, ([0-9.]+) tok/s")
+
+
+def git_head(tree: Path) -> str:
+    p = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return (p.stdout.strip() or "?") + (" (dirty)" if dirty else "")
+
+
+def loadavg() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "?"
+
+
+def run_once(tree: Path, work: Path, env: dict, input_path: Path, bs: int, verify: str,
+             max_tokens: int, tag: str, extra: list[str] = ()) -> dict:
+    out = work / f"{tag}.jsonl"
+    out.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "marscli", "generate", str(input_path), "--batch-size", str(bs),
+            "--max-tokens", str(max_tokens), "-o", str(out), *extra]
+    rule, _, temperature = verify.partition("@")
+    if rule == "strict":
+        argv += ["--verify", "strict"]
+    elif rule == "ar":  # plain decoding: no drafter
+        argv += ["--verify", "strict", "--draft", "none"]
+    elif rule != "mars":  # mars: no --verify, the shipped profile's theta
+        raise SystemExit(f"--verify takes ar, strict and mars (each optionally @TEMPERATURE), not {verify!r}")
+    if temperature:
+        argv += ["--temperature", temperature, "--seed", "0"]
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, env=dict(env, PYTHONPATH=str(tree)), cwd=work, stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (work / f"{tag}.stderr").write_text(p.stderr, encoding="utf-8")
+    res = {"rc": p.returncode, "wall": wall, "tps": None, "source": "", "digest": None, "tokens": None}
+    if p.returncode != 0 or not out.exists():
+        say(f"    FAILED (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
+        return res
+    recs = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    tokens = sum((r.get("usage") or {}).get("completion_tokens", 0) for r in recs)
+    gen_seconds = sum((r.get("timing") or {}).get("seconds") or 0.0 for r in recs)
+    for r in recs:
+        r.pop("timing", None)
+    res["digest"] = hashlib.sha256(
+        "\n".join(json.dumps(r, sort_keys=True) for r in recs).encode()).hexdigest()
+    res["tokens"] = tokens
+    m = None
+    for line in p.stderr.splitlines():
+        m = DONE.search(line.rsplit("\r", 1)[-1]) or m
+    if m and int(m.group(1)) != tokens:
+        say(f"    note: the summary says {m.group(1)} tokens, the results {tokens}")
+    if bs == 1 and gen_seconds > 0:
+        # The summary's own definition (tokens over the sum of the records' generation
+        # times), from the 4-decimal per-record seconds instead of its 1-decimal tok/s.
+        res["tps"] = tokens / gen_seconds
+    elif m:
+        res["tps"] = float(m.group(2))
+    else:
+        res["tps"], res["source"] = tokens / wall, "*"
+    return res
+
+
+def fmt_ratio(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def cmd_speed(args) -> int:
+    extra = args.args.split()
+
+    trees = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
+    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="ab-speed-"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "user-profiles").mkdir(exist_ok=True)
+    env = dict(os.environ, MARSCLI_PROFILE_DIR=str(work / "user-profiles"))
+    if args.threads:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    for _name, tree in trees.items():
+        probe = subprocess.run([sys.executable, "-c", "import marscli; print(marscli.__file__)"],
+                               env=dict(env, PYTHONPATH=str(tree)), capture_output=True, text=True, cwd=work)
+        if not Path(probe.stdout.strip() or "/").resolve().is_relative_to(tree):
+            raise SystemExit(f"PYTHONPATH={tree} imports marscli from {probe.stdout.strip() or probe.stderr}")
+    input_path = work / "input.jsonl"
+    if args.input:
+        lines = Path(args.input).read_text(encoding="utf-8").splitlines()[: args.records]
+        input_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    else:
+        write_jsonl(input_path, build_records(args.records))
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    verifies = [x.strip() for x in args.verify.split(",")]
+
+    load_before = loadavg()
+    if load_before != "?" and float(load_before) > 0.5:
+        say(f"warning: load average {load_before}: this machine is not idle, the figures will be noisy")
+    say(f"work folder {work}")
+    for w in range(args.warmup):
+        for side in ("A", "B"):
+            say(f"[warmup {w + 1}/{args.warmup}] {side} ({trees[side]}), not counted")
+            run_once(trees[side], work, env, input_path, sizes[0], verifies[0], args.max_tokens,
+                     f"warmup-{side}-{w + 1}", extra)
+    rows, failed = [], 0
+    n_cases = len(sizes) * len(verifies)
+    for ci, (bs, verify) in enumerate(((b, v) for b in sizes for v in verifies), 1):
+        runs: dict[str, list[dict]] = {"A": [], "B": []}
+        for rep in range(args.repeats):
+            order = ("A", "B") if rep % 2 == 0 else ("B", "A")
+            for side in order:
+                say(f"[case {ci}/{n_cases}] batch {bs} {verify}, run {rep + 1}/{args.repeats} of {side} "
+                    f"({trees[side]}), load {loadavg()}")
+                r = run_once(trees[side], work, env, input_path, bs, verify, args.max_tokens,
+                             f"{side}-bs{bs}-{verify}-{rep + 1}", extra)
+                failed += r["rc"] != 0
+                if r["tps"] is not None:
+                    say(f"    {r['tps']:.2f} tok/s{r['source']}, {r['tokens']} tokens, {r['wall']:.1f} s wall")
+                runs[side].append(r)
+        ok = [(a, b) for a, b in zip(runs["A"], runs["B"]) if a["tps"] and b["tps"]]
+        if not ok:
+            rows.append(f"| {bs} | {verify} | failed | failed | | | | | |")
+            continue
+        ratios = [b["tps"] / a["tps"] for a, b in ok]
+        med = {s: statistics.median(r["tps"] for r in runs[s] if r["tps"]) for s in runs}
+        wall = {s: statistics.median(r["wall"] for r in runs[s]) for s in runs}
+        mark = {s: "*" if any(r["source"] for r in runs[s]) else "" for s in runs}
+        digests = {s: {r["digest"] for r in runs[s] if r["digest"]} for s in runs}
+        same = len(digests["A"] | digests["B"]) == 1 and all(r["digest"] for s in runs for r in runs[s])
+        ident = "yes" if same else f"NO ({len(digests['A'])} distinct in A, {len(digests['B'])} in B)"
+        rows.append(f"| {bs} | {verify} | {med['A']:.1f}{mark['A']} | {med['B']:.1f}{mark['B']} | "
+                    f"{fmt_ratio(statistics.median(ratios))} | {fmt_ratio(min(ratios))}-{fmt_ratio(max(ratios))} | "
+                    f"{wall['A']:.1f} | {wall['B']:.1f} | {ident} |")
+
+    print(f"- A: {trees['A']} @ {git_head(trees['A'])}")
+    print(f"- B: {trees['B']} @ {git_head(trees['B'])}")
+    print(f"- {args.records} records of {args.input or 'the built mix'}, --max-tokens {args.max_tokens}"
+          f"{' ' + args.args if args.args else ''}, {args.repeats} runs per tree and case "
+          f"(ABBA order, {args.warmup} untimed warm-up per tree); {os.cpu_count()} CPUs, "
+          f"threads per run: {args.threads or 'torch default'}; "
+          f"load average {load_before} before, {loadavg()} after")
+    print("- tok/s: marscli's own figure (generation only); B/A: median of per-pair ratios; "
+          "wall: whole process, model load included")
+    print()
+    print("| batch | verify | A tok/s | B tok/s | B/A | B/A min-max | A wall s | B wall s | outputs identical |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(row)
+    if any("*" in row for row in rows):
+        print("\n\\* no summary line: tok/s from the records' timing (batch 1) or the process wall time")
+    return 1 if failed else 0
+
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    top = p.add_subparsers(dest="tool", required=True)
+    o = top.add_parser("outputs", help="run the generate/calibrate matrix with a tree; compare two runs byte by byte")
+    sub = o.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the matrix with one source tree")
     r.add_argument("--tree", required=True, help="source tree whose marscli/ is run (PYTHONPATH)")
     r.add_argument("--out", required=True, help="folder for the input, outputs and manifest.json")
@@ -586,7 +787,26 @@ def main(argv=None) -> int:
     d.add_argument("b")
     c = sub.add_parser("check", help="sanity of one run")
     c.add_argument("dir")
+    sp = top.add_parser("speed", help="same-run A/B of generation speed for two trees")
+    sp.add_argument("--a", required=True, help="tree A (the old code)")
+    sp.add_argument("--b", required=True, help="tree B (the new code)")
+    sp.add_argument("--batch-sizes", default="1,8")
+    sp.add_argument("--verify", default="strict,mars",
+                    help="ar (--draft none), strict and/or mars (the shipped profile); NAME@T samples at "
+                         "temperature T (seed 0), e.g. strict@0.8")
+    sp.add_argument("--records", type=int, default=16)
+    sp.add_argument("--max-tokens", type=int, default=64)
+    sp.add_argument("--repeats", type=int, default=3, help="runs per tree and case")
+    sp.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs per tree before measuring (page cache, first-use costs)")
+    sp.add_argument("--threads", type=int, default=0, help="OMP/MKL threads per run (0: torch's default)")
+    sp.add_argument("--work", default=None, help="folder for inputs, outputs and logs (default: a temp dir)")
+    sp.add_argument("--input", default=None,
+                    help="a JSONL prompt file to use instead of the built mix (its first --records records)")
+    sp.add_argument("--args", default="", help="more generate arguments, one string (e.g. '--target X --draft Y')")
     args = p.parse_args(argv)
+    if args.tool == "speed":
+        return cmd_speed(args)
     return {"run": cmd_run, "diff": cmd_diff, "check": cmd_check}[args.cmd](args)
 
 
