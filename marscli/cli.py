@@ -445,7 +445,7 @@ def bench(
     to stderr; --report writes the JSON report; stdout stays empty unless --report -.
     Speed is given in tokens/s and in seconds per record (time per task, prefill included),
     each against ar and hf-generate, with a line per method: a rule that writes longer answers
-    can win the first and lose the second. See docs/benchmarks.md for every column.
+    can win the first and lose the second. See docs/bench.md for every column.
     """
     from marscli.jobs.bench import bench_config, run_bench
     from marscli.jobs.console import Log
@@ -494,7 +494,7 @@ def score(
 
     HumanEval runs every completion against its problem's tests in a child process (timeout,
     memory limit, fresh temporary directory, no inherited environment); the code comes from
-    the first fenced block defining the function, else the raw completion (docs/benchmarks.md).
+    the first fenced block defining the function, else the raw completion (docs/bench.md).
     """
     from marscli.jobs.console import Log
     from marscli.jobs.score import ScoreConfig, run_score
@@ -599,7 +599,7 @@ def train_head(
 def lm_eval(ctx: typer.Context) -> None:
     """lm-evaluation-harness's command line with the model `marscli` registered: model_args are
     generate's options (target, draft, verify, theta, batch_size, ...) plus max_gen_toks,
-    max_length, seed and stats_file (docs/benchmarks.md, "marscli inside lm-eval"). Needs
+    max_length, seed and stats_file (docs/bench.md, "Any lm-eval task"). Needs
     `pip install "marscli[lmeval]"`."""
     try:
         from marscli.lmeval import main

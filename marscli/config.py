@@ -26,7 +26,7 @@ DEFAULT_NUM_DRAFT_TOKENS = 8
 TREE_DEFAULTS = (7, 10, 60)
 #: Draft-model tree defaults (top-k, tokens): the chain plus the draft model's second choice as a
 #: sibling leaf at its least certain positions, 16 tokens in all counting the root (measured on a
-#: CPU in docs/benchmarks.md: there the extra verified tokens cost more than they keep).
+#: CPU in lab/benchmarks-history.md: there the extra verified tokens cost more than they keep).
 MODEL_TREE_DEFAULTS = (2, 16)
 
 

@@ -31,7 +31,7 @@ listed in the report and turned into exit code 1, never averaged away.
 
 This module holds what a benchmark is (methods, settings, prompts, runs) and how runs
 add up to per-method figures; marscli/jobs/bench.py runs it, marscli/bench/report.py prints and
-writes the report. Report layout and column meanings: docs/benchmarks.md.
+writes the report. Report layout and column meanings: docs/bench.md.
 """
 
 from __future__ import annotations

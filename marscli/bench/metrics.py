@@ -3,7 +3,7 @@
 Pure functions over token lists and numbers, except `completion_nll` (one target forward
 pass). ROUGE-L and a record's reference text are task scoring's (marscli.scoring.rouge).
 
-Definitions (docs/benchmarks.md reads them column by column):
+Definitions (docs/bench.md reads them column by column):
 
 - **exact match**: the two token sequences are identical (EOS included when generated).
 - **prefix share**: length of the longest common prefix divided by the length of the longer

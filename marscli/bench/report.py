@@ -1,6 +1,6 @@
 """marscli bench's report: the JSON file, the tables on stderr and the PNG plot.
 
-Column meanings: docs/benchmarks.md.
+Column meanings: docs/bench.md.
 """
 
 from __future__ import annotations

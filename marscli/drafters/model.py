@@ -54,7 +54,7 @@ class SiblingTree:
     Siblings cost no draft forward (they come from the logits the chain was drafted from),
     only verification, so a step whose chain token the target rejects still keeps the position
     when the target's choice was the draft's second. On a 2-core CPU the extra verified tokens
-    cost more than they keep (docs/benchmarks.md); where verifying a few more tokens is free
+    cost more than they keep (lab/benchmarks-history.md); where verifying a few more tokens is free
     (a GPU at batch 1) they are a gain. Candidates are ranked as EAGLE
     ranks tree nodes, by the draft model's probability of reaching them: the product of its
     top-1 probabilities before the position times the sibling's own probability.

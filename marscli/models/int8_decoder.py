@@ -10,7 +10,7 @@ Here a patched layer makes two calls into TorchScript's interpreter, which runs 
 ops in the same order without Python: `_pre` (input norm, fused q/k/v product, rotary
 embedding) and, after the KV cache's Python update, `_post` (float64 attention, o_proj,
 residual, post-attention norm, fused gate/up product, SiLU, down product, residual). Measured
-on the VNNI Xeon (`python lab/scripts/profile_forward.py`, docs/benchmarks.md): the 0.5B's
+on the VNNI Xeon (`python lab/scripts/profile_forward.py`, lab/benchmarks-history.md): the 0.5B's
 1-token forward 69 -> 49 ms, the 1.5B's 134 -> 110 ms, logits equal bit for bit.
 
 Only layers whose code was read and mirrored op for op are patched: transformers' Llama and

@@ -18,7 +18,7 @@ The price of the second level is arithmetic, not bytes: k + 1 verified tokens ar
 rows of the product, and at 18 rows fbgemm on two AVX2 cores is compute-bound (a 9-token
 forward of Qwen2.5-Coder-1.5B cost 2.6x a 1-token one, against ~1x with float32's packed
 kernel). One level would halve that, at a KL of 0.0063 instead of 0.0002 on that model
-(docs/benchmarks.md, "int8 weights on the CPU").
+(lab/benchmarks-history.md, "int8 weights on the CPU").
 
 Why per row: fbgemm's own dynamic linear chooses one scale for the whole input, so a token's
 result would depend on the other tokens of the forward (the drafts verified beside it, the
@@ -35,7 +35,7 @@ an 8-bit grid (zero at 128) was off by 8-90% of the largest output, the 7-bit gr
 used on every CPU, so the int8 model is the same function everywhere.
 
 torch's other CPU paths, timed on the pair's layer shapes on this project's AVX2 CPU
-(`python lab/scripts/int8_kernels.py`; docs/benchmarks.md has the table): `_weight_int8pack_mm`
+(`python lab/scripts/int8_kernels.py`; lab/benchmarks-history.md has the table): `_weight_int8pack_mm`
 (int8 weights, float inputs: the eager CPU kernel of int8 weight-only linear layers) was
 3-30x slower than float32, `torch._int_mm` (int8 x int8) 60-80x slower, oneDNN's
 `qlinear_pointwise` 3-5x slower than this path, fbgemm's float16-weight linear about 1.7x
@@ -114,7 +114,7 @@ def script(fn):
     skips Python's cost per op (a decoder layer of an int8 model runs ~130 small ops around
     its 4 products, and Python's share of them was a third of a 1-token forward of
     Qwen2.5-Coder-0.5B). torch deprecates `torch.jit.script` in favour of `torch.compile`,
-    which is no use here (docs/benchmarks.md: recompiles on the KV cache, ~2 s a forward,
+    which is no use here (lab/benchmarks-history.md: recompiles on the KV cache, ~2 s a forward,
     not row-exact); if a future torch drops it, the plain functions run."""
     try:
         with warnings.catch_warnings():
@@ -287,7 +287,7 @@ def _f64_sdpa_forward(module, query, key, value, attention_mask, dropout: float 
     a forward holds (1 in plain decoding, k + 1 in a verification). Computed in float64, the
     order's effect is ~1e-16, and the float32 result is the same bits unless a value falls
     within that of a float32 rounding boundary: strict speculative decoding of an int8 model
-    then reproduces its plain decoding (tests/test_quant.py; measured in docs/benchmarks.md).
+    then reproduces its plain decoding (tests/test_quant.py; measured in docs/results.md).
     """
     return cpu_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
                             compute_dtype=torch.float64, **kwargs)

