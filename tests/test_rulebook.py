@@ -97,3 +97,16 @@ def test_theta_is_compared_in_float64():
     stat32 = torch.tensor([0.3], dtype=torch.float32)
     assert bool(relaxable(Rule(MARS, 0.3, PROB_RATIO), stat32)[0])
     assert bool(relaxable(Rule(MARS, 0.3, PROB_RATIO), stat32.double().numpy())[0])
+
+
+def test_drafter_kinds_are_declared_once():
+    from marscli.config import DraftConfig
+    from marscli.drafters.kinds import DRAFTER_KINDS, DRAFTERS, EAGLE3, MODEL, NGRAM, NONE, PROFILE_KINDS, drafter_kind
+
+    assert DRAFTER_KINDS == (NONE, NGRAM, MODEL, EAGLE3) and DraftConfig().kind == NGRAM
+    assert PROFILE_KINDS == (NGRAM, MODEL, EAGLE3)
+    assert [k for k, d in DRAFTERS.items() if d.model] == [MODEL, EAGLE3]
+    assert [k for k, d in DRAFTERS.items() if d.trees] == [MODEL, EAGLE3]
+    assert [k for k, d in DRAFTERS.items() if d.features] == [EAGLE3]
+    with pytest.raises(ValueError, match="unknown drafter kind"):
+        drafter_kind("self")

@@ -57,6 +57,7 @@ from marscli.drafters.base import (
     choose_draft_lengths,
 )
 from marscli.drafters.eagle3_head import FeatureTap
+from marscli.drafters.kinds import drafter_kind
 from marscli.engine.costs import reference_costs, static_costs
 from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
 from marscli.engine.provenance import float_bits, step_kinds
@@ -141,7 +142,7 @@ class Engine:
         if hybrid is not None:  # hybrid drafters price their source by this engine's curves
             hybrid.owner = self
         self.prompts = PromptEncoder(target.tokenizer, target.context_length)
-        k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
+        k_max = draft_cfg.num_draft_tokens if drafter_kind(draft_cfg.kind).drafts else 0
         self.tree = drafters.tree
         if self.tree is not None:
             if batch_size > 1:
