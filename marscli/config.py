@@ -402,9 +402,6 @@ class RecordError:
     message: str
     id_key: str = "id"
 
-    def as_error(self) -> dict[str, Any]:
-        return {"type": self.type, "message": self.message, "line": self.line}
-
 
 @dataclass(frozen=True)
 class GenerateConfig:
