@@ -46,7 +46,6 @@ from marscli.config import (
     GUARD_OFF,
     DraftConfig,
     GuardConfig,
-    Request,
     SamplingParams,
     SpanConfig,
 )
@@ -59,7 +58,7 @@ from marscli.drafters.base import (
 from marscli.drafters.eagle3_head import FeatureTap
 from marscli.drafters.kinds import drafter_kind
 from marscli.engine.costs import reference_costs, static_costs
-from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
+from marscli.engine.prompts import PromptEncoder
 from marscli.engine.provenance import step_kinds
 from marscli.engine.sequence import (
     GenerationResult,
@@ -180,18 +179,6 @@ class Engine:
         self._prefill_key: PrefillKey | None = None
         self._prefills: dict[Hashable, _Prefill] = {}
         self._reset()
-
-    # ------------------------------------------------------------------ prompts
-
-    def tokenize(self, req: Request) -> list[int]:
-        return self.prompts.tokenize(req)
-
-    def fit_prompt(self, ids: list[int], *, truncate: str = TRUNCATE_NONE,
-                   max_tokens: int = 1) -> tuple[list[int], int]:
-        return self.prompts.fit_prompt(ids, truncate=truncate, max_tokens=max_tokens)
-
-    def encode(self, req: Request) -> list[int]:
-        return self.prompts.encode(req)
 
     # ------------------------------------------------------------------ one record
 

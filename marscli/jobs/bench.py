@@ -64,6 +64,7 @@ from marscli.config import (
     VerifyRequest,
 )
 from marscli.drafters.kinds import EAGLE3, NGRAM, NONE
+from marscli.engine import build_engine
 from marscli.engine.sequence import RecordFailure
 from marscli.errors import EXIT_OK, InputError, UsageError
 from marscli.jobs.bench_match import (
@@ -81,7 +82,6 @@ from marscli.jobs.setup import (
     draft_config,
     guard_request,
     load_models,
-    make_engine,
     model_configs,
     named_profile,
     resolve_verification,
@@ -131,7 +131,7 @@ class Bench:
         none_cfg = DraftConfig(kind=NONE)
         # Building any engine installs marscli's CPU fast path on the target model object,
         # which transformers' generate() then shares (see the report's notes).
-        self._encoder = make_engine(target, None, VerifyConfig(), none_cfg)
+        self._encoder = build_engine(target, None, VerifyConfig(), none_cfg)
         self.runners: dict[str, Runner] = {}
         self.engines: dict[str, Any] = {}
         for m in cfg.methods:
@@ -141,8 +141,8 @@ class Bench:
                 self.runners[m.name] = self._hf_runner(self._assisted_kwargs())
             else:
                 dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
-                engine = make_engine(target, draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule),
-                                     dcfg, note=log, spans=cfg.spans)
+                verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
+                engine = build_engine(target, draft, verify, dcfg, note=log, spans=cfg.spans)
                 self.engines[m.name] = engine
                 self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != NONE)
         self._check_generation_config()
@@ -227,7 +227,7 @@ class Bench:
         prompts, skipped = [], []
         for req, ref in records:
             try:
-                ids = self._encoder.encode(req)
+                ids = self._encoder.prompts.encode(req)
             except RecordFailure as e:
                 skipped.append({"id": req.id, "line": req.line, "reason": f"{e.type}: {e.message}"})
                 continue
@@ -355,7 +355,7 @@ class Bench:
                 if m.kind != HF_GENERATE:  # built untimed: the first build measures step costs
                     dcfg = DraftConfig(kind=NONE) if m.kind == AR else cfg.draft
                     verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
-                    engine = make_engine(self.target, self.draft, verify, dcfg, bs, self.log, spans=cfg.spans)
+                    engine = build_engine(self.target, self.draft, verify, dcfg, bs, self.log, spans=cfg.spans)
                 t0 = time.perf_counter()
                 if m.kind == HF_GENERATE:
                     outputs = self._hf_batched(prompts, sampling, bs)

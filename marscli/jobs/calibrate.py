@@ -54,6 +54,7 @@ from marscli.config import (
     VerifyRequest,
 )
 from marscli.drafters.kinds import NONE
+from marscli.engine import build_engine
 from marscli.engine.sequence import RecordFailure
 from marscli.errors import (
     EXIT_INTERRUPTED,
@@ -73,7 +74,6 @@ from marscli.jobs.setup import (
     draft_config,
     guard_request,
     load_models,
-    make_engine,
     model_configs,
     resolve_guard,
 )
@@ -112,7 +112,7 @@ def collect_margins(engine, items, sampling, observer_for, skipped, tick) -> Non
             valid.append(item)
 
     def prepare(it):
-        return engine.encode(it), sampling.with_overrides(it.overrides)
+        return engine.prompts.encode(it), sampling.with_overrides(it.overrides)
 
     for item, res in engine.run(valid, prepare, observer_for=observer_for):
         if isinstance(res, RecordFailure):
@@ -264,7 +264,7 @@ def calibration_engine(cfg: CalibrateConfig, target, draft_loaded, note=None):
     profile is the batch size's neither through the lengths nor through the speed prediction
     (at batch size 1). No job corpus: the n-gram drafter drafts what it will draft for the
     relaxed rule, which gets none."""
-    return make_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size,
+    return build_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size,
                        note or (lambda _: None), solo_lengths=True, job_corpus=False)
 
 

@@ -481,15 +481,6 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
     return prof
 
 
-def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, batch_size: int = 1,
-                note: Note = _silent, solo_lengths: bool = False, spans: SpanConfig = SPANS_OFF,
-                job_corpus: bool | None = None):
-    """The engine of a job: marscli.engine.build_engine, the one constructor."""
-
-    return build_engine(target, draft_loaded, verify, draft, batch_size=batch_size, note=note,
-                        solo_lengths=solo_lengths, spans=spans, job_corpus=job_corpus)
-
-
 def choice_options(sampling: SamplingParams, n: int = 1, logprobs: bool = False,
                    top_logprobs: int | None = None, provenance: bool = False) -> SamplingParams:
     """The sampling defaults with n, logprobs (top_logprobs implies logprobs) and provenance."""
@@ -603,7 +594,7 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
     prof = choose_profile(target, draft_loaded, setup.draft, profile=setup.profile,
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
-    engine = make_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans)
+    engine = build_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans)
     if setup.batch_size > 1:
         note(f"batch size {setup.batch_size}")
     if setup.spans.active and not verify.rule.relaxes:
