@@ -32,6 +32,7 @@ from marscli.config import (
     SamplingParams,
     VerifyConfig,
 )
+from marscli.drafters.kinds import NONE
 from marscli.errors import InputError, UsageError
 from marscli.verification.registry import LOGIT_RATIO
 
@@ -208,7 +209,7 @@ class LLM:
         from marscli.jobs.setup import check_choices
 
         gen = self.generator
-        if gen.draft.kind == "none":
+        if gen.draft.kind == NONE:
             raise UsageError("calibrate needs a drafter: load with draft='ngram' or a draft model")
         check_choices(margin)
         sampling = SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop))

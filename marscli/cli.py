@@ -37,6 +37,7 @@ from marscli.config import (
     GenerationOptions,
     SamplingParams,
 )
+from marscli.drafters.kinds import EAGLE3, MODEL
 from marscli.errors import EXIT_FOR_SIGNAL, EXIT_INTERRUPTED, MarscliError, Stop, UsageError
 from marscli.verification.registry import ALL_KNOBS, OWNER, PAPER_THETA, RULEBOOK
 
@@ -342,8 +343,8 @@ def profile_list() -> None:
             table.add_row(f.stem, f"[red]invalid: {e}[/red]", "", "", "", "", "", str(f))
             continue
         d = p.data
-        drafter = d["drafter"]["kind"] if d["drafter"]["kind"] != "model" else d["drafter"]["model"]["name"]
-        if d["drafter"]["kind"] == "eagle3" and d["drafter"]["model"]:
+        drafter = d["drafter"]["kind"] if d["drafter"]["kind"] != MODEL else d["drafter"]["model"]["name"]
+        if d["drafter"]["kind"] == EAGLE3 and d["drafter"]["model"]:
             drafter = f"eagle3:{d['drafter']['model']['name']}" + (" (tree)" if d["drafter"].get("tree") else "")
         quant = d["target"]["quantization"]
         table.add_row(p.name, d["target"]["name"], d["target"]["dtype"] + (f"/{quant}" if quant else ""),

@@ -10,6 +10,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from marscli.drafters.kinds import MODEL, NGRAM
+from marscli.verification.guard import (
+    DEFAULT_GUARD_NGRAM,
+    DEFAULT_GUARD_WINDOW,
+    DEFAULT_MAX_RELAXED_SHARE,
+    DEFAULT_STRICT_FIRST,
+)
 from marscli.verification.registry import ALL_KNOBS, LOGIT_RATIO, STRICT, Rule, verify_help
 
 #: A rule's name (marscli.verification.registry.RULES) and a margin statistic's (MARGINS).
@@ -62,17 +69,6 @@ class SamplingParams:
         if "stop" in kw:
             kw["stop"] = tuple(kw["stop"])
         return replace(self, **kw)
-
-
-#: The loop guard's defaults (marscli.verification.guard; measured in docs/calibration.md, "Loops").
-DEFAULT_GUARD_NGRAM = 4
-DEFAULT_GUARD_WINDOW = 256
-#: Default relaxation budget per record, as a share of its max tokens (1.0: no budget).
-DEFAULT_MAX_RELAXED_SHARE = 0.25
-#: Generated tokens at the start of every output that relaxed rules verify strictly (issue 31:
-#: a relaxed verifier's weaker jailbreak and prompt-injection robustness is repaired by
-#: verifying the first 1-2 tokens exactly).
-DEFAULT_STRICT_FIRST = 2
 
 
 @dataclass(frozen=True)
@@ -232,7 +228,7 @@ class DraftConfig:
     the whole prompt.
     """
 
-    kind: Literal["none", "ngram", "model", "eagle3"] = "ngram"
+    kind: Literal["none", "ngram", "model", "eagle3"] = NGRAM  # drafters.kinds.DRAFTER_KINDS
     model: str | None = None  # path or hub id when kind is "model" or "eagle3"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     ngram_max: int = 3
@@ -255,7 +251,7 @@ class DraftConfig:
     def sibling_tree(self) -> bool:
         """A draft model's tree (its chain with sibling leaves): the engine chooses the chain's
         length per step by measured costs, as for a chain."""
-        return self.tree and self.kind == "model"
+        return self.tree and self.kind == MODEL
 
 
 @dataclass(frozen=True)
@@ -405,9 +401,6 @@ class RecordError:
     type: str  # e.g. "invalid_json", "invalid_record"
     message: str
     id_key: str = "id"
-
-    def as_error(self) -> dict[str, Any]:
-        return {"type": self.type, "message": self.message, "line": self.line}
 
 
 @dataclass(frozen=True)

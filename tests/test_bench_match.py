@@ -51,14 +51,15 @@ def independent_collection(path, start, target_dir):
     collect_margins, with bench's default loop guard."""
     from marscli.calibration.collect import MarginCollector
     from marscli.config import DraftConfig, GuardConfig, SamplingParams
+    from marscli.engine import build_engine
     from marscli.jobs.calibrate import collect_margins
-    from marscli.jobs.setup import load_models, make_engine
+    from marscli.jobs.setup import load_models
 
     records, _, _ = read_prompt_records(str(path), None, start=start)
     target, _ = load_models(ModelConfig(str(target_dir)), None, kind="ngram")
     guard = GuardConfig()  # bench's default loop guard
     # as calibrate collects: strict, without the job corpus the relaxed rules never get
-    engine = make_engine(target, None, VerifyConfig(guard=guard), DraftConfig(kind="ngram"), 1,
+    engine = build_engine(target, None, VerifyConfig(guard=guard), DraftConfig(kind="ngram"), 1,
                          solo_lengths=True, job_corpus=False)
     per = {}
 

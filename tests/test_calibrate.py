@@ -24,8 +24,8 @@ from marscli.calibration.policies import (
 from marscli.calibration.report import histogram_text
 from marscli.config import SamplingParams
 from marscli.engine.sequence import StepObservation
-from marscli.verification.chain import mars_greedy, speculative_sampling, strict_greedy
 from marscli.verification.registry import Rule
+from tests.verify_helpers import mars_greedy, speculative_sampling, strict_greedy
 
 V, K = 12, 5
 

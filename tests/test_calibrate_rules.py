@@ -42,6 +42,7 @@ from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
 from marscli.verification.chain import verify
 from marscli.verification.registry import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
+from tests.verify_helpers import toward_strict
 
 K = 5
 
@@ -261,13 +262,13 @@ def test_max_nll_increase_picks_the_most_relaxing_knob_within_budget(family, eps
     floor = data.replay(family.at(family.strict_end)).nll_increase if family.name == TYPICAL else 0.0
     best = walk(data, family, lambda r: r.nll_increase <= eps)
     knob = pick_knob(data, family, "max-nll-increase", eps)
-    assert family.toward_strict(knob, best)  # rounding only ever moves towards strict...
+    assert toward_strict(family, knob, best)  # rounding only ever moves towards strict...
     assert abs(knob - best) <= 1e-4
     assert data.replay(family.at(knob)).nll_increase <= max(eps, floor)  # ...keeping the promise
     vals = critical_values(data, family)
-    inside = [v for v in vals if family.toward_strict(v, best)]
+    inside = [v for v in vals if toward_strict(family, v, best)]
     assert all(data.replay(family.at(float(v))).nll_increase <= eps for v in inside[::11])
-    beyond = [v for v in vals if not family.toward_strict(v, best)]
+    beyond = [v for v in vals if not toward_strict(family, v, best)]
     if beyond and floor <= eps:  # one step further breaks the budget
         assert data.replay(family.at(float(beyond[0]))).nll_increase > eps
 
@@ -544,7 +545,7 @@ def test_match_by_relaxed_holds_the_replayed_relaxations_to_the_share(collected,
     (rule,) = match_relax_rate(data, [template], share, by=RELAXED)
     assert data.replay(rule).relaxed / P <= share
     knob = rule.knob[1]
-    later = [v for v in vals if family.toward_strict(knob, v) and v != knob]
+    later = [v for v in vals if toward_strict(family, knob, v) and v != knob]
     if later:  # the next, more relaxing critical value relaxes more than the share
         assert data.replay(family.at(later[0])).relaxed / P > share
     with pytest.raises(ValueError, match="match by"):

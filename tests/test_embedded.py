@@ -37,7 +37,7 @@ def test_ngram_strict_greedy_equals_transformers_generate(embedded_model):
     accepted = 0
     for rec in recs:
         req = Request(0, 1, str(rec["question_id"]), messages=[{"role": "user", "content": rec["turns"][0]}])
-        ids = engine.encode(req)
+        ids = engine.prompts.encode(req)
         res = engine.generate_ids(ids, SamplingParams(max_tokens=MAX_NEW))
         ref = oracle.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

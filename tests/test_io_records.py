@@ -15,6 +15,7 @@ from marscli.config import RecordError, Request, SamplingParams
 from marscli.errors import InputError
 from marscli.io.records import find_duplicate_ids, read_input, read_requests
 from marscli.io.results import dump_json_line
+from tests.verify_helpers import as_error
 
 
 def read_bytes(data: bytes) -> list[Request | RecordError]:
@@ -182,7 +183,7 @@ def test_error_cases(line, etype, fragment):
     assert "\n" not in item.message
     assert len(item.message) < 300
     assert item.index == 0 and item.line == 1
-    assert item.as_error() == {"type": etype, "message": item.message, "line": 1}
+    assert as_error(item) == {"type": etype, "message": item.message, "line": 1}
 
 
 @pytest.mark.parametrize(
@@ -454,7 +455,7 @@ def _check_items(items, lines):
         assert isinstance(it.id, str)
         if isinstance(it, RecordError):
             assert it.message and "\n" not in it.message
-            json.dumps(it.as_error())
+            json.dumps(as_error(it))
         else:
             assert (it.prompt is None) != (it.messages is None)
             SamplingParams().with_overrides(it.overrides)

@@ -11,7 +11,7 @@ import torch
 
 from marscli.config import SamplingParams, VerifyConfig
 from marscli.verification.chain import step_uniforms, verify, verify_rows
-from marscli.verification.registry import LOGIT_RATIO, MARS, PROB_RATIO, STRICT, Rule
+from marscli.verification.registry import LOGIT_RATIO, MARS, PROB_RATIO, RULEBOOK, STRICT, Rule
 from marscli.verification.rules import PositionFacts, decide, relaxable
 
 V = 10
@@ -84,10 +84,10 @@ def test_verify_rows_with_mixed_settings_equals_each_row_alone(rule):
         one = verify(drafts[b: b + 1], logits[b: b + 1], rule=rule, temperature=s.temperature,
                      top_k=s.top_k, top_p=s.top_p, u_accept=None if s.greedy else u_acc[b: b + 1],
                      u_sample=None if s.greedy else u_smp[b: b + 1], draft_len=draft_len[b: b + 1])
-        assert rows[b][0] == int(one.num_accepted[0]) and rows[b][1] == int(one.next_token[0]), b
-        assert rows[b][2: 2 + K] == one.relaxed[0].long().tolist()
-        assert rows[b][2 + K: 2 + 2 * K] == one.relaxable[0].long().tolist()
-        assert rows[b][2 + 2 * K] == 0  # no guard: nothing refused
+        assert rows[b].num_accepted == int(one.num_accepted[0]) and rows[b].next_token == int(one.next_token[0]), b
+        assert rows[b].relaxed == one.relaxed[0].long().tolist()
+        assert rows[b].relaxable == one.relaxable[0].long().tolist()
+        assert rows[b].refused == 0  # no guard: nothing refused
         assert int(one.num_accepted[0]) <= int(draft_len[b])
 
 
@@ -97,3 +97,26 @@ def test_theta_is_compared_in_float64():
     stat32 = torch.tensor([0.3], dtype=torch.float32)
     assert bool(relaxable(Rule(MARS, 0.3, PROB_RATIO), stat32)[0])
     assert bool(relaxable(Rule(MARS, 0.3, PROB_RATIO), stat32.double().numpy())[0])
+
+
+def test_every_rule_has_one_behaviour_block():
+    """A rule is its registry entry plus one RuleBehaviour block (rules.BEHAVIOURS)."""
+    from marscli.verification.rules import BEHAVIOURS
+
+    assert set(BEHAVIOURS) == set(RULEBOOK)
+    for name, b in BEHAVIOURS.items():
+        assert b.name == name and b.__doc__, name
+        assert b.per_token == (name not in (STRICT, MARS)), name
+
+
+def test_drafter_kinds_are_declared_once():
+    from marscli.config import DraftConfig
+    from marscli.drafters.kinds import DRAFTER_KINDS, DRAFTERS, EAGLE3, MODEL, NGRAM, NONE, PROFILE_KINDS, drafter_kind
+
+    assert DRAFTER_KINDS == (NONE, NGRAM, MODEL, EAGLE3) and DraftConfig().kind == NGRAM
+    assert PROFILE_KINDS == (NGRAM, MODEL, EAGLE3)
+    assert [k for k, d in DRAFTERS.items() if d.model] == [MODEL, EAGLE3]
+    assert [k for k, d in DRAFTERS.items() if d.trees] == [MODEL, EAGLE3]
+    assert [k for k, d in DRAFTERS.items() if d.features] == [EAGLE3]
+    with pytest.raises(ValueError, match="unknown drafter kind"):
+        drafter_kind("self")

@@ -47,6 +47,7 @@ from marscli.verification.spans import (
     strict_at,
 )
 from tests.test_engine import PROMPTS, RunnerUpDrafter, encode
+from tests.verify_helpers import strict_now
 
 CODE_ONLY = SpanRule((CODE,))
 ANSWER_ONLY = SpanRule((ANSWER,))
@@ -190,7 +191,7 @@ def test_tracker_holds_back_incomplete_characters(tiny_tokenizer):
             assert f == strict_at(before, rule), (i, before)
     tracker.commit(ids)
     assert tracker.cur.text == tiny_tokenizer.decode(ids, skip_special_tokens=True)
-    assert tracker.strict_now()
+    assert strict_now(tracker)
 
 
 # --------------------------------------------------------------------------- provenance

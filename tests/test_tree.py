@@ -21,9 +21,10 @@ import marscli.verification.tree as mvt
 from marscli.engine.tree_forward import check_tree_support, tree_forward, tree_inputs
 from marscli.models.kvcache import compact_cache
 from marscli.verification.chain import sample_from, sampling_probs, verify
-from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO, Rule
+from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
 from marscli.verification.rules import NOT_RELAXABLE
 from marscli.verification.tree import ROOT, DraftTree, verify_tree
+from tests.verify_helpers import path_to, rule_from_theta
 
 V = 10
 NINF = -math.inf
@@ -91,7 +92,7 @@ def test_tree_structure():
     assert t.children(ROOT) == [0, 1, 2]
     assert t.children(0) == [3, 4] and t.children(3) == [6, 7] and t.children(9) == []
     assert t.leaves() == [2, 4, 6, 8, 9]
-    assert t.path_to(9) == [0, 3, 7, 9] and t.path_to(8) == [1, 5, 8] and t.path_to(2) == [2]
+    assert path_to(t, 9) == [0, 3, 7, 9] and path_to(t, 8) == [1, 5, 8] and path_to(t, 2) == [2]
     assert t.child_lists()[0] == [0, 1, 2] and t.child_lists()[4] == [6, 7]
     anc = t.ancestor_mask()
     assert anc.shape == (11, 11)
@@ -103,7 +104,7 @@ def test_tree_structure():
 def test_chain_and_empty_tree():
     c = DraftTree.chain([5, 6, 7])
     assert c.parents.tolist() == [ROOT, 0, 1] and c.tokens.tolist() == [5, 6, 7]
-    assert c.depth().tolist() == [1, 2, 3] and c.leaves() == [2] and c.path_to(2) == [0, 1, 2]
+    assert c.depth().tolist() == [1, 2, 3] and c.leaves() == [2] and path_to(c, 2) == [0, 1, 2]
     e = DraftTree.chain([])
     assert len(e) == 0 and e.leaves() == [] and e.depth().shape == (0,)
     assert e.children(ROOT) == [] and e.ancestor_mask().tolist() == [[True]]
@@ -217,12 +218,12 @@ def test_tree_forward_equals_each_root_path_as_a_sequence(family, impl):
     base = PAST + [ROOT_TOKEN]
     assert torch.allclose(logits[0], plain_logits(model, base)[-1], atol=1e-4)
     for i in range(len(t)):
-        seq = base + [int(t.tokens[j]) for j in t.path_to(i)]
+        seq = base + [int(t.tokens[j]) for j in path_to(t, i)]
         assert torch.allclose(logits[i + 1], plain_logits(model, seq)[-1], atol=1e-4), i
     # hidden states: embeddings + one per layer, [1, N+1, H]; the last matches a plain forward
     assert len(hidden) == model.config.num_hidden_layers + 1
     assert hidden[-1].shape == (1, len(t) + 1, model.config.hidden_size)
-    seq = base + [int(t.tokens[j]) for j in t.path_to(9)]
+    seq = base + [int(t.tokens[j]) for j in path_to(t, 9)]
     with torch.no_grad():
         ref = model(input_ids=L([seq]), output_hidden_states=True).hidden_states[-1][0, -1]
     assert torch.allclose(hidden[-1][0, 10], ref, atol=1e-4)
@@ -277,7 +278,7 @@ def test_compact_cache_then_decode_equals_fresh_forward(path, growing):
     with torch.no_grad():
         logits, _ = tree_forward(model, cache, t2, 44, kept + 1)
     for i in range(len(t2)):
-        seq = accepted + [nxt, 44] + [int(t2.tokens[j]) for j in t2.path_to(i)]
+        seq = accepted + [nxt, 44] + [int(t2.tokens[j]) for j in path_to(t2, i)]
         assert torch.allclose(logits[i + 1], plain_logits(model, seq)[-1], atol=1e-4)
 
 
@@ -348,21 +349,21 @@ def test_strict_greedy_follows_the_argmax_through_siblings():
     # root -> {0: 3, 1: 5}; 0 -> {2: 7}; 1 -> {3: 2}; 3 is a leaf
     t = tree_of([3, 5, 7, 2], [-1, -1, 0, 1])
     logits = lg(argmax_row(5), argmax_row(7), argmax_row(2), argmax_row(9), argmax_row(6))
-    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
+    r = verify_tree(t, logits, rule=rule_from_theta(INF))
     assert r.path == [1, 3] and r.relaxed == [False, False]
     assert r.next_token == 6  # bonus: argmax at the leaf's row
     assert r.emitted(t) == [5, 2, 6] and r.num_accepted == 2
     assert not r.relaxable.any()
     # correction: the root row's argmax is no child
     logits[0] = torch.tensor(argmax_row(8))
-    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
+    r = verify_tree(t, logits, rule=rule_from_theta(INF))
     assert r.path == [] and r.next_token == 8
     # correction below an accepted node
     logits[0] = torch.tensor(argmax_row(3))
-    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
+    r = verify_tree(t, logits, rule=rule_from_theta(INF))
     assert r.path == [0, 2] and r.emitted(t) == [3, 7, 9]  # node 2 is a leaf: bonus
     logits[1] = torch.tensor(argmax_row(4))
-    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
+    r = verify_tree(t, logits, rule=rule_from_theta(INF))
     assert r.path == [0] and r.emitted(t) == [3, 4]  # correction at node 0's row
 
 
@@ -370,7 +371,7 @@ def test_strict_greedy_duplicate_siblings_take_the_longer_path():
     # both root children hold token 5; only the second one's child matches
     t = tree_of([5, 5, 1, 2], [-1, -1, 0, 1])
     logits = lg(argmax_row(5), argmax_row(7), argmax_row(2), argmax_row(9), argmax_row(4))
-    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
+    r = verify_tree(t, logits, rule=rule_from_theta(INF))
     assert r.path == [1, 3] and r.next_token == 4
 
 
@@ -380,12 +381,12 @@ def test_mars_greedy_takes_the_longest_ok_path():
     t = tree_of([2, 3, 9, 4, 6], [-1, -1, 0, 1, 3])
     logits = lg(close_call(2, 3), argmax_row(1), argmax_row(4), argmax_row(0), argmax_row(6),
                 argmax_row(8))
-    r = verify_tree(t, logits, rule=Rule.from_theta(0.5))
+    r = verify_tree(t, logits, rule=rule_from_theta(0.5))
     assert r.path == [1, 3, 4] and r.relaxed == [True, False, False] and r.next_token == 8
     assert r.relaxable.tolist() == [True] + [False] * 5
     assert r.statistic[0].item() == pytest.approx(0.9)
     # strict: only node 0 is ok; its row's argmax is the correction
-    r = verify_tree(t, logits, rule=Rule.from_theta(INF))
+    r = verify_tree(t, logits, rule=rule_from_theta(INF))
     assert r.path == [0] and r.next_token == 1 and r.relaxed == [False]
     # the statistic is reported under strict verification too (all rows, any theta)
     assert r.statistic[0].item() == pytest.approx(0.9) and not r.relaxable.any()
@@ -395,17 +396,17 @@ def test_mars_greedy_ties_prefer_fewer_relaxed_then_first_path():
     # node 0 = top-2 (relaxed), node 1 = top-1: same length, node 1 has no relaxed node
     t = tree_of([3, 2], [-1, -1])
     logits = lg(close_call(2, 3), argmax_row(7), argmax_row(8))
-    r = verify_tree(t, logits, rule=Rule.from_theta(0.5))
+    r = verify_tree(t, logits, rule=rule_from_theta(0.5))
     assert r.path == [1] and r.relaxed == [False] and r.next_token == 8
     # two paths of length 2 with one relaxed node each: the first in depth-first order wins,
     # even though its last node has the larger index
     #   root -> {0: 2 (exact), 1: 3 (relaxed)}; 0 -> {3: 6 (relaxed)}; 1 -> {2: 5 (exact)}
     t = tree_of([2, 3, 5, 6], [-1, -1, 1, 0])
     logits = lg(close_call(2, 3), close_call(5, 6), argmax_row(5), argmax_row(1), argmax_row(0))
-    r = verify_tree(t, logits, rule=Rule.from_theta(0.5))
+    r = verify_tree(t, logits, rule=rule_from_theta(0.5))
     assert r.path == [0, 3] and r.relaxed == [False, True] and r.next_token == 0
     # remove node 3's relaxation: node 0's path is now exact and still first
-    r = verify_tree(t, logits, rule=Rule.from_theta(0.95))
+    r = verify_tree(t, logits, rule=rule_from_theta(0.95))
     assert r.path == [0] and r.next_token == 5
 
 
@@ -413,14 +414,14 @@ def test_mars_greedy_z1_non_positive_and_neg_inf_rows():
     # z1 <= 0: never relaxable under logit-ratio, relaxable under prob-ratio
     t = tree_of([3], [-1])
     logits = lg(row({2: -1.0, 3: -1.05}, fill=-20.0), argmax_row(8))
-    r = verify_tree(t, logits, rule=Rule.from_theta(NINF, LOGIT_RATIO))
+    r = verify_tree(t, logits, rule=rule_from_theta(NINF, LOGIT_RATIO))
     assert r.path == [] and r.next_token == 2 and r.statistic[0].item() == NOT_RELAXABLE
-    r = verify_tree(t, logits, rule=Rule.from_theta(0.5, PROB_RATIO))
+    r = verify_tree(t, logits, rule=rule_from_theta(0.5, PROB_RATIO))
     assert r.path == [0] and r.relaxed == [True] and r.next_token == 8
     # a single finite logit: the -inf draft is never accepted
     t = tree_of([0, 5], [-1, -1])
     logits = lg(row({2: 2.0}, fill=NINF), argmax_row(8), argmax_row(8))
-    r = verify_tree(t, logits, rule=Rule.from_theta(NINF))
+    r = verify_tree(t, logits, rule=rule_from_theta(NINF))
     assert r.path == [] and r.next_token == 2
 
 
@@ -436,7 +437,7 @@ def plogits(*ps) -> torch.Tensor:
 
 def sample_tree(t, logits, u_acc, u_s, **kw):
     return verify_tree(t, logits, temperature=kw.pop("temperature", 1.0),
-                       rule=Rule.from_theta(kw.pop("theta", INF)),
+                       rule=rule_from_theta(kw.pop("theta", INF)),
                        u_accept=torch.tensor(u_acc, dtype=torch.float64),
                        u_sample=torch.tensor(u_s, dtype=torch.float64), **kw)
 
@@ -528,13 +529,13 @@ def test_sampling_needs_uniforms_of_the_right_shape():
     t = tree_of([1, 2], [-1, -1])
     logits = plogits(P_ROOT, P_FLAT, P_FLAT)
     with pytest.raises(AssertionError, match="uniforms"):
-        verify_tree(t, logits, rule=Rule.from_theta(INF), temperature=1.0)
+        verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0)
     with pytest.raises(AssertionError, match=r"u_accept must be \[N\]"):
-        verify_tree(t, logits, rule=Rule.from_theta(INF), temperature=1.0, u_accept=torch.zeros(3),
+        verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0, u_accept=torch.zeros(3),
                     u_sample=torch.zeros(1))
     with pytest.raises(AssertionError, match=r"logits must be \[N\+1, V\]"):
-        verify_tree(t, logits[:2], rule=Rule.from_theta(INF))
-    r = verify_tree(t, logits, rule=Rule.from_theta(INF), temperature=1.0, u_accept=torch.zeros(2),
+        verify_tree(t, logits[:2], rule=rule_from_theta(INF))
+    r = verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0, u_accept=torch.zeros(2),
                     u_sample=torch.tensor(0.5))  # [] works as well as [1]
     assert r.path == [0]
 
@@ -586,7 +587,7 @@ def test_property_chain_tree_equals_chain_verify(case):
     K = len(drafts)
     sampling = params["temperature"] > 0
     kw = dict(params) if sampling else {k: params[k] for k in ("theta", "margin")}
-    kw["rule"] = Rule.from_theta(kw.pop("theta"), kw.pop("margin"))
+    kw["rule"] = rule_from_theta(kw.pop("theta"), kw.pop("margin"))
     uni = {"u_accept": u_acc, "u_sample": u_s} if sampling else {}
     chain = verify(L([drafts]), logits.unsqueeze(0), **kw,
                    **({"u_accept": u_acc.unsqueeze(0), "u_sample": u_s} if sampling else {}))
@@ -630,7 +631,7 @@ def ref_tree_greedy(tokens, parents, logits, theta, margin):
     node indices, i.e. depth-first with children in index order)."""
     n = len(tokens)
 
-    def path_to(i):
+    def path_to_(i):
         out = []
         while i != -1:
             out.append(i)
@@ -638,7 +639,7 @@ def ref_tree_greedy(tokens, parents, logits, theta, margin):
         return out[::-1]
 
     leaves = [i for i in range(n) if i not in parents]
-    candidates = sorted(path_to(leaf) for leaf in leaves)
+    candidates = sorted(path_to_(leaf) for leaf in leaves)
     best, best_key = ([], []), (0, 0)
     for cand in candidates:
         acc, flags = [], []
@@ -676,13 +677,13 @@ def tree_case(draw, finite: bool = False):
        st.sampled_from([LOGIT_RATIO, PROB_RATIO]))
 def test_property_mars_greedy_tree_matches_reference(case, theta, margin):
     t, logits = case
-    r = verify_tree(t, logits, rule=Rule.from_theta(theta, margin))
+    r = verify_tree(t, logits, rule=rule_from_theta(theta, margin))
     path, flags, nxt = ref_tree_greedy(t.tokens.tolist(), t.parents.tolist(), logits.tolist(),
                                        theta, margin)
     assert (r.path, r.relaxed, r.next_token) == (path, flags, nxt)
     # the path is a root path
     if r.path:
-        assert t.path_to(r.path[-1]) == r.path
+        assert path_to(t, r.path[-1]) == r.path
     # every emitted token after an exact node is the target's greedy choice; under strict
     # verification the whole step is the target's own greedy continuation
     rows = [0] + [i + 1 for i in r.path]
@@ -694,7 +695,7 @@ def test_property_mars_greedy_tree_matches_reference(case, theta, margin):
         assert not any(r.relaxed) and not r.relaxable.any()
     # a lower threshold never accepts less
     if not math.isinf(theta):
-        strict = verify_tree(t, logits, rule=Rule.from_theta(INF, margin))
+        strict = verify_tree(t, logits, rule=rule_from_theta(INF, margin))
         assert len(r.path) >= len(strict.path)
 
 
@@ -707,11 +708,11 @@ def test_property_sampling_tree_is_well_formed(case, theta, margin, temperature,
     n = len(t)
     u_acc = torch.tensor(data.draw(st.lists(unif, min_size=n, max_size=n)), dtype=torch.float32)
     u_s = torch.tensor([data.draw(unif)])
-    r = verify_tree(t, logits, rule=Rule.from_theta(theta, margin), temperature=temperature,
+    r = verify_tree(t, logits, rule=rule_from_theta(theta, margin), temperature=temperature,
                     top_k=top_k, u_accept=u_acc, u_sample=u_s)
     p = sampling_probs(logits, temperature, top_k)
     if r.path:
-        assert t.path_to(r.path[-1]) == r.path
+        assert path_to(t, r.path[-1]) == r.path
     rows = [0] + [i + 1 for i in r.path]
     for rw, tok in zip(rows, r.emitted(t)):
         assert float(p[rw, tok]) > 0  # nothing the target could not sample
@@ -748,7 +749,7 @@ def first_tokens(n: int, seed: int, **kw) -> list[int]:
     u_s = torch.rand(n, generator=g)
     out = []
     for i in range(n):
-        r = verify_tree(DIST_TREE, DIST_LOGITS, rule=Rule.from_theta(INF), temperature=1.0, u_accept=u_acc[i],
+        r = verify_tree(DIST_TREE, DIST_LOGITS, rule=rule_from_theta(INF), temperature=1.0, u_accept=u_acc[i],
                         u_sample=u_s[i : i + 1], **kw)
         out.append(r.emitted(DIST_TREE)[0])
     return out

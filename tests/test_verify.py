@@ -19,15 +19,13 @@ from hypothesis import strategies as st
 import marscli.verification.chain as mv
 from marscli.verification.chain import (
     VerifyResult,
-    mars_greedy,
     sample_from,
     sampling_probs,
-    speculative_sampling,
-    strict_greedy,
     verify,
 )
 from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
 from marscli.verification.rules import NOT_RELAXABLE, margin_statistic, top2
+from tests.verify_helpers import mars_greedy, rule_from_theta, speculative_sampling, strict_greedy
 
 V = 10
 NINF = -math.inf
@@ -413,7 +411,7 @@ def test_draft_len_padding_greedy():
     for r in (
         strict_greedy(drafts, lg, dl),
         mars_greedy(drafts, lg, theta=0.1, draft_len=dl),
-        verify(drafts, lg, theta=INF, draft_len=dl),
+        verify(drafts, lg, rule=rule_from_theta(INF), draft_len=dl),
     ):
         assert r.num_accepted.tolist() == [4, 2, 0]
         # bonus: argmax of the row after the last real draft
@@ -477,10 +475,10 @@ def test_theta_inf_mars_equals_strict_on_close_calls():
 
 def test_verify_dispatch_greedy():
     lg = logits_of([close_call(2, 3, ratio=0.9), argmax_row(8)])
-    r = verify(L([[3]]), lg, theta=INF)
+    r = verify(L([[3]]), lg, rule=rule_from_theta(INF))
     assert r.num_accepted.tolist() == [0]
     assert r.statistic.tolist() == [[NOT_RELAXABLE]]  # strict_greedy computes no statistic
-    r = verify(L([[3]]), lg, theta=0.5, margin=PROB_RATIO)
+    r = verify(L([[3]]), lg, rule=rule_from_theta(0.5, PROB_RATIO))
     assert r.num_accepted.tolist() == [1] and r.relaxed.tolist() == [[True]]
 
 
@@ -933,8 +931,8 @@ def test_draft_len_padding_sampling():
 def test_verify_dispatch_sampling_and_shape_errors():
     lg = torch.tensor([[row({2: 4.0, 3: 3.9}, fill=0.0), row({}, fill=0.0)]])
     with pytest.raises(AssertionError, match="uniforms"):
-        verify(L([[3]]), lg, theta=0.5, temperature=1.0)
-    r = verify(L([[3]]), lg, theta=0.5, temperature=1.0, u_accept=torch.tensor([[0.99]]),
+        verify(L([[3]]), lg, rule=rule_from_theta(0.5), temperature=1.0)
+    r = verify(L([[3]]), lg, rule=rule_from_theta(0.5), temperature=1.0, u_accept=torch.tensor([[0.99]]),
                u_sample=torch.tensor([0.5]))
     assert r.num_accepted.tolist() == [1] and r.relaxed.tolist() == [[True]]
 
@@ -1284,5 +1282,5 @@ def test_shape_assertions():
         speculative_sampling(good, lg, u_acc, u_s, temperature=1.0,
                              draft_probs=torch.full((2, 4, V), 0.1))
     with pytest.raises(AssertionError, match="do not match"):
-        verify(good, torch.zeros(2, 3, V), theta=0.5, temperature=1.0, u_accept=u_acc,
+        verify(good, torch.zeros(2, 3, V), rule=rule_from_theta(0.5), temperature=1.0, u_accept=u_acc,
                u_sample=u_s)

@@ -59,17 +59,18 @@ def run_one(args) -> dict:
     import torch
 
     from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
+    from marscli.engine import build_engine
     from marscli.jobs.bench import batch_counters
-    from marscli.jobs.setup import load_models, make_engine
+    from marscli.jobs.setup import load_models
 
     target, _ = load_models(ModelConfig(source=args.target, device=args.device, dtype=args.dtype), None)
     dcfg = DraftConfig(kind="ngram", num_draft_tokens=args.num_draft_tokens)
-    engine = make_engine(target, None, VerifyConfig(), dcfg, args.one)
+    engine = build_engine(target, None, VerifyConfig(), dcfg, args.one)
     records = load_records(args.prompts, args.per_file)
     sampling = SamplingParams(max_tokens=args.max_tokens)
     # Keyed by position: a record's index is its line in its own file, so records of
     # different files share indices.
-    prompts = [engine.fit_prompt(engine.tokenize(it), truncate="left", max_tokens=args.max_tokens)[0]
+    prompts = [engine.prompts.fit_prompt(engine.prompts.tokenize(it), truncate="left", max_tokens=args.max_tokens)[0]
                for it in records]
     # Warm up kernels and allocator outside the timed run.
     list(engine.run([0], lambda i: (prompts[i][-64:], SamplingParams(max_tokens=8))))

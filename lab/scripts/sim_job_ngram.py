@@ -72,14 +72,15 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=64, help="as the run (prompt fitting)")
     args = p.parse_args(argv)
     from marscli.config import DraftConfig, ModelConfig, VerifyConfig
+    from marscli.engine import build_engine
     from marscli.io.records import read_input
-    from marscli.jobs.setup import load_models, make_engine
+    from marscli.jobs.setup import load_models
 
     target, _ = load_models(ModelConfig(), None)
-    engine = make_engine(target, None, VerifyConfig(), DraftConfig(), 1)
+    engine = build_engine(target, None, VerifyConfig(), DraftConfig(), 1)
     items, _ = read_input(args.prompts)
     outputs = [json.loads(line)["token_ids"] for line in open(args.results)]
-    prompts = [engine.fit_prompt(engine.tokenize(it), truncate="left", max_tokens=args.max_tokens)[0]
+    prompts = [engine.prompts.fit_prompt(engine.prompts.tokenize(it), truncate="left", max_tokens=args.max_tokens)[0]
                for it in items]
     for job in (False, True):
         tau, per = simulate(prompts, outputs, job=job)

@@ -116,7 +116,8 @@ def summarize(name, B, steps, wall, n_tokens):
 def main(argv=None):
     args = parse_args(argv)
     from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
-    from marscli.jobs.setup import load_models, make_engine
+    from marscli.engine import build_engine
+    from marscli.jobs.setup import load_models
 
     target, _ = load_models(ModelConfig(), None)
     records = load_records(args.prompts, args.per_file)
@@ -125,8 +126,9 @@ def main(argv=None):
     for B in [int(x) for x in args.batch_sizes.split(",")]:
         for kind in args.drafters.split(","):
             dcfg = DraftConfig(kind=kind, num_draft_tokens=args.num_draft_tokens)
-            engine = make_engine(target, None, VerifyConfig(), dcfg, B)
-            prompts = [engine.fit_prompt(engine.tokenize(it), truncate="left", max_tokens=args.max_tokens)[0]
+            engine = build_engine(target, None, VerifyConfig(), dcfg, B)
+            enc = engine.prompts
+            prompts = [enc.fit_prompt(enc.tokenize(it), truncate="left", max_tokens=args.max_tokens)[0]
                        for it in records]
             list(engine.run([0], lambda i, p=prompts: (p[i][-64:], SamplingParams(max_tokens=8))))  # warm-up
             steps, wall, tokens = trace(engine, prompts, args.max_tokens)

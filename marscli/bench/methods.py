@@ -57,6 +57,7 @@ from marscli.config import (
     SamplingParams,
     SpanConfig,
 )
+from marscli.drafters.kinds import EAGLE3, drafter_kind
 from marscli.errors import EXIT_RUNTIME, InputError, UsageError
 from marscli.io.records import find_duplicate_ids, open_input, read_requests
 from marscli.scoring import rouge
@@ -289,13 +290,13 @@ def check_config(cfg: BenchConfig) -> None:
             raise UsageError(f"{', '.join(greedy_only)}: the rule is defined for greedy decoding only; "
                              "drop it from --methods or use --temperature 0")
     trees = [m.name for m in cfg.methods if m.kind in TREE_METHODS]
-    if trees and cfg.draft.kind not in ("eagle3", "model"):
+    if trees and not drafter_kind(cfg.draft.kind).trees:
         raise UsageError(f"{', '.join(trees)} draft trees with a draft model or an EAGLE-3 head: "
                          "--draft MODEL or --draft eagle3:PATH")
-    if cfg.draft.kind == "eagle3" and any(m.kind == HF_ASSISTED for m in cfg.methods):
+    if cfg.draft.kind == EAGLE3 and any(m.kind == HF_ASSISTED for m in cfg.methods):
         raise UsageError("transformers has no assisted generation with an EAGLE-3 head: drop "
                          "hf-assisted from --methods")
-    if cfg.draft.kind == "none":
+    if not drafter_kind(cfg.draft.kind).drafts:
         drafted = [m.name for m in cfg.methods if m.kind in DRAFTED_METHODS]
         if drafted:
             raise UsageError(f"--draft none leaves nothing to draft for {', '.join(drafted)}; "

@@ -24,6 +24,7 @@ from marscli.bench.methods import (
     BenchConfig,
     Log,
 )
+from marscli.drafters.kinds import MODEL
 from marscli.errors import MarscliError, UsageError
 from marscli.io.results import atomic_write_text
 from marscli.scoring.compare import render_task_table
@@ -151,7 +152,7 @@ def render_tables(report: dict[str, Any], console) -> None:
     s = report["settings"]
     mode = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']:g}, seeds {s['seeds']}"
     d = s["drafter"]
-    drafter = d["kind"] if d["kind"] != "model" else ("ngram+" if d.get("hybrid") else "") + str(d["model"])
+    drafter = d["kind"] if d["kind"] != MODEL else ("ngram+" if d.get("hybrid") else "") + str(d["model"])
     title = (f"marscli bench: {report['prompts']['used']} prompts, max {s['max_tokens']} tokens, {mode}, "
              f"drafter {drafter} (K<={d['num_draft_tokens']}"
              f"{', prompt window ' + str(d['context']) if d.get('context') else ''}), "

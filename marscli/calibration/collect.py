@@ -318,6 +318,11 @@ class MarginData:
     def positions(self) -> int:
         return len(self.rank)
 
+    @property
+    def in_top2(self) -> np.ndarray:
+        """[P] bool: the draft is the target's top-1 or top-2 token with p > 0 (rules.in_top2)."""
+        return (self.rank <= RANK_TOP2) & np.isfinite(self.logp_draft)
+
     def statistic(self, margin: str) -> np.ndarray:
         if margin not in MARGINS:
             raise ValueError(f"unknown margin statistic {margin!r}")
@@ -365,7 +370,7 @@ class MarginData:
                 strict_ok=lay(self.strict_ok, 0.0) > 0.5,
                 guarded=lay(self.guarded, 0.0) > 0.5,
                 # The facts' in_top2: the draft is the target's top-1/top-2 with p > 0.
-                eligible=lay(((self.rank <= RANK_TOP2) & np.isfinite(self.logp_draft)).astype(float), 0.0) > 0.5,
+                eligible=lay(self.in_top2.astype(float), 0.0) > 0.5,
                 gain=lay(np.where(self.rank == RANK_TOP1, 0.0, self.logp1 - self.logp_draft), 0.0),
                 p_draft=lay(self.p_draft, 0.0),
                 p1=lay(self.p1, 1.0),

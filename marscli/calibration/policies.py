@@ -56,20 +56,17 @@ from marscli.verification.registry import (
     RATIO,
     REGRET,
     STRICT,
-    TOPK,
     TYPICAL,
     Rule,
     RuleSpec,
 )
-from marscli.verification.rules import statistic
+from marscli.verification.rules import BEHAVIOURS, statistic
 
 #: Default policy parameter: at most 0.02 nats of target log-probability given up per token.
 DEFAULT_MAX_NLL_INCREASE = 0.02
 #: Chosen knobs are rounded towards the strict end to this many decimals when the policy's
 #: promise still holds there: 0.9617 reads better than 0.9616848826408386 and is as good.
 KNOB_DECIMALS = 4
-#: Critical values walked exactly by a policy (subsampled beyond).
-MAX_CANDIDATES = 4096
 #: Histogram bins (MARS's statistics, ratio, topk and typical live in [0, 1]; below 0 apart).
 HIST_BINS = 200
 _QUANTILES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
@@ -126,68 +123,17 @@ class RuleFamily:
             return replace(self.template, epsilon=float(value), alpha=None)
         return self.template.with_knob(float(value))
 
-    def toward_strict(self, a: float, b: float) -> bool:
-        """Is ``a`` at or beyond ``b`` towards the strict end?"""
-        return a <= b if self.direction > 0 else a >= b
-
 
 # --------------------------------------------------------------------------- critical values
 
 
-def sensitive_candidates(data: MarginData, margin: str) -> np.ndarray:
-    """MARS: distinct statistic values, highest first, at positions where relaxing changes the
-    outcome (MARS and strict disagree there): the cost and tau only change at these."""
-    stat = data.statistic(margin)
-    eligible = (data.rank <= RANK_TOP2) & np.isfinite(data.logp_draft)
-    sensitive = eligible != (data.strict_ok > 0.5)
-    return _subsample(np.unique(stat[sensitive & np.isfinite(stat)])[::-1])
-
-
-def _subsample(v: np.ndarray) -> np.ndarray:
-    if len(v) > MAX_CANDIDATES:
-        v = v[np.unique(np.linspace(0, len(v) - 1, MAX_CANDIDATES).round().astype(int))]
-    return v
-
-
 def critical_values(data: MarginData, family: RuleFamily) -> np.ndarray:
-    """Knob values to walk, from the strict end outwards, where the replay changes.
-
-    MARS (theta relaxes a statistic above it): the sensitive statistic values c_0 > c_1 > ...
-    themselves, then one just below the last: theta = c_i relaxes c_0 .. c_(i-1), the most
-    relaxing theta that does so, and one value more lets the last one relax too. With no
-    sensitive position at all, 1.0 (no statistic lies above it). The other rules: one value
-    per position where the rule can change the outcome, each the value that just lets that
-    position relax (unique, subsampled to MAX_CANDIDATES)."""
+    """Knob values to walk, from the strict end outwards, where the replay changes: each
+    rule's own (rules.RuleBehaviour.critical_values; MARS: its sensitive statistic values,
+    the other rules: one value per position where the rule can change the outcome, each the
+    value that just lets that position relax), subsampled to rules.MAX_CANDIDATES."""
     rule = family.template
-    if rule.name == MARS:
-        c = sensitive_candidates(data, rule.margin)
-        return np.r_[c, np.nextafter(c[-1], -math.inf)] if len(c) else np.asarray([1.0])
-    open_ = (data.strict_ok < 0.5) & (data.p_draft > 0)
-    px, p1 = data.p_draft[open_], data.p1[open_]
-    if rule.name == RATIO:  # p(x) >= rho p1
-        v = np.minimum(np.nextafter(px / p1, 0.0), np.nextafter(1.0, 0.0))
-        v = v[v > 0]
-    elif rule.name == TOPK:  # rank <= N and p(x) >= p1 - delta
-        near = data.target_rank[open_] <= rule.top_n
-        v = np.nextafter((p1 - px)[near], math.inf)
-    elif rule.name == TYPICAL:  # p(x) > min(E, A e^-H)
-        h = data.entropy[open_]
-        if family.tie_alpha:  # E < p  or  E < (p e^H)^2
-            c = np.maximum(px, (px * np.exp(h)) ** 2)
-        else:  # E < p, unless p > A e^-H already relaxes it at any E
-            c = np.where(px > rule.alpha * np.exp(-h), math.inf, px)
-        v = np.nextafter(c[c <= 1.0], 0.0)
-        v = v[v > 0]
-    elif rule.name == REGRET:  # the step's summed regret <= B
-        g = data.grid()
-        summed = g["regret"][g["valid"] & ~g["strict_ok"]]
-        v = np.maximum(summed[np.isfinite(summed)], np.nextafter(0.0, 1.0))
-    else:
-        raise ValueError(f"the {rule.name} rule has no knob to calibrate")
-    v = np.unique(v)
-    if family.direction < 0:
-        v = v[::-1]
-    return _subsample(v)
+    return BEHAVIOURS[rule.name].critical_values(rule, data, family.tie_alpha)
 
 
 def walk(data: MarginData, family: RuleFamily, keeps) -> float:

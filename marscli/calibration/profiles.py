@@ -25,11 +25,14 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from marscli.config import DEFAULT_STRICT_FIRST, GuardConfig
+from marscli.config import GuardConfig
+from marscli.drafters.kinds import DRAFTERS, EAGLE3, MODEL, PROFILE_KINDS
 from marscli.errors import UsageError
 from marscli.io.results import atomic_write_text
+from marscli.verification.guard import DEFAULT_STRICT_FIRST
 from marscli.verification.registry import (
     ALL_KNOBS,
+    LOGIT_RATIO,
     MARGINS,
     MARS,
     RELAXING_RULES,
@@ -246,7 +249,7 @@ _SCHEMA = _mapping({
     "marscli_version": _string,
     "target": _identity,
     "drafter": _mapping({
-        "kind": _choice("ngram", "model", "eagle3"),
+        "kind": _choice(*PROFILE_KINDS),
         "model": _nullable(_identity),
         "num_draft_tokens": _integer(lo=1),
         "adaptive": _boolean,
@@ -330,7 +333,7 @@ def _check_verification(v: dict, path: str) -> None:
             raise _Invalid(f"{path}.{key}", f"not a knob of rule {rule} (its knobs: {', '.join(want)})")
     for key in want:
         if key not in v:
-            raise _Invalid(f"{path}.{key}", "missing" + ("" if rule == "mars" else f" (rule {rule})"))
+            raise _Invalid(f"{path}.{key}", "missing" + ("" if rule == MARS else f" (rule {rule})"))
     for key in want:
         if key == "margin":
             continue
@@ -422,7 +425,7 @@ class Profile:
     @property
     def rule_name(self) -> str:
         """The profile's rule: mars in profiles from before issue 14."""
-        return self.data["verification"].get("rule", "mars")
+        return self.data["verification"].get("rule", MARS)
 
     @property
     def rule(self):
@@ -435,7 +438,7 @@ class Profile:
     @property
     def theta(self) -> float:
         """MARS's theta; a profile of another rule has none (use ``rule``)."""
-        if self.rule_name != "mars":
+        if self.rule_name != MARS:
             raise ProfileError(f"{self.describe()}: calibrated for the {self.rule_name} rule, "
                                f"not mars: it has no theta ({self.rule.label()})")
         return self.data["verification"]["theta"]
@@ -443,7 +446,7 @@ class Profile:
     @property
     def margin(self) -> str:
         """MARS's margin statistic (logit-ratio for a profile of another rule: unused)."""
-        return self.data["verification"].get("margin", "logit-ratio")
+        return self.data["verification"].get("margin", LOGIT_RATIO)
 
     @property
     def knob(self) -> tuple[str, float]:
@@ -504,7 +507,7 @@ def validate_profile(raw: Any, source: str) -> dict[str, Any]:
     try:
         data = _SCHEMA(raw, "")
         _check_verification(data["verification"], "verification")
-        knob = MAIN_KNOB[data["verification"].get("rule", "mars")]
+        knob = MAIN_KNOB[data["verification"].get("rule", MARS)]
         _check_curve_knobs(data["curve"], knob, "curve")
         if "speed" in data:
             _check_curve_knobs(data["speed"]["curve"], knob, "speed.curve")
@@ -667,7 +670,7 @@ def match_problems(profile: Profile, target_identity: dict[str, Any],
     prof_drafter = profile.data["drafter"]
     if prof_drafter["kind"] != drafter["kind"] or bool(prof_drafter.get("hybrid")) != bool(drafter.get("hybrid")):
         return None
-    if drafter["kind"] in ("model", "eagle3"):  # a draft model or head: the same weights
+    if DRAFTERS[drafter["kind"]].model:  # a draft model or head: the same weights
         if prof_drafter["model"] is None or drafter["model"] is None:
             return None
         if not same_weights(prof_drafter["model"], drafter["model"]):
@@ -709,19 +712,19 @@ def find_matching_profile(target_identity: dict[str, Any], drafter: dict[str, An
 
 
 def default_profile_name(target_name: str, drafter_kind: str, draft_name: str | None,
-                         dtype: str, quantization: str | None, rule: str = "mars") -> str:
+                         dtype: str, quantization: str | None, rule: str = MARS) -> str:
     """A file-name-safe profile name, e.g. smollm2-135m-instruct.ngram.float32; a rule other
     than mars is appended (smollm2-135m-instruct.ngram.float32.ratio), so that profiles of
     several rules for one target and drafter live side by side."""
     drafter = drafter_kind
-    if drafter_kind == "model" and draft_name:
+    if drafter_kind == MODEL and draft_name:
         drafter = draft_name
-    elif drafter_kind == "eagle3" and draft_name:
+    elif drafter_kind == EAGLE3 and draft_name:
         drafter = f"eagle3-{draft_name}"
     parts = [target_name, drafter, dtype]
     if quantization:
         parts.append(quantization)
-    if rule != "mars":
+    if rule != MARS:
         parts.append(rule)
     slug = ".".join(re.sub(r"[^a-z0-9]+", "-", str(x).lower()).strip("-") for x in parts)
     return slug or "profile"

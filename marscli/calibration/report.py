@@ -17,6 +17,7 @@ from marscli.calibration.profiles import (
     SCHEMA_VERSION,
     identity_for_profile,
 )
+from marscli.drafters.kinds import NGRAM
 from marscli.errors import UsageError
 
 
@@ -157,8 +158,8 @@ def build_profile(*, name: str, cal: Calibration, data: MarginData, target_ident
             "model": identity_for_profile(draft_identity) if draft_identity else None,
             "num_draft_tokens": draft_cfg.num_draft_tokens,
             "adaptive": draft_cfg.adaptive,
-            "ngram_max": draft_cfg.ngram_max if draft_cfg.kind == "ngram" else None,
-            "ngram_min": draft_cfg.ngram_min if draft_cfg.kind == "ngram" else None,
+            "ngram_max": draft_cfg.ngram_max if draft_cfg.kind == NGRAM else None,
+            "ngram_min": draft_cfg.ngram_min if draft_cfg.kind == NGRAM else None,
             **({"tree": {"depth": draft_cfg.tree_depth, "top_k": draft_cfg.tree_top_k,
                          "tokens": draft_cfg.tree_tokens}} if getattr(draft_cfg, "tree", False) else {}),
             **({"hybrid": True} if getattr(draft_cfg, "hybrid", False) else {}),

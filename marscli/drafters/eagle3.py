@@ -29,6 +29,7 @@ import torch
 from marscli.config import TREE_DEFAULTS, SamplingParams
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
 from marscli.drafters.eagle3_head import Eagle3Head
+from marscli.drafters.kinds import EAGLE3
 from marscli.models.kvcache import left_pad
 from marscli.verification.chain import sample_from, sampling_probs
 
@@ -62,7 +63,7 @@ DEFAULT_TREE = TreeShape(*TREE_DEFAULTS)
 class Eagle3Drafter(DrafterBase):
     """Drafts with an EAGLE-3 head for one sequence at a time (one per batch row)."""
 
-    name = "eagle3"
+    name = EAGLE3
 
     def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int, tree: TreeShape | None = None):
         self.head = head

@@ -699,12 +699,6 @@ def random_head(target_model, *, seed: int = 0, hidden_size: int | None = None,
     return head.to(target_model.get_input_embeddings().weight.dtype).eval()
 
 
-def head_description(head: Eagle3Head) -> str:
-    c = head.cfg
-    return (f"EAGLE-3 head: hidden {c.hidden_size}, {c.num_heads} heads, draft vocabulary "
-            f"{c.draft_vocab_size}/{c.vocab_size}, target layers {list(head.feature_layers)}")
-
-
 __all__ = [
     "Eagle3Head", "FeatureTap", "HeadConfig", "LoadedHead", "check_head", "default_feature_layers",
     "load_head", "parse_draft_source", "random_head", "read_head", "save_head",

@@ -6,6 +6,7 @@ from marscli.config import DraftConfig
 from marscli.drafters.base import BatchedDrafter, Drafter, RowDrafters
 from marscli.drafters.eagle3 import BatchedEagle3Drafter, Eagle3Drafter, TreeShape
 from marscli.drafters.hybrid import HybridCosts, HybridDrafter
+from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM, NONE
 from marscli.drafters.model import BatchedModelDrafter, ModelDrafter, SiblingTree
 from marscli.drafters.ngram import JobCorpus, NgramDrafter, NoDrafter
 from marscli.models.fastpath import install_cpu_fastpath
@@ -30,14 +31,14 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None,
     drafting; costs: the curves a hybrid drafter chooses by)."""
 
     vocab = output_rows(target.model)
-    if draft_cfg.kind == "eagle3":
+    if draft_cfg.kind == EAGLE3:
         if draft_model is None:
             raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.drafters.eagle3_head.load_head)")
         head = getattr(draft_model, "head", draft_model)
         return Eagle3Drafter(head, draft_cfg.num_draft_tokens, vocab_size=vocab, tree=_tree_shape(draft_cfg))
-    if draft_cfg.kind == "none":
+    if draft_cfg.kind == NONE:
         return NoDrafter()
-    if draft_cfg.kind == "ngram":
+    if draft_cfg.kind == NGRAM:
         return NgramDrafter(draft_cfg.num_draft_tokens, ngram_max=draft_cfg.ngram_max,
                             ngram_min=draft_cfg.ngram_min, corpus=corpus)
     if draft_model is None:
@@ -62,15 +63,15 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     Hybrid drafting (an n-gram drafter and a draft model per row) runs one drafter per row at
     every batch size; its rows share one HybridCosts (``hybrid_costs``) for the engine to fill."""
     one = build_drafter(draft_cfg, target, draft_model)
-    if batch_size > 1 and draft_cfg.kind == "eagle3" and not draft_cfg.tree:
+    if batch_size > 1 and draft_cfg.kind == EAGLE3 and not draft_cfg.tree:
         return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size)
-    if (batch_size > 1 and draft_cfg.kind == "model" and not draft_cfg.hybrid and not draft_cfg.tree
+    if (batch_size > 1 and draft_cfg.kind == MODEL and not draft_cfg.hybrid and not draft_cfg.tree
             and not sliding_layers(draft_model.model)):
         # (windowed layers cannot be rolled back per row: those get a ModelDrafter per row)
 
         return BatchedModelDrafter(one.model, one.k_max, vocab_size=one.vocab_size, context=draft_cfg.context)
     corpus = None
-    if job_corpus and (draft_cfg.kind == "ngram" or draft_cfg.hybrid):
+    if job_corpus and (draft_cfg.kind == NGRAM or draft_cfg.hybrid):
         corpus = JobCorpus(draft_cfg.ngram_max, draft_cfg.ngram_min)
     costs = HybridCosts() if draft_cfg.hybrid else None
     rows = RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model, corpus, costs),

@@ -33,6 +33,7 @@ import torch
 
 from marscli.config import SamplingParams
 from marscli.drafters.base import DrafterBase, DraftOffer, Proposal, expected_tokens
+from marscli.drafters.kinds import MODEL, NGRAM
 
 
 class _Flat:
@@ -85,7 +86,7 @@ class HybridDrafter(DrafterBase):
         self.sampling = SamplingParams()
         self.source = None  # the drafter of the last offer
         #: steps drafted by each source (for tests and narration)
-        self.steps = {"ngram": 0, "model": 0}
+        self.steps = {NGRAM: 0, MODEL: 0}
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
               generator: torch.Generator | None = None) -> None:
@@ -99,13 +100,13 @@ class HybridDrafter(DrafterBase):
         A stale model estimate (probe) leaves the choice to the n-gram only when its match
         alone beats the model's estimate; ties go to the n-gram (free)."""
         if ngram.available <= 0:
-            return "model"
+            return MODEL
         if model.available <= 0:
-            return "ngram"
+            return NGRAM
         curve = self.costs.curve(self.sampling)
         free = best_rate(ngram, lambda L: curve.target(1, L + 1))
         paid = best_rate(model, lambda L: curve.step(1, L))
-        return "ngram" if free >= paid else "model"
+        return NGRAM if free >= paid else MODEL
 
     def offer(self, seq: list[int], k_max: int) -> DraftOffer:
         if k_max <= 0:
@@ -114,7 +115,7 @@ class HybridDrafter(DrafterBase):
         g = self.ngram.offer(seq, k_max)
         m = self.model.offer(seq, k_max)
         self.source = self.choose(g, m)
-        if self.source == "ngram":
+        if self.source == NGRAM:
             return DraftOffer(g.available, g.alpha, g.probe, free=True)
         return m
 
@@ -128,13 +129,13 @@ class HybridDrafter(DrafterBase):
     def propose(self, seq: list[int], k: int) -> Proposal:
         if k <= 0:
             return Proposal([])
-        return (self.ngram if self._drafting(seq, k) == "ngram" else self.model).propose(seq, k)
+        return (self.ngram if self._drafting(seq, k) == NGRAM else self.model).propose(seq, k)
 
     def propose_tree(self, seq: list[int], k: int) -> tuple[list[int], list[int], list[float]]:
         """With draft-model trees: the n-gram's match as a chain tree, or the model's tree."""
         if k <= 0:
             return [], [], []
-        if self._drafting(seq, k) == "model":
+        if self._drafting(seq, k) == MODEL:
             return self.model.propose_tree(seq, k)
         tokens = self.ngram.propose(seq, k).tokens
         return tokens, list(range(-1, len(tokens) - 1)), [1.0] * len(tokens)
@@ -142,12 +143,12 @@ class HybridDrafter(DrafterBase):
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
         # The source that drafted learns its outcome; the other one idles (the model) or
         # checks its match's first token for free (the n-gram).
-        if self.source == "ngram":
+        if self.source == NGRAM:
             self.ngram.accepted(proposed, accepted, seq)
             self.model.accepted(0, 0, seq)
         else:
-            self.model.accepted(proposed if self.source == "model" else 0,
-                                accepted if self.source == "model" else 0, seq)
+            self.model.accepted(proposed if self.source == MODEL else 0,
+                                accepted if self.source == MODEL else 0, seq)
             self.ngram.accepted(0, 0, seq)
         self.source = None
 

@@ -8,6 +8,7 @@ import torch
 
 from marscli.config import SamplingParams
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
+from marscli.drafters.kinds import MODEL
 from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback
 from marscli.verification.chain import sample_from, sampling_probs
 
@@ -123,7 +124,7 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
     hands that distribution to the verifier.
     """
 
-    name = "model"
+    name = MODEL
 
     def __init__(self, model, k_max: int, *, tree: SiblingTree | None = None, **kw):
         super().__init__(model, k_max, **kw)

@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
+from marscli.drafters.kinds import NGRAM, NONE
 
 #: Tokens (prompts and outputs) of the job's earlier records a JobCorpus keeps indexed; the
 #: oldest records leave first. About 3 index entries a token: ~30 MB of Python dicts.
@@ -106,7 +107,7 @@ class NgramDrafter(DrafterBase):
     (``finish``). Matches in the corpus keep their own acceptance estimates per n.
     """
 
-    name = "ngram"
+    name = NGRAM
 
     def __init__(self, k_max: int, *, ngram_max: int = 3, ngram_min: int = 1, corpus: JobCorpus | None = None):
         if not 1 <= ngram_min <= ngram_max:
@@ -201,7 +202,7 @@ class NgramDrafter(DrafterBase):
 class NoDrafter(DrafterBase):
     """Plain autoregressive decoding through the same engine (k = 0 every step)."""
 
-    name = "none"
+    name = NONE
 
     def start(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
         pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from marscli.config import DraftConfig, VerifyConfig
 from marscli.drafters.factory import build_drafters
+from marscli.drafters.kinds import drafter_kind
 from marscli.engine.costs import draft_ratio, reference_costs, step_costs
 from marscli.engine.scheduler import Engine
 from marscli.errors import UsageError
@@ -47,9 +48,9 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine.solo_lengths = solo_lengths
-    if draft_cfg.kind != "none":
+    if drafter_kind(draft_cfg.kind).drafts:
         engine.reference = reference_costs(draft_ratio(target.model, draft_model))
-    if draft_cfg.kind != "none" and draft_cfg.adaptive and (not draft_cfg.tree or draft_cfg.sibling_tree):
+    if drafter_kind(draft_cfg.kind).drafts and draft_cfg.adaptive and (not draft_cfg.tree or draft_cfg.sibling_tree):
         try:  # after the engine installed its CPU kernels: the costs of the forwards it runs
             engine.costs = step_costs(target, draft_model, draft_cfg.kind, batch_size,
                                       note=note or (lambda _: None))

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM
 from marscli.models.fastpath import signature as fastpath_signature
 from marscli.models.int8_decoder import SIGNATURE as INT8_DECODER
 from marscli.models.kvcache import HoleCache, rollback
@@ -272,11 +273,11 @@ def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int,
     (one new token); an EAGLE-3 head is reckoned from the target's one-token forward by its
     share of the weights (a decoder layer and a head against the whole target); prompt
     lookup costs nothing measurable."""
-    if draft_kind == "model" and draft_model is not None:
+    if draft_kind == MODEL and draft_model is not None:
         model = getattr(draft_model, "model", draft_model)
         device = model.get_input_embeddings().weight.device
         return [r[0] for r in time_forwards(model, device, batch_sizes, (1,), context)]
-    if draft_kind == "eagle3" and draft_model is not None:
+    if draft_kind == EAGLE3 and draft_model is not None:
         head = getattr(draft_model, "head", draft_model)
         t_params = sum(p.numel() for p in target.model.parameters())
         d_params = sum(p.numel() for p in head.parameters())
@@ -285,7 +286,7 @@ def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int,
     return [0.0 for _ in batch_sizes]
 
 
-def measure_costs(target, draft_model=None, draft_kind: str = "ngram", batch_size: int = 1,
+def measure_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size: int = 1,
                   context: int = MEASURE_CONTEXT) -> StepCosts:
     """Time the target (and the drafter) now; no cache."""
     ctx = context
@@ -319,7 +320,7 @@ def read_costs(path: Path, key: dict[str, Any] | None = None) -> StepCosts:
     return costs
 
 
-def step_costs(target, draft_model=None, draft_kind: str = "ngram", batch_size: int = 1,
+def step_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size: int = 1,
                note: Note = _silent, mode: str | None = None) -> StepCosts:
     """The costs an engine's draft-length policy uses ($MARSCLI_COSTS, see the module)."""
     mode = mode or os.environ.get(COSTS_ENV) or COSTS_MEASURE

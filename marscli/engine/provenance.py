@@ -18,7 +18,6 @@ EOS cut the record exactly where they cut its tokens, so ``len(kinds) == complet
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
 DRAFT = "d"
@@ -41,11 +40,6 @@ def step_kinds(relaxed: list[int | bool], n: int, k: int, bonus: bool | None = N
     if bonus is None:
         bonus = n >= k
     return head + (BONUS if bonus else CORRECTION)
-
-
-def float_bits(v: int) -> float:
-    """A float32 sent to the host as its int32 bit pattern (in a long) -> the float."""
-    return struct.unpack("<f", struct.pack("<i", int(v)))[0]
 
 
 class Provenance:

@@ -46,7 +46,6 @@ from marscli.config import (
     GUARD_OFF,
     DraftConfig,
     GuardConfig,
-    Request,
     SamplingParams,
     SpanConfig,
 )
@@ -57,9 +56,10 @@ from marscli.drafters.base import (
     choose_draft_lengths,
 )
 from marscli.drafters.eagle3_head import FeatureTap
+from marscli.drafters.kinds import drafter_kind
 from marscli.engine.costs import reference_costs, static_costs
-from marscli.engine.prompts import TRUNCATE_NONE, PromptEncoder
-from marscli.engine.provenance import float_bits, step_kinds
+from marscli.engine.prompts import PromptEncoder
+from marscli.engine.provenance import step_kinds
 from marscli.engine.sequence import (
     GenerationResult,
     RowSettings,
@@ -141,7 +141,7 @@ class Engine:
         if hybrid is not None:  # hybrid drafters price their source by this engine's curves
             hybrid.owner = self
         self.prompts = PromptEncoder(target.tokenizer, target.context_length)
-        k_max = 0 if draft_cfg.kind == "none" else draft_cfg.num_draft_tokens
+        k_max = draft_cfg.num_draft_tokens if drafter_kind(draft_cfg.kind).drafts else 0
         self.tree = drafters.tree
         if self.tree is not None:
             if batch_size > 1:
@@ -179,18 +179,6 @@ class Engine:
         self._prefill_key: PrefillKey | None = None
         self._prefills: dict[Hashable, _Prefill] = {}
         self._reset()
-
-    # ------------------------------------------------------------------ prompts
-
-    def tokenize(self, req: Request) -> list[int]:
-        return self.prompts.tokenize(req)
-
-    def fit_prompt(self, ids: list[int], *, truncate: str = TRUNCATE_NONE,
-                   max_tokens: int = 1) -> tuple[list[int], int]:
-        return self.prompts.fit_prompt(ids, truncate=truncate, max_tokens=max_tokens)
-
-    def encode(self, req: Request) -> list[int]:
-        return self.prompts.encode(req)
 
     # ------------------------------------------------------------------ one record
 
@@ -494,24 +482,23 @@ class Engine:
                           u_accept=u_acc, u_sample=u_smp, draft_probs=q, guard=guard,
                           relax_left=relax_left)
         # Sent with the verdicts, in the step's one transfer: the rule's statistic at every
-        # position (as float32 bits) when a row reports provenance, then packed logprobs.
-        extra, S = [], 0
-        if any(r.seq.provenance is not None for r in rows) and K > 0:
-            extra.append(res.statistic.float().contiguous().view(torch.int32).long())
-            S = K
+        # position when a row reports provenance, then packed logprobs.
+        with_stat = any(r.seq.provenance is not None for r in rows) and K > 0
         T = 0
         if any(r.logprobs is not None for r in rows):  # gathered here, sent with the verdicts
             T = max(r.sampling.top_logprobs for r in rows if r.logprobs is not None)
-            extra.append(lp.pack(*lp.gather(logits, lp.emitted_tokens(d_t, res.num_accepted, res.next_token), T)))
-        verdicts = res.host_rows(torch.cat(extra, dim=1) if extra else None)  # the step's one device-to-host transfer
+            extra = lp.pack(*lp.gather(logits, lp.emitted_tokens(d_t, res.num_accepted, res.next_token), T))
+        else:
+            extra = None
+        verdicts = res.host_rows(with_stat, extra)  # the step's one device-to-host transfer
         finished = []
         for b, (r, d) in enumerate(zip(rows, drafts)):
             k = ks[b]
             v = verdicts[b]
-            n, nxt = v[0], v[1]
-            relaxed = sum(v[2: 2 + n])
-            relaxable = sum(v[2 + K: 2 + K + min(n + 1, k)])
-            refused, span_refused = v[2 + 2 * K], 0
+            n, nxt = v.num_accepted, v.next_token
+            relaxed = sum(v.relaxed[:n])
+            relaxable = sum(v.relaxable[: min(n + 1, k)])
+            refused, span_refused = v.refused, 0
             if refused and span is not None and n < k and span[b][n]:
                 refused, span_refused = 0, 1  # a strict span refused it: counted there only
             observation = None
@@ -520,13 +507,13 @@ class Engine:
                                                       guard, span)
             origin = None
             if r.seq.provenance is not None:
-                flags = v[2: 2 + n]
+                flags = v.relaxed[:n]
                 origin = (step_kinds(flags, n, k),
-                          [float_bits(v[3 + 2 * K + i]) if i < n and flags[i] else None for i in range(n + 1)])
+                          [v.statistic[i] if i < n and flags[i] else None for i in range(n + 1)])
             emitted = r.seq.commit(d[:n] + [nxt], k, n, relaxed, relaxable, observation,
                                    refused=refused, span_refused=span_refused, origin=origin)
             if r.logprobs is not None:
-                r.logprobs += lp.unpack(v[3 + 2 * K + S:], emitted, T, r.sampling.top_logprobs)
+                r.logprobs += lp.unpack(v.extra, emitted, T, r.sampling.top_logprobs)
             if features is not None:  # the positions the target keeps: pending + accepted drafts
                 self.drafters.observe(b, features[b, : len(emitted)])
             self.drafters.accepted(b, k, n, r.seq.seq)

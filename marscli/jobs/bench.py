@@ -63,6 +63,8 @@ from marscli.config import (
     VerifyConfig,
     VerifyRequest,
 )
+from marscli.drafters.kinds import EAGLE3, NGRAM, NONE
+from marscli.engine import build_engine
 from marscli.engine.sequence import RecordFailure
 from marscli.errors import EXIT_OK, InputError, UsageError
 from marscli.jobs.bench_match import (
@@ -80,7 +82,6 @@ from marscli.jobs.setup import (
     draft_config,
     guard_request,
     load_models,
-    make_engine,
     model_configs,
     named_profile,
     resolve_verification,
@@ -89,7 +90,7 @@ from marscli.jobs.setup import (
 )
 from marscli.scoring import rouge
 from marscli.scoring.compare import task_report
-from marscli.verification.registry import PAPER_THETA
+from marscli.verification.registry import MARS, PAPER_THETA, STRICT
 
 
 def method_verification(kind: str, theta: float | None, margin: str,
@@ -99,11 +100,11 @@ def method_verification(kind: str, theta: float | None, margin: str,
     the loop guard. rule: the marscli.verification.rules.Rule of a rule method (MethodSpec.rule)."""
     if rule is not None:  # guarded like mars: the guard is the run's
         return VerifyConfig.from_rule(rule, guard)
-    mode = "mars" if kind in MARS_METHODS else "strict"
+    mode = MARS if kind in MARS_METHODS else STRICT
     if kind == MARS_NOGUARD:
         guard = GUARD_OFF
     g = guard.to_dict()
-    return resolve_verification(VerifyRequest(mode, theta if mode == "mars" else None, margin,
+    return resolve_verification(VerifyRequest(mode, theta if mode == MARS else None, margin,
                                               g["repeat_ngram"], g["repeat_window"],
                                               g["max_relaxed_share"], g["strict_first"],
                                               g["strict_stops"]), None)
@@ -127,10 +128,10 @@ class Bench:
         self.log = log
         self.notes: list[str] = []
         self.hf_assisted: dict[str, Any] | None = None
-        none_cfg = DraftConfig(kind="none")
+        none_cfg = DraftConfig(kind=NONE)
         # Building any engine installs marscli's CPU fast path on the target model object,
         # which transformers' generate() then shares (see the report's notes).
-        self._encoder = make_engine(target, None, VerifyConfig(), none_cfg)
+        self._encoder = build_engine(target, None, VerifyConfig(), none_cfg)
         self.runners: dict[str, Runner] = {}
         self.engines: dict[str, Any] = {}
         for m in cfg.methods:
@@ -140,10 +141,10 @@ class Bench:
                 self.runners[m.name] = self._hf_runner(self._assisted_kwargs())
             else:
                 dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
-                engine = make_engine(target, draft, method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule),
-                                     dcfg, note=log, spans=cfg.spans)
+                verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
+                engine = build_engine(target, draft, verify, dcfg, note=log, spans=cfg.spans)
                 self.engines[m.name] = engine
-                self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != "none")
+                self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != NONE)
         self._check_generation_config()
 
     # ---------------------------------------------------------------- methods
@@ -182,7 +183,7 @@ class Bench:
 
     def _assisted_kwargs(self) -> dict[str, Any]:
         d = self.cfg.draft
-        if d.kind == "ngram":
+        if d.kind == NGRAM:
             self.hf_assisted = {"candidates": "prompt_lookup", "prompt_lookup_num_tokens": d.num_draft_tokens,
                                 "max_matching_ngram_size": d.ngram_max}
             return {"prompt_lookup_num_tokens": d.num_draft_tokens, "max_matching_ngram_size": d.ngram_max}
@@ -226,7 +227,7 @@ class Bench:
         prompts, skipped = [], []
         for req, ref in records:
             try:
-                ids = self._encoder.encode(req)
+                ids = self._encoder.prompts.encode(req)
             except RecordFailure as e:
                 skipped.append({"id": req.id, "line": req.line, "reason": f"{e.type}: {e.message}"})
                 continue
@@ -270,12 +271,12 @@ class Bench:
     def measure_forwards(self, ids: list[int]) -> dict[str, Any]:
         """Median target forward time for n = 1..K+1 new tokens over a cached context of
         `ids`, and the draft model's for one token."""
-        k = self.cfg.draft.num_draft_tokens if self.cfg.draft.kind != "none" else 0
+        k = self.cfg.draft.num_draft_tokens if self.cfg.draft.kind != NONE else 0
         if any(m.kind in TREE_METHODS for m in self.cfg.methods):  # a tree pass scores N+1 tokens
             k = max(k, chain_or_tree(self.cfg.draft, True).tree_tokens - 1)
         t_target = forward_times(self.target.model, self.target.device, ids, k + 1)
         t_draft = None
-        if self.draft is not None and self.cfg.draft.kind != "eagle3":  # a head has no forward of its own here
+        if self.draft is not None and self.cfg.draft.kind != EAGLE3:  # a head has no forward of its own here
             t_draft = forward_times(self.draft.model, self.draft.device, ids, 1)[0]
         return {
             "context_tokens": len(ids),
@@ -352,9 +353,9 @@ class Bench:
                 extra: dict[str, Any] = {}
                 engine = None
                 if m.kind != HF_GENERATE:  # built untimed: the first build measures step costs
-                    dcfg = DraftConfig(kind="none") if m.kind == AR else cfg.draft
+                    dcfg = DraftConfig(kind=NONE) if m.kind == AR else cfg.draft
                     verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
-                    engine = make_engine(self.target, self.draft, verify, dcfg, bs, self.log, spans=cfg.spans)
+                    engine = build_engine(self.target, self.draft, verify, dcfg, bs, self.log, spans=cfg.spans)
                 t0 = time.perf_counter()
                 if m.kind == HF_GENERATE:
                     outputs = self._hf_batched(prompts, sampling, bs)
@@ -379,7 +380,7 @@ class Bench:
                     "tokens_per_s": metrics.rate(tokens, seconds),
                     "speedup_vs_first_batch_size": None,  # below, once tokens/s is known
                     "acceptance_length": (metrics.ratio(sum(s.emitted for s in stats), sum(s.steps for s in stats))
-                                          if stats and self.cfg.draft.kind != "none" and m.kind != AR else None),
+                                          if stats and self.cfg.draft.kind != NONE and m.kind != AR else None),
                     "outputs_equal_first_batch_size": sum(a == b for a, b in zip(outputs, ref)),
                     "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16],
                     "peak_rss_mib": round_or_none(peak_rss_mib(), 1),
@@ -679,16 +680,16 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
                          "without a launcher (accelerate launch, torchrun)")
     check_choices(o.margin, o.dtype, o.ngram_min, o.ngram_max)
     prof = named_profile(profile)
-    resolved = resolve_verification(VerifyRequest("strict", None, o.margin, **guard_request(o)), prof)
+    resolved = resolve_verification(VerifyRequest(STRICT, None, o.margin, **guard_request(o)), prof)
     margin = resolved.margin
     thetas = parse_float_list(theta, "--theta") if theta is not None else ()
     prule = prof.rule if prof is not None else None
-    if prule is not None and prule.name == "mars" and prule.theta not in thetas:
+    if prule is not None and prule.name == MARS and prule.theta not in thetas:
         thetas = (*thetas, prule.theta)
     dcfg = draft_config(o, prof)
     if methods is None:
-        methods = DEFAULT_EAGLE3_METHODS if dcfg.kind == "eagle3" else DEFAULT_METHODS
-        if prule is not None and prule.name not in ("mars", "strict"):
+        methods = DEFAULT_EAGLE3_METHODS if dcfg.kind == EAGLE3 else DEFAULT_METHODS
+        if prule is not None and prule.name not in (MARS, STRICT):
             methods = f"{methods},{prule.label()}"  # the profile's rule at its knobs
     # The same model configs as generate's (quantization included).
     tcfg, dmcfg = model_configs(target_source(o.target, prof), dcfg, o)

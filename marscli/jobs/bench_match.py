@@ -33,9 +33,10 @@ from marscli.bench.report import json_safe
 from marscli.calibration.collect import MarginCollector
 from marscli.calibration.policies import RELAXED, match_relax_rate, relaxed_per_position
 from marscli.config import GUARD_OFF, Request, VerifyConfig
+from marscli.engine import build_engine
 from marscli.engine.sequence import RecordFailure
 from marscli.errors import InputError, UsageError
-from marscli.jobs.setup import chain_or_tree, make_engine
+from marscli.jobs.setup import chain_or_tree
 from marscli.verification.registry import MARS, Rule
 
 Log = Callable[[str], None]
@@ -160,18 +161,18 @@ def collect_calibration(cfg: BenchConfig, calibration: Sequence[tuple[Request, s
     1, solo draft lengths, no job corpus), prompts equal to a measured one left out."""
 
     # No job corpus: the relaxed methods whose knobs this fits draft from their own text only.
-    engine = make_engine(target, draft, VerifyConfig(guard=cfg.guard), chain_or_tree(cfg.draft, False), 1,
+    engine = build_engine(target, draft, VerifyConfig(guard=cfg.guard), chain_or_tree(cfg.draft, False), 1,
                          log, solo_lengths=True, job_corpus=False)
     seen = set()
     for req, _ in measured:
         try:
-            seen.add(tuple(engine.encode(req)))
+            seen.add(tuple(engine.prompts.encode(req)))
         except RecordFailure:  # an unusable measured record: bench skips it, it overlaps nothing
             continue
     prompts, dropped, skipped = [], 0, 0
     for req, _ in calibration:
         try:
-            ids = engine.encode(req)
+            ids = engine.prompts.encode(req)
         except RecordFailure as e:  # a record the engine cannot encode is left out
             log(f"calibration record {req.id} (line {req.line}) skipped: {e.message}")
             skipped += 1

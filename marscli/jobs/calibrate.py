@@ -53,6 +53,8 @@ from marscli.config import (
     VerifyConfig,
     VerifyRequest,
 )
+from marscli.drafters.kinds import NONE
+from marscli.engine import build_engine
 from marscli.engine.sequence import RecordFailure
 from marscli.errors import (
     EXIT_INTERRUPTED,
@@ -72,13 +74,13 @@ from marscli.jobs.setup import (
     draft_config,
     guard_request,
     load_models,
-    make_engine,
     model_configs,
     resolve_guard,
 )
 from marscli.verification.registry import (
     ALL_KNOBS,
     LOGIT_RATIO,
+    MARS,
     RELAXING_RULES,
     RULEBOOK,
     Rule,
@@ -110,7 +112,7 @@ def collect_margins(engine, items, sampling, observer_for, skipped, tick) -> Non
             valid.append(item)
 
     def prepare(it):
-        return engine.encode(it), sampling.with_overrides(it.overrides)
+        return engine.prompts.encode(it), sampling.with_overrides(it.overrides)
 
     for item, res in engine.run(valid, prepare, observer_for=observer_for):
         if isinstance(res, RecordFailure):
@@ -138,7 +140,7 @@ def choose_policy(max_nll_increase: float | None = None, relax_rate: float | Non
     return policy, float(value)
 
 
-def choose_rule(rule: str = "mars", *, margin: str = "logit-ratio", greedy: bool = True,
+def choose_rule(rule: str = MARS, *, margin: str = LOGIT_RATIO, greedy: bool = True,
                 **knobs: float | None):
     """`calibrate --rule NAME` and its knob options (``knobs``: registry.ALL_KNOBS names, None
     when not given) -> (rule template, fixed knob value or None, alpha given). The main knob
@@ -170,7 +172,7 @@ def choose_rule(rule: str = "mars", *, margin: str = "logit-ratio", greedy: bool
     return template, fixed, alpha is not None
 
 
-def calibrate_config(input: str, o: GenerationOptions, sampling: SamplingParams, *, rule: str = "mars",
+def calibrate_config(input: str, o: GenerationOptions, sampling: SamplingParams, *, rule: str = MARS,
                      knobs: dict[str, float | None] | None = None, max_nll_increase: float | None = None,
                      relax_rate: float | None = None, objective: str = "quality", output: str | None = None,
                      name: str | None = None, limit: int | None = None, plot: str | None = None) -> CalibrateConfig:
@@ -186,7 +188,7 @@ def calibrate_config(input: str, o: GenerationOptions, sampling: SamplingParams,
         raise UsageError(f"--objective must be 'quality' or 'speed', got {objective!r}")
     draft_cfg = draft_config(o)
     check_batch(draft_cfg, o.batch_size)
-    if draft_cfg.kind == "none":
+    if draft_cfg.kind == NONE:
         raise UsageError("calibrate needs a drafter: --draft ngram or a draft model")
     target_cfg, draft_model_cfg = model_configs(o.target, draft_cfg, o)
     return CalibrateConfig(
@@ -262,7 +264,7 @@ def calibration_engine(cfg: CalibrateConfig, target, draft_loaded, note=None):
     profile is the batch size's neither through the lengths nor through the speed prediction
     (at batch size 1). No job corpus: the n-gram drafter drafts what it will draft for the
     relaxed rule, which gets none."""
-    return make_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size,
+    return build_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size,
                        note or (lambda _: None), solo_lengths=True, job_corpus=False)
 
 
@@ -385,7 +387,7 @@ def show_profile(p, con) -> None:
     con.print(f"target {d['target']['name']} ({d['target']['dtype']}, {d['target']['device_type']}); "
               f"drafter {d['drafter']['kind']} K<={d['drafter']['num_draft_tokens']}", markup=False)
     rule = p.rule
-    chosen = f"theta {p.theta:.6g} ({p.margin})" if rule.name == "mars" else rule.label()
+    chosen = f"theta {p.theta:.6g} ({p.margin})" if rule.name == MARS else rule.label()
     con.print(f"{chosen} by {d['policy']['name']} {d['policy']['value']:g}; "
               f"calibrated on {cd['file']}: {cd['records']} records, {cd['tokens']} tokens, "
               f"{cd['positions']} verified draft positions", markup=False)

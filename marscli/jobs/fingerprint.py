@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from marscli.drafters.kinds import NGRAM, NONE
 from marscli.verification.registry import MARS, OTHER_KNOBS, RULES, STRICT
 
 #: Fingerprint components known only once the models are loaded, so compared only then: the
@@ -43,9 +44,9 @@ def run_fingerprint(
     """
     d = cfg.draft
     drafter: dict[str, Any] = {"kind": d.kind}
-    if d.kind != "none":
+    if d.kind != NONE:
         drafter.update(num_draft_tokens=d.num_draft_tokens, adaptive=d.adaptive)
-    if d.kind == "ngram" or getattr(d, "hybrid", False):
+    if d.kind == NGRAM or getattr(d, "hybrid", False):
         drafter.update(ngram_max=d.ngram_max, ngram_min=d.ngram_min)
     if getattr(d, "hybrid", False):
         drafter.update(hybrid=True)
@@ -80,7 +81,7 @@ def run_fingerprint(
         if any(x is not None for x in asked.values()):
             fp["verify"]["knobs"] = asked
     guard = getattr(v, "guard", None)  # a VerifyConfig's; a VerifyRequest has the options asked
-    if guard is not None and v.mode != "strict":
+    if guard is not None and v.mode != STRICT:
         fp["verify"]["guard"] = guard.to_dict()  # it decides which drafts are relaxed
     elif guard is None:
         asked = {k: getattr(v, k, None) for k in ("repeat_ngram", "repeat_window", "max_relaxed_share",

@@ -210,7 +210,7 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
             try:
                 sp = sampling.with_overrides(item.overrides)
                 check_record_mode(engine.rule, sp)
-                ids, cut = engine.fit_prompt(engine.tokenize(item), truncate=options.truncate_prompt,
+                ids, cut = engine.prompts.fit_prompt(engine.prompts.tokenize(item), truncate=options.truncate_prompt,
                                              max_tokens=sp.max_tokens)
                 got = (ids, sp, cut)
             except Exception as e:  # noqa: BLE001 - every choice of the record fails alike

@@ -41,6 +41,7 @@ from marscli.config import (
 )
 from marscli.drafters.eagle3 import DEFAULT_TREE
 from marscli.drafters.eagle3_head import load_head
+from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM, NONE
 from marscli.engine import build_engine
 from marscli.errors import ModelLoadError, UsageError
 from marscli.heads import shipped_head_for
@@ -56,6 +57,7 @@ from marscli.models.loading import (
     parse_max_memory,
 )
 from marscli.verification.registry import (
+    LOGIT_RATIO,
     MARGINS,
     MARS,
     OTHER_KNOBS,
@@ -69,10 +71,7 @@ from marscli.verification.registry import (
 )
 from marscli.verification.spans import compile_regex, parse_strict_in
 
-DRAFT_NONE = "none"
-DRAFT_NGRAM = "ngram"
-DRAFT_MODEL = "model"
-DRAFT_EAGLE3 = "eagle3"
+DRAFT_NONE, DRAFT_NGRAM, DRAFT_MODEL, DRAFT_EAGLE3 = NONE, NGRAM, MODEL, EAGLE3
 #: --draft self: the target's own weights, loaded a second time with --draft-quant.
 DRAFT_SELF = "self"
 EAGLE3_PREFIX = "eagle3:"
@@ -255,7 +254,7 @@ def model_configs(target: str | None, draft: DraftConfig, o: GenerationOptions):
     # --load-in-8bit / --load-in-4bit are the older spelling of both options at once.
     legacy = "int8" if o.load_in_8bit else "4bit" if o.load_in_4bit else None
     draft_quant = legacy if o.draft_quant is None else None if o.draft_quant == "none" else o.draft_quant
-    if o.draft_quant not in (None, "none") and draft.kind != "model":  # the old flags are for both, if any
+    if o.draft_quant not in (None, "none") and draft.kind != DRAFT_MODEL:  # the old flags are for both, if any
         raise UsageError(f"--draft-quant applies to a draft model; the drafter is {draft.kind}")
     tcfg = ModelConfig(target, o.dtype, o.device, device_map, o.load_in_8bit, o.load_in_4bit, pairs,
                        bnb_compute_dtype, o.offline, quant)
@@ -336,9 +335,9 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
 
             note(f"profile {profile.describe()}: {strict_reason(speed)}: verifying strictly "
                  f"(--verify {mode} relaxes anyway)")
-            return verify_config("strict", STRICT_THETA, req.margin or prule.margin, guard)
+            return verify_config(STRICT, STRICT_THETA, req.margin or prule.margin, guard)
         margin = req.margin or prule.margin
-        if mode == "mars" and req.theta is None and margin != prule.margin:
+        if mode == MARS and req.theta is None and margin != prule.margin:
             raise ProfileError(
                 f"{profile.describe()}: theta {prule.theta:g} was calibrated for "
                 f"{prule.margin}, not {margin}: give --theta with --margin {margin}"
@@ -351,16 +350,16 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
         except ValueError as e:
             raise UsageError(str(e)) from None
         return VerifyConfig.from_rule(rule, guard)
-    mode = req.mode or "strict"
-    margin = req.margin or "logit-ratio"
+    mode = req.mode or STRICT
+    margin = req.margin or LOGIT_RATIO
     theta = req.theta
-    if mode == "mars" and theta is None:
+    if mode == MARS and theta is None:
         theta = PAPER_THETA
         note(f"--verify mars without --theta or a profile of MARS: using the paper's theta = {PAPER_THETA}")
-    if mode == "strict" and req.theta is not None:
+    if mode == STRICT and req.theta is not None:
         note("--theta has no effect with --verify strict")
     knobs = {k: v for k, v in given.items() if OWNER[k] == mode}
-    return verify_config(mode, theta if mode == "mars" else STRICT_THETA, margin, guard, **knobs)
+    return verify_config(mode, theta if mode == MARS else STRICT_THETA, margin, guard, **knobs)
 
 
 def check_rule_modes(rule, sampling: SamplingParams, what: str = "--temperature") -> None:
@@ -472,7 +471,7 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
     if not auto or draft.kind == DRAFT_NONE:
         return None
     # --verify naming a relaxed rule looks for a profile of that rule only
-    rule = verify_mode if verify_mode not in (None, "strict") else None
+    rule = verify_mode if verify_mode not in (None, STRICT) else None
     prof = find_matching_profile(target.identity, drafter, note=note, rule=rule)
     if prof is not None:
         note(f"using profile {prof.describe()} (sha256 {prof.short_hash}), matched to the target")
@@ -480,15 +479,6 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
         note("no calibrated profile for this target and drafter: verifying strictly "
              "(run `marscli calibrate` to make one)")
     return prof
-
-
-def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, batch_size: int = 1,
-                note: Note = _silent, solo_lengths: bool = False, spans: SpanConfig = SPANS_OFF,
-                job_corpus: bool | None = None):
-    """The engine of a job: marscli.engine.build_engine, the one constructor."""
-
-    return build_engine(target, draft_loaded, verify, draft, batch_size=batch_size, note=note,
-                        solo_lengths=solo_lengths, spans=spans, job_corpus=job_corpus)
 
 
 def choice_options(sampling: SamplingParams, n: int = 1, logprobs: bool = False,
@@ -518,7 +508,7 @@ def drafter_desc(d: DraftConfig) -> str:
 def verify_desc(v: VerifyConfig) -> str:
     """One line: "strict", "mars (theta=0.9, logit-ratio; repeat guard ...)",
     "ratio (rho=0.5; repeat guard ...)"."""
-    if v.mode == "strict":
+    if v.mode == STRICT:
         return v.mode
     g = v.guard
     guard = ", ".join(([f"repeat guard {g.repeat_ngram}-grams in {g.repeat_window} tokens"]
@@ -526,7 +516,7 @@ def verify_desc(v: VerifyConfig) -> str:
                       ([f"at most {g.max_relaxed_share:g} relaxed"] if g.budgeted else []) +
                       ([f"first {g.strict_first} strict"] if g.strict_first else []) +
                       (["strict stops"] if g.strict_stops else [])) or "no guard"
-    if v.mode == "mars":
+    if v.mode == MARS:
         return f"mars (theta={v.theta:g}, {v.margin}; {guard})"
     knobs = ", ".join(f"{k}={x:g}" for k, x in v.rule.knobs().items())
     return f"{v.mode} ({knobs}; {guard})"
@@ -577,7 +567,7 @@ class Generator:
         rule = v.rule
         return {"drafter": self.draft.kind, **({"hybrid": True} if self.draft.hybrid else {}),
                 **({"draft_context": self.draft.context} if self.draft.context else {}), "verify": v.mode,
-                "theta": v.theta if v.mode == "mars" else None, "margin": v.margin,
+                "theta": v.theta if v.mode == MARS else None, "margin": v.margin,
                 "knobs": json_knobs(rule),
                 **({"guard": v.guard.to_dict()} if rule.relaxes else {}),
                 **({"spans": self.spans.to_dict()} if self.spans.active and rule.relaxes else {}),
@@ -587,7 +577,7 @@ class Generator:
     @property
     def quantization(self) -> dict[str, str | None]:
         """The target's and the draft model's quantization labels (None: the dtype's weights)."""
-        draft = getattr(self.draft_loaded, "identity", None) if self.draft.kind == "model" else None
+        draft = getattr(self.draft_loaded, "identity", None) if self.draft.kind == DRAFT_MODEL else None
         return {"target": self.target.identity.get("quantization"),
                 "draft": (draft or {}).get("quantization")}
 
@@ -604,7 +594,7 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
     prof = choose_profile(target, draft_loaded, setup.draft, profile=setup.profile,
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
-    engine = make_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans)
+    engine = build_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans)
     if setup.batch_size > 1:
         note(f"batch size {setup.batch_size}")
     if setup.spans.active and not verify.rule.relaxes:

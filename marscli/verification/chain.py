@@ -15,24 +15,31 @@ the row rejected one of its own drafts and a bonus when it accepted all of them.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from marscli.verification.registry import LOGIT_RATIO, MARS, SAMPLING_MODE, STRICT, Rule
+from marscli.verification.registry import MARS, SAMPLING_MODE, STRICT, Rule
 from marscli.verification.rules import (
     NOT_RELAXABLE,
+    Decision,
     PositionFacts,
     decide,
     draft_facts,
+    in_top2,
     margin_statistic,
     over_budget,
+    per_token,
     relaxed_positions,
     statistic,
     top2,
 )
+
+#: The walks' rule when none is given.
+STRICT_RULE = Rule(STRICT)
 
 
 def step_uniforms(generator: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,17 +133,6 @@ def strict_sampling_accepts(
     return ok & (p_x > 0)
 
 
-def chain_facts(rule: Rule, logits_k: torch.Tensor, drafts: torch.Tensor, probs_k: torch.Tensor,
-                strict_ok: torch.Tensor, valid: torch.Tensor) -> PositionFacts:
-    """PositionFacts of a chain step for a per-token rule (not MARS): logits_k / probs_k
-    [B, K, V], drafts / strict_ok / valid [B, K]. The regret is summed along each row's
-    drafts (padding adds nothing: it is never accepted)."""
-    f = draft_facts(logits_k, drafts, probs_k, rule.needs)
-    if "regret" in f:
-        f["regret"] = torch.where(valid, f["regret"], torch.zeros_like(f["regret"])).cumsum(dim=1)
-    return PositionFacts({}, None, strict_ok, **f)
-
-
 # ----------------------------------------------------------------------------- chains
 
 
@@ -165,17 +161,56 @@ class VerifyResult:
                             self.statistic[b: b + 1, :k],
                             None if self.refused is None else self.refused[b: b + 1])
 
-    def host_rows(self, extra: torch.Tensor | None = None) -> list[list[int]]:
-        """Per row [n, next token, relaxed flags (K), relaxable flags (K), refused, then the
-        row of `extra` ([B, X] long, e.g. packed logprobs)] as Python ints, in ONE
+    def host_rows(self, statistic: bool = False, extra: torch.Tensor | None = None) -> list[RowVerdict]:
+        """Every row's verdicts on the host (``RowVerdict``), with the rule's statistic when
+        asked and the row of ``extra`` ([B, X] long, e.g. packed logprobs), in ONE
         device-to-host transfer for the whole batch."""
-        refused = (torch.zeros_like(self.num_accepted) if self.refused is None
-                   else self.refused.long()).unsqueeze(1)
-        parts = [self.num_accepted.unsqueeze(1), self.next_token.unsqueeze(1),
-                 self.relaxed.long(), self.relaxable.long(), refused]
+        K = self.relaxed.shape[1]
+        return [RowVerdict.unpack(row, K, statistic)
+                for row in RowVerdict.pack(self, statistic, extra).cpu().tolist()]
+
+
+@dataclass
+class RowVerdict:
+    """One row's verdicts of a step, on the host. ``pack`` lays a batch's verdicts out as one
+    [B, W] long tensor on the device; ``unpack`` reads one row of it back by name."""
+
+    num_accepted: int
+    next_token: int  # correction or bonus
+    relaxed: list[int]  # [K] 1: accepted only thanks to the relaxed rule
+    relaxable: list[int]  # [K] 1: the rule relaxed the check there
+    refused: int  # 1: the first rejection is a relaxation the guard or the budget refused
+    statistic: list[float] | None  # [K] the rule's statistic (float32 values), when packed
+    extra: list[int]  # the caller's own columns (packed logprobs)
+
+    @staticmethod
+    def pack(result: VerifyResult, statistic: bool = False, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 3 + 2K (+ K) (+ X)] long: n, next token, relaxed flags (K), relaxable flags (K),
+        refused, then the statistic's float32 bits (K) when asked, then ``extra`` [B, X]."""
+        refused = (torch.zeros_like(result.num_accepted) if result.refused is None
+                   else result.refused.long()).unsqueeze(1)
+        parts = [result.num_accepted.unsqueeze(1), result.next_token.unsqueeze(1),
+                 result.relaxed.long(), result.relaxable.long(), refused]
+        if statistic:
+            parts.append(result.statistic.float().contiguous().view(torch.int32).long())
         if extra is not None:
             parts.append(extra.long())
-        return torch.cat(parts, dim=1).cpu().tolist()  # [B, 3 + 2K (+ X)]
+        return torch.cat(parts, dim=1)
+
+    @classmethod
+    def unpack(cls, row: list[int], K: int, statistic: bool = False) -> RowVerdict:
+        """One row of ``pack``'s tensor, as Python ints (K: the step's draft slots)."""
+        at = 3 + 2 * K
+        stats = None
+        if statistic:
+            stats = [float_bits(v) for v in row[at: at + K]]
+            at += K
+        return cls(row[0], row[1], row[2: 2 + K], row[2 + K: 2 + 2 * K], row[2 + 2 * K], stats, row[at:])
+
+
+def float_bits(v: int) -> float:
+    """A float32 sent to the host as its int32 bit pattern (in a long) -> the float."""
+    return struct.unpack("<f", struct.pack("<i", int(v)))[0]
 
 
 def _draft_mask(drafts: torch.Tensor, draft_len: torch.Tensor | None) -> torch.Tensor:
@@ -203,17 +238,11 @@ def _prefix_len(ok: torch.Tensor) -> torch.Tensor:
     return ok.long().cumprod(dim=1).sum(dim=1)
 
 
-def _drafted_logit(logits_k: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    return logits_k.float().gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-
-
 def verify(
     drafts: torch.Tensor,  # [B, K] long
     logits: torch.Tensor,  # [B, K+1, V] raw target logits
     *,
-    rule: Rule | None = None,
-    theta: float | None = None,
-    margin: str = LOGIT_RATIO,
+    rule: Rule = STRICT_RULE,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -224,114 +253,174 @@ def verify(
     guard: torch.Tensor | None = None,  # [B, K] bool: never relax here (the loop guard)
     relax_left: torch.Tensor | None = None,  # [B] long: relaxations each row may still make
 ) -> VerifyResult:
-    """Verify a chain step for every row: greedy when temperature == 0, else sampling.
-
-    ``rule`` says how (or ``theta``/``margin``: MARS at theta, strict at +inf). Greedy: the
-    strict check is draft == argmax; the next token is the argmax after the accepted prefix.
-    Sampling: the strict check is Leviathan et al.'s; a rejection judged by it draws the
-    correction from norm(max(0, p - q)), one at a relaxable position from p; after K
-    acceptances a bonus from p. With a strict rule this reproduces the target's law exactly.
+    """Verify a chain step for every row by ``rule``: the greedy walk when temperature == 0,
+    else the sampling walk.
 
     ``guard`` marks positions the rule must judge strictly (``PositionFacts.guarded``);
     ``relax_left`` is each row's remaining relaxation budget: a position after that many
     relaxations in the step is judged strictly too (the record is strict from there on).
     """
-    if rule is None:
-        rule = Rule.from_theta(math.inf if theta is None else theta, margin)
     _check_shapes(drafts, logits)
-    B, K = drafts.shape
-    greedy = temperature == 0.0
-    valid = _draft_mask(drafts, draft_len)
-    logits_k = logits[:, :K]
-    if not greedy and SAMPLING_MODE not in rule.modes:
+    valid = _draft_mask(drafts, draft_len)  # [B, K]
+    if temperature == 0.0:
+        return greedy_walk(drafts, logits, rule, valid, guard, relax_left)
+    if SAMPLING_MODE not in rule.modes:
         raise ValueError(f"the {rule.name} rule is defined for greedy decoding only")
-    per_token = rule.name not in (STRICT, MARS) and rule.relaxes
-    if greedy:
-        argmax = logits.float().argmax(dim=-1)  # [B, K+1]
-        strict_ok = drafts == argmax[:, :K]
-        if per_token:
-            stat = None
-            in_top2 = None
-        elif rule.name == MARS:
-            z1, z2, _, t2 = top2(logits_k)
-            stat = margin_statistic(z1, z2, rule.margin)
-            p_pos = _drafted_logit(logits_k, drafts) > -math.inf  # p(draft) > 0
-            in_top2 = strict_ok | ((drafts == t2) & p_pos)
-        else:  # no statistic needed: strict (or a rule at its strict end) never looks
-            stat = torch.full((B, K), NOT_RELAXABLE, device=drafts.device)
-            in_top2 = strict_ok
-    else:
-        assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
-        p = sampling_probs(logits, temperature, top_k, top_p)  # [B, K+1, V]
-        strict_ok = strict_sampling_accepts(drafts, p[:, :K], u_accept, draft_probs)
-        if not per_token:
-            z1, z2, t1, t2 = top2(logits_k)
-            stat = margin_statistic(z1, z2, rule.margin)
-            p_x = p[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
-            in_top2 = ((drafts == t1) | (drafts == t2)) & (p_x > 0)
-    if per_token:
-        probs_k = torch.softmax(logits_k.float(), dim=-1) if greedy else p[:, :K]
-        facts = chain_facts(rule, logits_k, drafts, probs_k, strict_ok, valid)
-        stat = statistic(rule, facts).float()
-    else:
-        facts = PositionFacts({rule.margin: stat}, in_top2, strict_ok)
-    decision = decide(rule, facts)
-    refused = None
-    if rule.relaxes and (guard is not None or relax_left is not None):
-        # Would-be relaxations (judged on their own) that the guard or the budget refuses.
-        wants = decision.ok & decision.relaxable & ~strict_ok & valid  # [B, K]
-        guarded = torch.zeros_like(wants) if guard is None else guard.to(wants.device) & valid
-        if relax_left is not None:
-            guarded = guarded | over_budget(wants, relax_left.to(wants.device))
-        facts.guarded = guarded
-        decision = decide(rule, facts)
-        n_ok = _prefix_len(decision.ok & valid)
-        at = n_ok.clamp(max=max(K - 1, 0)).unsqueeze(1)
-        refused = ((wants & guarded).gather(1, at).squeeze(1) & (n_ok < K)) if K > 0 else None
-    relaxable = decision.relaxable & valid
-    n = _prefix_len(decision.ok & valid)
-    accepted = torch.arange(K, device=drafts.device).unsqueeze(0) < n.unsqueeze(1)
-    relaxed = relaxed_positions(accepted, relaxable, strict_ok)
-    if greedy:
-        nxt = argmax.gather(1, n.unsqueeze(1)).squeeze(1)
-        return VerifyResult(n, nxt, relaxed, relaxable, stat, refused)
-    # The next token: from row n of p, or of the residual when a strict check rejected there.
+    assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
+    return sampling_walk(drafts, logits, rule, valid, guard, relax_left, temperature, top_k, top_p,
+                         u_accept, u_sample, draft_probs)
+
+
+def greedy_walk(
+    drafts: torch.Tensor,  # [B, K] long
+    logits: torch.Tensor,  # [B, K+1, V]
+    rule: Rule,
+    valid: torch.Tensor,  # [B, K] bool: real drafts
+    guard: torch.Tensor | None,  # [B, K] bool
+    relax_left: torch.Tensor | None,  # [B] long
+) -> VerifyResult:
+    """Greedy: the strict check is draft == argmax (gpt-fast's greedy acceptance); the next
+    token is the argmax after the accepted prefix (a correction, or the bonus)."""
+    B, K = drafts.shape
+    logits_k = logits[:, :K]  # [B, K, V] row k judges draft k
+    argmax = logits.float().argmax(dim=-1)  # [B, K+1]
+    strict_ok = drafts == argmax[:, :K]
+    if per_token(rule):
+        facts = per_token_facts(rule, logits_k, drafts, torch.softmax(logits_k.float(), dim=-1),
+                                strict_ok, valid)
+    elif rule.name == MARS:
+        alive = logits_k.float().gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > -math.inf
+        facts = mars_facts(rule, logits_k, drafts, alive, strict_ok)
+        facts.in_top2 = facts.in_top2 | strict_ok  # greedy's strict check is the top-1 itself
+    else:  # strict, or a rule at its strict end: no statistic needed, none computed
+        facts = PositionFacts({rule.margin: torch.full((B, K), NOT_RELAXABLE, device=drafts.device)},
+                              strict_ok, strict_ok)
+    decision, refused = guarded_decision(rule, facts, valid, guard, relax_left)
+    n, relaxed, relaxable = accepted_prefix(decision, strict_ok, valid)
+    next_token = argmax.gather(1, n.unsqueeze(1)).squeeze(1)  # [B]
+    return VerifyResult(n, next_token, relaxed, relaxable, position_statistic(rule, facts), refused)
+
+
+def sampling_walk(
+    drafts: torch.Tensor,  # [B, K] long
+    logits: torch.Tensor,  # [B, K+1, V]
+    rule: Rule,
+    valid: torch.Tensor,  # [B, K] bool: real drafts
+    guard: torch.Tensor | None,  # [B, K] bool
+    relax_left: torch.Tensor | None,  # [B] long
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    u_accept: torch.Tensor,  # [B, K]
+    u_sample: torch.Tensor,  # [B]
+    draft_probs: torch.Tensor | None,  # [B, K, V]; None: one-hot q
+) -> VerifyResult:
+    """Sampling: the strict check is Leviathan et al.'s u < min(1, p(x) / q(x)) (transformers'
+    _speculative_sampling, vLLM's rejection sampler). A rejection judged by it draws the
+    correction from norm(max(0, p - q)), one at a relaxable position from p itself; after all
+    drafts a bonus from p. With a strict rule this reproduces the target's law exactly."""
+    B, K = drafts.shape
+    logits_k = logits[:, :K]  # [B, K, V]
+    p = sampling_probs(logits, temperature, top_k, top_p)  # [B, K+1, V]
+    strict_ok = strict_sampling_accepts(drafts, p[:, :K], u_accept, draft_probs)  # [B, K]
+    if per_token(rule):
+        facts = per_token_facts(rule, logits_k, drafts, p[:, :K], strict_ok, valid)
+    else:  # MARS, or strict (whose statistic is reported all the same)
+        alive = p[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2) > 0  # [B, K]
+        facts = mars_facts(rule, logits_k, drafts, alive, strict_ok)
+    decision, refused = guarded_decision(rule, facts, valid, guard, relax_left)
+    n, relaxed, relaxable = accepted_prefix(decision, strict_ok, valid)
+    # The next token: from row n of p, or of the residual when the strict check rejected there.
     rows = torch.arange(B, device=drafts.device)
     p_n = p[rows, n]  # [B, V]
-    rejected_own = n < (draft_len.to(n.device) if draft_len is not None else torch.full_like(n, K))
     dist = p_n
     if K > 0:
         n_c = n.clamp(max=K - 1)
+        rejected_own = n < valid.sum(dim=1)  # the row rejected one of its own drafts
         use_residual = rejected_own & ~relaxable[rows, n_c]
         if bool(use_residual.any()):
             q_n = None if draft_probs is None else draft_probs[rows, n_c].float()
             dist = torch.where(use_residual.unsqueeze(1), residual(p_n, q_n, drafts[rows, n_c]), p_n)
-    nxt = sample_from(dist, u_sample)
-    return VerifyResult(n, nxt, relaxed, relaxable, stat, refused)
+    next_token = sample_from(dist, u_sample)  # [B]
+    return VerifyResult(n, next_token, relaxed, relaxable, position_statistic(rule, facts), refused)
 
 
-def strict_greedy(drafts: torch.Tensor, logits: torch.Tensor,
-                  draft_len: torch.Tensor | None = None) -> VerifyResult:
-    """Accept drafts while they equal the target's argmax; then emit the argmax."""
-    return verify(drafts, logits, rule=Rule(STRICT), draft_len=draft_len)
+def position_statistic(rule: Rule, facts: PositionFacts) -> torch.Tensor:
+    """[B, K] float32: what each position reports: a per-token rule's own statistic, else
+    (MARS, strict) the margin statistic."""
+    return statistic(rule, facts).float() if per_token(rule) else facts.statistics[rule.margin]
 
 
-def mars_greedy(drafts: torch.Tensor, logits: torch.Tensor, theta: float, margin: str = LOGIT_RATIO,
-                draft_len: torch.Tensor | None = None) -> VerifyResult:
-    """MARS greedy verification (paper, Algorithm 1): accept the top-1; else the top-2 at a
-    relaxable position; else emit the top-1 and stop."""
-    return verify(drafts, logits, rule=Rule(MARS, theta, margin), draft_len=draft_len)
+def mars_facts(
+    rule: Rule,
+    logits_k: torch.Tensor,  # [B, K, V] raw target logits judging the drafts
+    drafts: torch.Tensor,  # [B, K] long
+    alive: torch.Tensor,  # [B, K] bool: p(draft) > 0
+    strict_ok: torch.Tensor,  # [B, K] bool
+) -> PositionFacts:
+    """MARS's facts (paper, Algorithm 1): the target's logits z1 >= z2 at each position, the
+    margin statistic r (z2 / z1, relaxable only where z1 > 0; or exp(z2 - z1)) that ``decide``
+    compares with theta, and whether the draft is the top-1 or top-2 token."""
+    z1, z2, t1, t2 = top2(logits_k)  # each [B, K]
+    stat = margin_statistic(z1, z2, rule.margin)
+    return PositionFacts({rule.margin: stat}, in_top2(drafts, t1, t2, alive), strict_ok)
 
 
-def speculative_sampling(drafts: torch.Tensor, logits: torch.Tensor, u_accept: torch.Tensor,
-                         u_sample: torch.Tensor, *, temperature: float, top_k: int = 0,
-                         top_p: float = 1.0, draft_probs: torch.Tensor | None = None,
-                         theta: float = math.inf, margin: str = LOGIT_RATIO,
-                         draft_len: torch.Tensor | None = None) -> VerifyResult:
-    """Speculative sampling; strict for theta = +inf, MARS sampling otherwise."""
-    return verify(drafts, logits, rule=Rule.from_theta(theta, margin), temperature=temperature,
-                  top_k=top_k, top_p=top_p, u_accept=u_accept, u_sample=u_sample,
-                  draft_probs=draft_probs, draft_len=draft_len)
+def per_token_facts(
+    rule: Rule,
+    logits_k: torch.Tensor,  # [B, K, V]
+    drafts: torch.Tensor,  # [B, K] long
+    probs_k: torch.Tensor,  # [B, K, V] target probabilities (sampling law; T = 1 if greedy)
+    strict_ok: torch.Tensor,  # [B, K] bool
+    valid: torch.Tensor,  # [B, K] bool
+) -> PositionFacts:
+    """A per-token rule's facts of a chain step; the regret is summed along each row's drafts
+    (padding adds nothing: it is never accepted)."""
+    f = draft_facts(logits_k, drafts, probs_k, rule.needs)
+    if "regret" in f:
+        f["regret"] = torch.where(valid, f["regret"], torch.zeros_like(f["regret"])).cumsum(dim=1)
+    return PositionFacts({}, None, strict_ok, **f)
+
+
+def guarded_decision(
+    rule: Rule,
+    facts: PositionFacts,  # [B, K] each
+    valid: torch.Tensor,  # [B, K] bool
+    guard: torch.Tensor | None,  # [B, K] bool: the loop guard (never relax here)
+    relax_left: torch.Tensor | None,  # [B] long: each row's remaining relaxation budget
+) -> tuple[Decision, torch.Tensor | None]:
+    """The rule's decision with the loop guard and the relaxation budget applied, and
+    ``refused`` [B] bool (None without guard and budget): the row's first rejection is a
+    relaxation the guard or the budget refused (the rule alone would have accepted there)."""
+    decision = decide(rule, facts)
+    if not rule.relaxes or (guard is None and relax_left is None):
+        return decision, None
+    K = valid.shape[1]
+    # Would-be relaxations (judged on their own) that the guard or the budget refuses.
+    wants = decision.ok & decision.relaxable & ~facts.strict_ok & valid  # [B, K]
+    guarded = torch.zeros_like(wants) if guard is None else guard.to(wants.device) & valid
+    if relax_left is not None:
+        guarded = guarded | over_budget(wants, relax_left.to(wants.device))
+    facts.guarded = guarded
+    decision = decide(rule, facts)
+    if K == 0:
+        return decision, None
+    n_ok = _prefix_len(decision.ok & valid)
+    at = n_ok.clamp(max=K - 1).unsqueeze(1)
+    return decision, (wants & guarded).gather(1, at).squeeze(1) & (n_ok < K)
+
+
+def accepted_prefix(
+    decision: Decision,
+    strict_ok: torch.Tensor,  # [B, K] bool
+    valid: torch.Tensor,  # [B, K] bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The accepted prefix of each row: n [B] long, relaxed [B, K] (accepted only thanks to
+    the rule) and relaxable [B, K] (the rule relaxed the check there)."""
+    relaxable = decision.relaxable & valid
+    n = _prefix_len(decision.ok & valid)
+    accepted = torch.arange(valid.shape[1], device=valid.device).unsqueeze(0) < n.unsqueeze(1)
+    return n, relaxed_positions(accepted, relaxable, strict_ok), relaxable
 
 
 def verify_rows(

@@ -26,9 +26,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# n-gram size and window (tokens) of the guard, and of the repetition statistic whatever the
-# guard's settings (so strict and relaxed runs are measured alike).
-from marscli.config import DEFAULT_GUARD_NGRAM, DEFAULT_GUARD_WINDOW
+#: The guard's defaults, the settings values' too (marscli.config.GuardConfig; measured in
+#: docs/calibration.md, "Loops"). Plain Python and nothing of marscli imported: this module
+#: sits in the base layer with the registry, so config builds on it. n-gram size and window
+#: (tokens) of the loop guard, and of the repetition statistic whatever the guard's settings
+#: (so strict and relaxed runs are measured alike).
+DEFAULT_GUARD_NGRAM = 4
+DEFAULT_GUARD_WINDOW = 256
+#: Default relaxation budget per record, as a share of its max tokens (1.0: no budget).
+DEFAULT_MAX_RELAXED_SHARE = 0.25
+#: Generated tokens at the start of every output that relaxed rules verify strictly (issue 31:
+#: a relaxed verifier's weaker jailbreak and prompt-injection robustness is repaired by
+#: verifying the first 1-2 tokens exactly).
+DEFAULT_STRICT_FIRST = 2
 
 #: A loop at the end of an output: a block of at most LOOP_MAX_PERIOD tokens repeated at least
 #: LOOP_MIN_REPEATS times, covering at least LOOP_MIN_SPAN tokens, up to the last token (the

@@ -7,8 +7,8 @@ line's ``--verify`` choices and knob options with their help (marscli.cli), the 
 keywords, what a knob needs and which rule owns it (marscli.jobs.setup), calibrate's
 ``--rule`` and its fixed-knob options, the profile schema's knob keys
 (marscli.calibration.profiles), the calibration curve's grid, and bench's method spellings
-(``ratio@R``, ``topk@N:D``; marscli.bench.methods). A rule's judgement itself, its formula,
-lives in marscli.verification.rules.
+(``ratio@R``, ``topk@N:D``; marscli.bench.methods). A rule's judgement itself (its formula, its statistic, its
+critical values), lives in its block of marscli.verification.rules (``RuleBehaviour``).
 
 Pure data: no torch, nothing else of marscli imported, so ``marscli --help`` stays fast and
 marscli.config may build on it.
@@ -95,6 +95,9 @@ class RuleSpec:
     statistic: str | None = None  # its histogram's statistic (MARS: the margin statistic's name)
     uses_margin: bool = False  # MARS's margin statistic is one of its knobs (a choice)
     note: str = ""  # what a bench spelling adds after the bounds
+    #: Whether a Rule at its knob values can relax any position (False: strict, or a rule at
+    #: its strict end). Plain Python on the knobs: the settings values ask it without torch.
+    relaxes: Callable[[Rule], bool] = lambda rule: False
 
     def knob(self, name: str) -> Knob:
         return next(k for k in self.knobs if k.name == name)
@@ -162,14 +165,17 @@ BUDGET = Knob("budget", "B", float, 0.0, "B >= 0", "at least 0", lambda v: v >= 
 RULEBOOK: dict[str, RuleSpec] = {r.name: r for r in (
     RuleSpec(STRICT, "exact"),
     RuleSpec(MARS, "relax at low-margin positions", (THETA,), "theta", -1, math.inf,
-             needs=frozenset({"statistics", "in_top2"}), uses_margin=True),
-    RuleSpec(RATIO, "", (RHO,), "rho", -1, 1.0, needs=frozenset({"p_draft", "p1"}), statistic="p-ratio"),
+             needs=frozenset({"statistics", "in_top2"}), uses_margin=True,
+             relaxes=lambda r: r.theta != math.inf),
+    RuleSpec(RATIO, "", (RHO,), "rho", -1, 1.0, needs=frozenset({"p_draft", "p1"}), statistic="p-ratio",
+             relaxes=lambda r: r.rho < 1.0),
     RuleSpec(TOPK, "", (TOP_N, DELTA), "delta", +1, 0.0, needs=frozenset({"p_draft", "p1", "rank"}),
-             statistic="p-gap"),
+             statistic="p-gap", relaxes=lambda r: r.delta > 0.0 and r.top_n > 1),
     RuleSpec(TYPICAL, "", (EPSILON, ALPHA), "epsilon", -1, 1.0, needs=frozenset({"p_draft", "entropy"}),
-             statistic="p-draft", note="A = sqrt(E) by default"),
+             statistic="p-draft", note="A = sqrt(E) by default",
+             relaxes=lambda r: not (r.epsilon >= 1.0 and r.alpha == math.inf)),
     RuleSpec(REGRET, "", (BUDGET,), "budget", +1, 0.0, modes=(GREEDY_MODE,), needs=frozenset({"regret"}),
-             statistic="regret"),
+             statistic="regret", relaxes=lambda r: r.budget > 0.0),
 )}
 
 RULES = tuple(RULEBOOK)
@@ -220,25 +226,10 @@ class Rule:
         if self.alpha is None:
             object.__setattr__(self, "alpha", math.sqrt(self.epsilon))
 
-    @classmethod
-    def from_theta(cls, theta: float, margin: str = LOGIT_RATIO) -> Rule:
-        """MARS at theta, or strict for theta = +inf (the older keyword interface)."""
-        return cls(STRICT if theta == math.inf else MARS, theta, margin)
-
     @property
     def relaxes(self) -> bool:
         """Whether any position can be relaxed (never: strict, or a rule at its strict end)."""
-        if self.name == MARS:
-            return self.theta != math.inf
-        if self.name == RATIO:
-            return self.rho < 1.0
-        if self.name == TOPK:
-            return self.delta > 0.0 and self.top_n > 1
-        if self.name == TYPICAL:
-            return not (self.epsilon >= 1.0 and self.alpha == math.inf)
-        if self.name == REGRET:
-            return self.budget > 0.0
-        return False
+        return self.spec.relaxes(self)
 
     @property
     def spec(self) -> RuleSpec:

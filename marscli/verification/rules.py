@@ -2,8 +2,9 @@
 
 The facts a rule judges a verified draft position by (``PositionFacts``: margin statistics,
 p(x), p1, rank, entropy, summed regret; built by ``top2``/``margin_statistic`` and
-``draft_facts``), each rule's formula (``relaxable`` for MARS, one small function per
-per-token rule in ``CONDITIONS``) and ``decide``, elementwise, so the verifier's walks
+``draft_facts``), each rule's behaviour in one block (a ``RuleBehaviour`` registered under
+its registry name: its condition with the formula and source, its statistic, its critical
+values for calibration) and ``decide``, elementwise, so the verifier's walks
 (marscli.verification.chain, marscli.verification.tree) and calibration's numpy replay
 (marscli.calibration.collect) call the very same function. A rule's name and knobs (the
 ``Rule`` value) are the registry's (marscli.verification.registry); the words are fixed in
@@ -13,17 +14,31 @@ marscli.verification's docstring.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from marscli.verification.registry import LOGIT_RATIO, MARGINS, MARS, PROB_RATIO, RATIO, REGRET, TOPK, TYPICAL, Rule
+from marscli.verification.registry import (
+    LOGIT_RATIO,
+    MARGINS,
+    MARS,
+    PROB_RATIO,
+    RATIO,
+    REGRET,
+    STRICT,
+    TOPK,
+    TYPICAL,
+    Rule,
+    rule_spec,
+)
 
 #: Statistic value of positions that can never be relaxed (z1 <= 0 under logit-ratio).
 NOT_RELAXABLE = -math.inf
+#: Critical values a calibration walk visits exactly (subsampled beyond).
+MAX_CANDIDATES = 4096
 
 
 # ----------------------------------------------------------------------------- the judgement
@@ -37,11 +52,9 @@ NOT_RELAXABLE = -math.inf
 
 
 def relaxable(rule: Rule, stat: Any) -> Any:
-    """MARS (Shi et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): a
-    position is relaxable where its margin statistic exceeds ``theta``; there a draft that is
-    the target's top-1 or top-2 token (with p > 0) is accepted outright, elsewhere the strict
-    check decides, and a rejection at a relaxable position draws the next token from p
-    itself. All False for a rule that never relaxes this way (every rule but MARS)."""
+    """MARS's margin check (``Mars``): the position is relaxable where its margin statistic
+    exceeds ``theta``. All False for a rule that never relaxes this way (every rule but MARS,
+    and MARS at theta = +inf)."""
     if isinstance(stat, torch.Tensor):
         stat = stat.double()
     return stat > (rule.theta if rule.relaxes and rule.name == MARS else math.inf)
@@ -67,99 +80,270 @@ def stop_positions(drafts: torch.Tensor, logits: torch.Tensor, stops: torch.Tens
     return hit(drafts) | hit(top1)
 
 
-# The per-token rules: each has a condition on the position's facts; a draft is accepted when
-# the strict check accepts it OR the condition holds (unless the loop guard or the budget
-# forbids relaxing there). A rejection is always judged by the strict check, so the next
-# token comes from the strict residual. With a deterministic drafter (one-hot q) the law of
-# the token emitted at a position whose draft is x is therefore: x itself when the condition
-# holds, else exactly p (the strict law).
+# ----------------------------------------------------------------------------- the rules
+# Each rule is ONE block here: a RuleBehaviour registered under its registry name (its name,
+# knobs, bounds and when it relaxes at all are its registry.RuleSpec). A block says when a
+# position relaxes (``condition``), the number a position is judged by (``statistic``) and
+# the knob values where a replay can change (``critical_values``, for calibration's walk).
+#
+# The per-token rules (every rule but MARS): a draft is accepted when the strict check accepts
+# it OR the condition holds (unless the loop guard or the budget forbids relaxing there). A
+# rejection is always judged by the strict check, so the next token comes from the strict
+# residual. With a deterministic drafter (one-hot q) the law of the token emitted at a
+# position whose draft is x is therefore: x itself when the condition holds, else exactly p
+# (the strict law).
 
 
-def _ratio(rule: Rule, facts: PositionFacts) -> Any:
+class RuleBehaviour:
+    """What a rule does, beside its registry entry. Subclass it once per rule (static
+    methods) and register it with ``@behaviour(NAME)``; the default ``decide`` is a per-token
+    rule's (strict OR the condition)."""
+
+    name: str = ""
+    #: A per-token rule: a condition on each position's own facts (MARS is not one: it relaxes
+    #: by the row's margin statistic and accepts only the target's top two there).
+    per_token: bool = True
+
+    @staticmethod
+    def condition(rule: Rule, facts: PositionFacts) -> Any:
+        """Elementwise bool: the rule relaxes the position (before the guard)."""
+        raise ValueError(f"rule {rule.name!r} has no per-token condition")
+
+    @staticmethod
+    def statistic(rule: Rule, facts: PositionFacts) -> Any:
+        """The number each position is judged by, for reports and provenance (default: the
+        margin statistic if known, else nothing)."""
+        return facts.statistics.get(rule.margin)
+
+    @staticmethod
+    def critical_values(rule: Rule, data: Any, tie_alpha: bool) -> np.ndarray:
+        """Knob values to walk from the strict end outwards, where the replay of ``data``
+        (calibration.collect.MarginData: flat numpy arrays of the recorded facts) changes."""
+        raise ValueError(f"the {rule.name} rule has no knob to calibrate")
+
+    @classmethod
+    def decide(cls, rule: Rule, facts: PositionFacts) -> Decision:
+        relax = cls.condition(rule, facts)
+        if facts.guarded is not None:
+            relax = relax & ~facts.guarded
+        return Decision(ok=facts.strict_ok | relax, relaxable=relax)
+
+
+#: Every rule's behaviour by its registry name (tests/test_rulebook.py: one per RULEBOOK entry).
+BEHAVIOURS: dict[str, type[RuleBehaviour]] = {}
+
+
+def behaviour(name: str) -> Callable[[type[RuleBehaviour]], type[RuleBehaviour]]:
+    """Register a rule's behaviour under its registry name."""
+    rule_spec(name)  # refuses a name the registry does not know
+
+    def register(cls: type[RuleBehaviour]) -> type[RuleBehaviour]:
+        cls.name = name
+        BEHAVIOURS[name] = cls
+        return cls
+    return register
+
+
+def walk_order(values: np.ndarray, rule: Rule) -> np.ndarray:
+    """Distinct critical values ordered from the rule's strict end outwards, subsampled to
+    MAX_CANDIDATES."""
+    v = np.unique(values)
+    if rule.spec.direction < 0:
+        v = v[::-1]
+    return subsample(v)
+
+
+def subsample(v: np.ndarray) -> np.ndarray:
+    """At most MAX_CANDIDATES values, evenly spread, the first and last kept."""
+    if len(v) > MAX_CANDIDATES:
+        v = v[np.unique(np.linspace(0, len(v) - 1, MAX_CANDIDATES).round().astype(int))]
+    return v
+
+
+@behaviour(STRICT)
+class Strict(RuleBehaviour):
+    """strict: keep a draft only where the target agrees (greedy: its argmax; sampling:
+    Leviathan et al.'s u < min(1, p(x) / q(x))): lossless. Never relaxes."""
+
+    per_token = False
+
+
+@behaviour(MARS)
+class Mars(RuleBehaviour):
+    """MARS (Shi et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): with
+    target logits z1 >= z2 at a position, r = z2 / z1 (logit-ratio; or p2 / p1 = exp(z2 - z1),
+    prob-ratio). The position is relaxable when z1 > 0 and r > theta (``relaxable``); there a
+    draft that is the target's top-1 or top-2 token (with p > 0) is accepted outright,
+    elsewhere the strict check decides, and a rejection at a relaxable position draws the next
+    token from p itself."""
+
+    per_token = False
+
+    @staticmethod
+    def condition(rule: Rule, facts: PositionFacts) -> Any:
+        return relaxable(rule, facts.statistics[rule.margin])
+
+    @classmethod
+    def decide(cls, rule: Rule, facts: PositionFacts) -> Decision:
+        relax = cls.condition(rule, facts)
+        if facts.guarded is not None:
+            relax = relax & ~facts.guarded
+        ok = (relax & facts.in_top2) | (~relax & facts.strict_ok)
+        return Decision(ok=ok, relaxable=relax)
+
+    @staticmethod
+    def critical_values(rule: Rule, data: Any, tie_alpha: bool) -> np.ndarray:
+        """The sensitive statistic values c_0 > c_1 > ... (where relaxing changes the
+        outcome: MARS and strict disagree there) themselves, then one just below the last:
+        theta = c_i relaxes c_0 .. c_(i-1), the most relaxing theta that does so, and one value
+        more lets the last one relax too. With no sensitive position at all, 1.0 (no statistic
+        lies above it)."""
+        stat = data.statistic(rule.margin)
+        sensitive = data.in_top2 != (data.strict_ok > 0.5)
+        c = subsample(np.unique(stat[sensitive & np.isfinite(stat)])[::-1])
+        return np.r_[c, np.nextafter(c[-1], -math.inf)] if len(c) else np.asarray([1.0])
+
+
+def open_positions(data: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+    """Where a per-token rule can change the outcome (strict rejects a draft of p > 0): the
+    mask and p(x), p1 there."""
+    open_ = (data.strict_ok < 0.5) & (data.p_draft > 0)
+    return open_, data.p_draft[open_], data.p1[open_]
+
+
+@behaviour(RATIO)
+class Ratio(RuleBehaviour):
     """ratio (``rho`` = R in (0, 1]): relax where p(x) >= R * p1, x at any rank with p(x) > 0.
     R = 1 is strict. When sampling, any R < 1 accepts a draft that is the target's top-1
     outright (strict rejection sampling keeps it with probability p1 only), so the family is
     strict only at R = 1 itself; topk with D > 0 likewise. (Speculative cascades' deferral
     rule, Narasimhan et al. 2024, and the "relative probability" acceptance of several MLX
-    engines.)"""
-    px = _float64(facts.p_draft)
-    return (px >= rule.rho * _float64(facts.p1)) & (px > 0)
+    engines.) Statistic: p(x) / p1."""
+
+    @staticmethod
+    def condition(rule: Rule, facts: PositionFacts) -> Any:
+        px = _float64(facts.p_draft)
+        return (px >= rule.rho * _float64(facts.p1)) & (px > 0)
+
+    @staticmethod
+    def statistic(rule: Rule, facts: PositionFacts) -> Any:
+        return facts.p_draft / facts.p1
+
+    @staticmethod
+    def critical_values(rule: Rule, data: Any, tie_alpha: bool) -> np.ndarray:
+        _, px, p1 = open_positions(data)
+        v = np.minimum(np.nextafter(px / p1, 0.0), np.nextafter(1.0, 0.0))
+        return walk_order(v[v > 0], rule)
 
 
-def _topk(rule: Rule, facts: PositionFacts) -> Any:
+@behaviour(TOPK)
+class TopK(RuleBehaviour):
     """topk (``top_n`` = N >= 1, ``delta`` = D >= 0): relax where x is among the target's N
     most likely tokens (rank = 1 + the number of tokens with a larger logit) and
     p(x) >= p1 - D (TensorRT-LLM's relaxed acceptance for DeepSeek MTP: candidate set of the
-    top-N, probability within delta of the top-1). D = 0 (or N = 1) is strict."""
-    px = _float64(facts.p_draft)
-    return (facts.rank <= rule.top_n) & (px >= _float64(facts.p1) - rule.delta) & (px > 0)
+    top-N, probability within delta of the top-1). D = 0 (or N = 1) is strict. Statistic:
+    p1 - p(x)."""
+
+    @staticmethod
+    def condition(rule: Rule, facts: PositionFacts) -> Any:
+        px = _float64(facts.p_draft)
+        return (facts.rank <= rule.top_n) & (px >= _float64(facts.p1) - rule.delta) & (px > 0)
+
+    @staticmethod
+    def statistic(rule: Rule, facts: PositionFacts) -> Any:
+        return facts.p1 - facts.p_draft
+
+    @staticmethod
+    def critical_values(rule: Rule, data: Any, tie_alpha: bool) -> np.ndarray:
+        open_, px, p1 = open_positions(data)
+        near = data.target_rank[open_] <= rule.top_n
+        return walk_order(np.nextafter((p1 - px)[near], math.inf), rule)
 
 
-def _typical(rule: Rule, facts: PositionFacts) -> Any:
+@behaviour(TYPICAL)
+class Typical(RuleBehaviour):
     """typical (``epsilon`` = E in (0, 1], ``alpha`` = A > 0; A defaults to sqrt(E)): relax
     where p(x) > min(E, A * exp(-H(p))), H the entropy of p in nats (Medusa's typical
     acceptance, Cai et al. 2024, Section 2.3.1, once vLLM's TypicalAcceptanceSampler). The
     first position that fails gets the target's token (greedy) or a draw whose law is p
-    (sampling). With E = 1 and A = +inf the threshold is 1 and nothing relaxes: strict."""
-    px, h = _float64(facts.p_draft), _float64(facts.entropy)
-    lib = torch if isinstance(h, torch.Tensor) else np
-    threshold = lib.minimum(lib.exp(-h) * rule.alpha, lib.full_like(h, rule.epsilon)) \
-        if rule.alpha != math.inf else lib.full_like(h, rule.epsilon)
-    return px > threshold
+    (sampling). With E = 1 and A = +inf the threshold is 1 and nothing relaxes: strict.
+    Statistic: p(x)."""
+
+    @staticmethod
+    def condition(rule: Rule, facts: PositionFacts) -> Any:
+        px, h = _float64(facts.p_draft), _float64(facts.entropy)
+        lib = torch if isinstance(h, torch.Tensor) else np
+        threshold = lib.minimum(lib.exp(-h) * rule.alpha, lib.full_like(h, rule.epsilon)) \
+            if rule.alpha != math.inf else lib.full_like(h, rule.epsilon)
+        return px > threshold
+
+    @staticmethod
+    def statistic(rule: Rule, facts: PositionFacts) -> Any:
+        return facts.p_draft
+
+    @staticmethod
+    def critical_values(rule: Rule, data: Any, tie_alpha: bool) -> np.ndarray:
+        """E < p, or E < (p e^H)^2 with alpha tied to sqrt(E); with alpha fixed E < p unless
+        p > A e^-H already relaxes the position at any E."""
+        open_, px, _ = open_positions(data)
+        h = data.entropy[open_]
+        if tie_alpha:
+            c = np.maximum(px, (px * np.exp(h)) ** 2)
+        else:
+            c = np.where(px > rule.alpha * np.exp(-h), math.inf, px)
+        v = np.nextafter(c[c <= 1.0], 0.0)
+        return walk_order(v[v > 0], rule)
 
 
-def _regret(rule: Rule, facts: PositionFacts) -> Any:
+@behaviour(REGRET)
+class Regret(RuleBehaviour):
     """regret (``budget`` = B >= 0; greedy only): accept the drafts of a step while the
     step's summed regret sum_i (z1_i - z(x_i)) over the drafts so far stays <= B (approximate
     speculative decoding's logit-gap budget; invariant to a constant shift of the logits). A
-    tree sums along the root path. B = 0 is strict."""
-    return _float64(facts.regret) <= rule.budget
+    tree sums along the root path. B = 0 is strict. Statistic: the summed regret so far."""
+
+    @staticmethod
+    def condition(rule: Rule, facts: PositionFacts) -> Any:
+        return _float64(facts.regret) <= rule.budget
+
+    @staticmethod
+    def statistic(rule: Rule, facts: PositionFacts) -> Any:
+        return facts.regret
+
+    @staticmethod
+    def critical_values(rule: Rule, data: Any, tie_alpha: bool) -> np.ndarray:
+        g = data.grid()
+        summed = g["regret"][g["valid"] & ~g["strict_ok"]]
+        return walk_order(np.maximum(summed[np.isfinite(summed)], np.nextafter(0.0, 1.0)), rule)
 
 
-#: Each per-token rule's condition (MARS relaxes by its margin statistic: ``relaxable``).
-CONDITIONS = {RATIO: _ratio, TOPK: _topk, TYPICAL: _typical, REGRET: _regret}
-
-
-def relaxes_at(rule: Rule, facts: PositionFacts) -> Any:
-    """Elementwise bool: a per-token rule's condition (ratio, topk, typical, regret), before
-    the guard."""
-    if rule.name not in CONDITIONS:
-        raise ValueError(f"rule {rule.name!r} has no per-token condition")
-    return CONDITIONS[rule.name](rule, facts)
+def per_token(rule: Rule) -> bool:
+    """Is ``rule`` a per-token rule that relaxes at its knobs (so the walks gather its
+    per-token facts and judge each draft by its condition)?"""
+    return rule.relaxes and BEHAVIOURS[rule.name].per_token
 
 
 def statistic(rule: Rule, facts: PositionFacts) -> Any:
     """The number each position is judged by, for reports and provenance: MARS its margin
     statistic; ratio p(x)/p1; topk p1 - p(x); typical p(x); regret the summed regret so far;
     strict the margin statistic if known, else nothing."""
-    if rule.name == RATIO:
-        return facts.p_draft / facts.p1
-    if rule.name == TOPK:
-        return facts.p1 - facts.p_draft
-    if rule.name == TYPICAL:
-        return facts.p_draft
-    if rule.name == REGRET:
-        return facts.regret
-    return facts.statistics.get(rule.margin)
+    return BEHAVIOURS[rule.name].statistic(rule, facts)
 
 
 def decide(rule: Rule, facts: PositionFacts) -> Decision:
     """The per-position decision of every rule: judge every position on its own (the caller
-    keeps the accepted prefix or path). strict keeps a draft only where the target agrees
-    (greedy: its argmax; sampling: Leviathan et al.'s test u < min(1, p(x) / q(x))): lossless.
-    A ``guarded`` position (the loop guard or the relaxation budget) is judged strictly."""
+    keeps the accepted prefix or path). A rule that does not relax at its knobs is strict;
+    a ``guarded`` position (the loop guard or the relaxation budget) is judged strictly."""
     if not rule.relaxes:  # no margin needed: all False, of the facts' own type and shape
         return Decision(ok=facts.strict_ok, relaxable=facts.strict_ok & ~facts.strict_ok)
-    if rule.name == MARS:
-        relax = relaxable(rule, facts.statistics[rule.margin])
-        if facts.guarded is not None:
-            relax = relax & ~facts.guarded
-        ok = (relax & facts.in_top2) | (~relax & facts.strict_ok)
-        return Decision(ok=ok, relaxable=relax)
-    relax = relaxes_at(rule, facts)
-    if facts.guarded is not None:
-        relax = relax & ~facts.guarded
-    return Decision(ok=facts.strict_ok | relax, relaxable=relax)
+    return BEHAVIOURS[rule.name].decide(rule, facts)
+
+
+def in_top2(drafts: Any, t1: Any, t2: Any, alive: Any) -> Any:
+    """Elementwise bool: the draft is the target's top-1 or top-2 token and p(draft) > 0
+    (``alive``) there: what MARS accepts at a relaxable position. drafts, t1, t2, alive of
+    one shape."""
+    return ((drafts == t1) | (drafts == t2)) & alive
 
 
 def _float64(x: Any) -> Any:

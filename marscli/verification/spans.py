@@ -208,10 +208,6 @@ class SpanTracker:
     def _strict(self, c: _Cursor) -> bool:
         return self.rule.strict(c.state, c.text)
 
-    def strict_now(self) -> bool:
-        """Is the next position (after the committed text) strict?"""
-        return self._strict(self.cur)
-
     def flags(self, drafts: list[int]) -> list[bool]:
         """Per draft: strict, from the committed text and the drafts before it."""
         out = []

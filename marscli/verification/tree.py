@@ -13,17 +13,20 @@ from dataclasses import dataclass
 import torch
 
 from marscli.verification.chain import (
+    STRICT_RULE,
     residual,
     sample_from,
     sampling_probs,
     strict_sampling_accepts,
 )
-from marscli.verification.registry import MARS, SAMPLING_MODE, STRICT, Rule
+from marscli.verification.registry import SAMPLING_MODE, Rule
 from marscli.verification.rules import (
     PositionFacts,
     decide,
     draft_facts,
+    in_top2,
     margin_statistic,
+    per_token,
     relaxable,
     relaxed_positions,
     statistic,
@@ -32,8 +35,6 @@ from marscli.verification.rules import (
 
 #: Parent index of the root's children.
 ROOT = -1
-#: The walk's rule when none is given.
-STRICT_RULE = Rule(STRICT)
 
 
 # ----------------------------------------------------------------------------- the tree
@@ -101,16 +102,6 @@ class DraftTree:
         """Nodes without children, in index order."""
         has_child = set(self.parents.tolist())
         return [i for i in range(len(self)) if i not in has_child]
-
-    def path_to(self, i: int) -> list[int]:
-        """Node indices from the root's child down to node i (i included)."""
-        assert 0 <= i < len(self), f"no node {i} in a tree of {len(self)}"
-        parents = self.parents.tolist()
-        path = []
-        while i != ROOT:
-            path.append(i)
-            i = parents[i]
-        return path[::-1]
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool over (root, nodes): row r sees column c when c is r or an ancestor
@@ -202,10 +193,9 @@ def verify_tree(
             0, parents + 1, guard.long()) > 0
         row_relaxable = row_relaxable & ~row_guarded
     budget = math.inf if relax_left is None else relax_left
-    per_token = rule.name not in (STRICT, MARS) and rule.relaxes
     # the target's sampling law, once: the sampling walk and a per-token rule's facts read it
     p = None if temperature == 0.0 else sampling_probs(logits, temperature, top_k, top_p)  # [N+1, V]
-    if per_token:
+    if per_token(rule):
         probs = torch.softmax(logits.float(), dim=-1) if p is None else p  # [N+1, V]
         node_facts = _per_token_facts(tree, logits, probs, rule)
         relax_node = decide(rule, node_facts).relaxable
@@ -237,7 +227,7 @@ def _node_facts(tokens: torch.Tensor, alive: torch.Tensor, t1: torch.Tensor, t2:
                 stat: torch.Tensor, margin: str, strict_ok: torch.Tensor) -> PositionFacts:
     """Facts of nodes `tokens` [M], each judged at its parent's row: alive [M] (p(token) > 0
     there), that row's top tokens t1/t2 [M] and statistic [M]; strict_ok [M] from the caller."""
-    return PositionFacts({margin: stat}, ((tokens == t1) | (tokens == t2)) & alive, strict_ok)
+    return PositionFacts({margin: stat}, in_top2(tokens, t1, t2, alive), strict_ok)
 
 
 def _per_token_facts(tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor,
