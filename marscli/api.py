@@ -62,7 +62,7 @@ def load(target: str | None = None, draft: str | None = None, *, quiet: bool = T
     record's own text (by default it also drafts from the call's finished records; outputs
     are the same either way). quiet=False narrates loading on stderr as the CLI does.
     """
-    from marscli.jobs.console import Log
+    from marscli.io.console import Log
     from marscli.jobs.setup import build_generator, generation_setup
 
     try:
@@ -145,8 +145,8 @@ class LLM:
                strict_keys: bool = False, provenance: bool = False) -> Iterator[dict[str, Any]]:
         """Result dicts in input order, each as soon as it and those before it are done.
         provenance=True: each result carries `provenance` (marscli.engine.provenance)."""
+        from marscli.io.openai_format import render
         from marscli.jobs.generate import model_name
-        from marscli.jobs.openai_format import render
         from marscli.jobs.results import ResultOptions
         from marscli.jobs.setup import check_choices, check_rule_modes, choice_options
 
@@ -198,13 +198,13 @@ class LLM:
             parse_profile,
             save_profile,
         )
+        from marscli.io.console import Log
         from marscli.jobs.calibrate import (
             calibration_engine,
             choose_policy,
             choose_rule,
             collect_profile,
         )
-        from marscli.jobs.console import Log
         from marscli.jobs.setup import check_choices
 
         gen = self.generator

@@ -56,7 +56,7 @@ app = typer.Typer(
 )
 
 def _fail(err: MarscliError) -> typer.Exit:
-    from marscli.jobs.console import stderr_console, who
+    from marscli.io.console import stderr_console, who
 
     # Under a launcher an error every rank shares is printed once, by the main process.
     if not getattr(err, "reported_elsewhere", False):
@@ -240,7 +240,7 @@ def generate(
     Per-line max_tokens, temperature, top_p, top_k, seed, stop, n, logprobs and top_logprobs
     override the options. One JSON result per input line is written in input order.
     """
-    from marscli.jobs.console import Log
+    from marscli.io.console import Log
     from marscli.jobs.generate import run_generate
     from marscli.jobs.setup import check_choices, choice_options, generation_setup
 
@@ -300,8 +300,8 @@ def calibrate(
     knob, and picks the knob by one policy. generate then finds the profile for this target
     and drafter.
     """
+    from marscli.io.console import Log
     from marscli.jobs.calibrate import calibrate_config, run_calibrate
-    from marscli.jobs.console import Log
 
     def job() -> int:
         cfg = calibrate_config(input, opts, _sampling(sampling), rule=rule, knobs=vars(knobs),
@@ -380,7 +380,7 @@ def profile_show(
 def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YAML files.")]) -> None:
     """Check profile files against the schema; exit 2 naming the file and key of the first problem."""
     from marscli.calibration.profiles import load_profile
-    from marscli.jobs.console import stderr_console
+    from marscli.io.console import stderr_console
 
     code = 0
     for f in files:
@@ -447,8 +447,8 @@ def bench(
     each against ar and hf-generate, with a line per method: a rule that writes longer answers
     can win the first and lose the second. See docs/benchmarks.md for every column.
     """
+    from marscli.io.console import Log
     from marscli.jobs.bench import bench_config, run_bench
-    from marscli.jobs.console import Log
 
     log = Log(quiet)
 
@@ -496,7 +496,7 @@ def score(
     memory limit, fresh temporary directory, no inherited environment); the code comes from
     the first fenced block defining the function, else the raw completion (docs/benchmarks.md).
     """
-    from marscli.jobs.console import Log
+    from marscli.io.console import Log
     from marscli.jobs.score import ScoreConfig, run_score
 
     def job() -> int:
@@ -557,7 +557,7 @@ def train_head(
     and by vLLM and SGLang (docs/drafters.md, "Training a head"). The training record goes to
     stdout as one JSON line and to DIR/training.json.
     """
-    from marscli.jobs.console import Log
+    from marscli.io.console import Log
     from marscli.jobs.setup import check_choices
     from marscli.jobs.train_head import TrainHeadConfig, check_output, run_train_head
     from marscli.training.collect import CollectSettings

@@ -65,15 +65,15 @@ from marscli.config import (
 )
 from marscli.engine.sequence import RecordFailure
 from marscli.errors import EXIT_OK, InputError, UsageError
+from marscli.io.console import UNIT_RUNS, Progress
+from marscli.io.console import Log as Narration
+from marscli.io.distributed import launch_from_env
 from marscli.jobs.bench_match import (
     check_match,
     fit_methods,
     match_section,
     read_calibration,
 )
-from marscli.jobs.console import UNIT_RUNS, Progress
-from marscli.jobs.console import Log as Narration
-from marscli.jobs.distributed import launch_from_env
 from marscli.jobs.setup import (
     chain_or_tree,
     check_choices,

@@ -62,9 +62,9 @@ from marscli.errors import (
     MarscliError,
     UsageError,
 )
+from marscli.io.console import Log, Progress
+from marscli.io.distributed import ProgressPump, shard, solo_step
 from marscli.io.records import read_input
-from marscli.jobs.console import Log, Progress
-from marscli.jobs.distributed import ProgressPump, shard, solo_step
 from marscli.jobs.generate import start_group
 from marscli.jobs.setup import (
     check_batch,

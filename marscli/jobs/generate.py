@@ -1,5 +1,5 @@
 """The generate job: read, load, generate, write results in input order; resume, data
-parallel (marscli.jobs.distributed), signals, --fail-fast and a closed stdout.
+parallel (marscli.io.distributed), signals, --fail-fast and a closed stdout.
 
 Ctrl-C, SIGTERM and a closed stdout end the run cleanly: every finished result is on disk
 (or sent) before the exit, and with -o FILE the run can be finished with --resume. Under a
@@ -27,11 +27,8 @@ from marscli.errors import (
     Stop,
     UsageError,
 )
-from marscli.io.records import read_input
-from marscli.io.results import held_path
-from marscli.io.resume import RunOutput, fingerprint_diff
-from marscli.jobs.console import Log, Progress, silence_stdout
-from marscli.jobs.distributed import (
+from marscli.io.console import Log, Progress, silence_stdout
+from marscli.io.distributed import (
     Group,
     ProgressPump,
     ids_digest,
@@ -39,8 +36,11 @@ from marscli.jobs.distributed import (
     shard,
     solo_step,
 )
+from marscli.io.openai_format import render
+from marscli.io.records import read_input
+from marscli.io.results import held_path
+from marscli.io.resume import RunOutput, fingerprint_diff
 from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint
-from marscli.jobs.openai_format import render
 from marscli.jobs.results import (
     ERR_GENERATION_FAILED,
     ERR_OUT_OF_MEMORY,
@@ -174,7 +174,7 @@ class GenerateRun:
         self.cfg = cfg
         self.log = log
         self.signals = signals
-        self.group = group  # marscli.jobs.distributed.Group under a launcher, else None
+        self.group = group  # marscli.io.distributed.Group under a launcher, else None
         self.output = None  # marscli.io.RunOutput
         self.writer = None  # marscli.io.ResultWriter, once the output is open
         self.progress: Progress | None = None

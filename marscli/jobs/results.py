@@ -25,8 +25,8 @@ from typing import Any
 
 from marscli.config import RecordError, SamplingParams
 from marscli.engine.sequence import RecordFailure
+from marscli.io.openai_format import logprobs_content
 from marscli.io.records import ERR_RECORD
-from marscli.jobs.openai_format import logprobs_content
 from marscli.verification.guard import repetition_stats
 from marscli.verification.registry import mode_problem
 
@@ -46,7 +46,7 @@ class ResultOptions:
     truncate_prompt: str = "none"  # "left": drop a long prompt's oldest tokens
     timing: bool = True  # wall-clock figures (off: byte-identical reruns)
     token_ids: bool = False  # the generated token ids
-    output_format: str = "default"  # "openai": OpenAI batch output lines (jobs/openai_format)
+    output_format: str = "default"  # "openai": OpenAI batch output lines (marscli.io.openai_format)
     strict_keys: bool = False  # a record with keys marscli does not act on is an error result
     model: str = ""  # the target's name, for the OpenAI format's `model`
     run_key: str = ""  # what the OpenAI format derives its ids from (the run's fingerprint)

@@ -44,8 +44,8 @@ from marscli.drafters.eagle3_head import load_head
 from marscli.engine import build_engine
 from marscli.errors import ModelLoadError, UsageError
 from marscli.heads import shipped_head_for
-from marscli.jobs.distributed import place_device, rank_max_memory
-from marscli.jobs.openai_format import OUTPUT_FORMATS
+from marscli.io.distributed import place_device, rank_max_memory
+from marscli.io.openai_format import OUTPUT_FORMATS
 from marscli.jobs.results import generate_results
 from marscli.models.loading import (
     DEVICE_MAPS,
