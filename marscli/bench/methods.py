@@ -36,6 +36,7 @@ writes the report. Report layout and column meanings: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -47,6 +48,7 @@ from typing import Any
 
 from marscli.bench import metrics
 from marscli.config import (
+    MODEL_TREE_DEFAULTS,
     SPANS_OFF,
     DraftConfig,
     GuardConfig,
@@ -57,6 +59,7 @@ from marscli.config import (
     SamplingParams,
     SpanConfig,
 )
+from marscli.drafters.eagle3 import DEFAULT_TREE
 from marscli.errors import EXIT_RUNTIME, InputError, UsageError
 from marscli.io.records import find_duplicate_ids, open_input, read_requests
 from marscli.scoring import rouge
@@ -564,3 +567,17 @@ def summarize(cfg: BenchConfig, runs: Sequence[Run], limit_info: dict[str, Any] 
 
 def round_or_none(v: float | None, digits: int = 4) -> float | None:
     return None if v is None else round(v, digits)
+
+
+def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
+    """The drafter of a chain method (no tree) or of a tree method (the --tree-* settings,
+    else the drafter's defaults: EAGLE-3's, or a draft model's sibling tree)."""
+    if not tree:
+        return dataclasses.replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
+    if draft.tree:
+        return draft
+    if draft.kind == "model":
+        return dataclasses.replace(draft, tree_depth=None, tree_top_k=MODEL_TREE_DEFAULTS[0],
+                                   tree_tokens=MODEL_TREE_DEFAULTS[1])
+    return dataclasses.replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
+                               tree_tokens=DEFAULT_TREE.tokens)

@@ -26,6 +26,7 @@ from marscli.bench.methods import (
     MATCHED_METHODS,
     BenchConfig,
     MethodSpec,
+    chain_or_tree,
     read_prompt_records,
 )
 from marscli.bench.metrics import ratio
@@ -35,7 +36,7 @@ from marscli.calibration.policies import RELAXED, match_relax_rate, relaxed_per_
 from marscli.config import GUARD_OFF, Request, VerifyConfig
 from marscli.engine.sequence import RecordFailure
 from marscli.errors import InputError, UsageError
-from marscli.jobs.setup import chain_or_tree, make_engine
+from marscli.jobs.setup import make_engine
 from marscli.verification.registry import MARS, Rule
 
 Log = Callable[[str], None]

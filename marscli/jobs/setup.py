@@ -39,7 +39,6 @@ from marscli.config import (
     VerifyConfig,
     VerifyRequest,
 )
-from marscli.drafters.eagle3 import DEFAULT_TREE
 from marscli.drafters.eagle3_head import load_head
 from marscli.engine import build_engine
 from marscli.errors import ModelLoadError, UsageError
@@ -631,16 +630,3 @@ def generation_setup(o: GenerationOptions) -> ModelSetup:
     return ModelSetup(tcfg, dcfg, dmcfg, request,
                       str(prof.path) if prof is not None else None, o.auto_profile, o.batch_size, spans)
 
-
-def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
-    """The drafter of a chain method (no tree) or of a tree method (the --tree-* settings,
-    else the drafter's defaults: EAGLE-3's, or a draft model's sibling tree)."""
-    if not tree:
-        return dataclasses.replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
-    if draft.tree:
-        return draft
-    if draft.kind == DRAFT_MODEL:
-        return dataclasses.replace(draft, tree_depth=None, tree_top_k=MODEL_TREE_DEFAULTS[0],
-                                   tree_tokens=MODEL_TREE_DEFAULTS[1])
-    return dataclasses.replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
-                               tree_tokens=DEFAULT_TREE.tokens)
