@@ -6,6 +6,7 @@ What the methods are, the protocol's rationale and how runs add up: marscli.benc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -38,7 +39,6 @@ from marscli.bench.report import REPORT_WIDTH, json_safe, render_tables, write_o
 from marscli.bench.runner import Bench, batch_counters  # noqa: F401 (batch_counters: scripts/bench_batch.py)
 from marscli.config import (
     GenerationOptions,
-    VerifyRequest,
 )
 from marscli.errors import EXIT_OK, InputError, UsageError
 from marscli.io.console import UNIT_RUNS, Progress
@@ -51,19 +51,14 @@ from marscli.jobs.bench_match import (
     read_calibration,
 )
 from marscli.jobs.setup import (
-    check_choices,
-    draft_config,
-    guard_request,
+    generation_setup,
     load_models,
-    model_configs,
     named_profile,
     resolve_verification,
-    span_config,
-    target_source,
 )
 from marscli.scoring import rouge
 from marscli.scoring.compare import task_report
-from marscli.verification.registry import PAPER_THETA
+from marscli.verification.registry import PAPER_THETA, STRICT
 
 # --------------------------------------------------------------------------------------------
 # The whole run
@@ -268,27 +263,25 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
     if launch_from_env() is not None:
         raise UsageError("bench times methods against each other in one process: run it "
                          "without a launcher (accelerate launch, torchrun)")
-    check_choices(o.margin, o.dtype, o.ngram_min, o.ngram_max)
-    prof = named_profile(profile)
-    resolved = resolve_verification(VerifyRequest("strict", None, o.margin, **guard_request(o)), prof)
+    setup = generation_setup(dataclasses.replace(o, profile=profile))
+    prof = named_profile(setup.profile)
+    resolved = resolve_verification(dataclasses.replace(setup.verify, mode=STRICT), prof)
     margin = resolved.margin
     thetas = parse_float_list(theta, "--theta") if theta is not None else ()
     prule = prof.rule if prof is not None else None
     if prule is not None and prule.name == "mars" and prule.theta not in thetas:
         thetas = (*thetas, prule.theta)
-    dcfg = draft_config(o, prof)
+    dcfg = setup.draft
     if methods is None:
         methods = DEFAULT_EAGLE3_METHODS if dcfg.kind == "eagle3" else DEFAULT_METHODS
         if prule is not None and prule.name not in ("mars", "strict"):
             methods = f"{methods},{prule.label()}"  # the profile's rule at its knobs
-    # The same model configs as generate's (quantization included).
-    tcfg, dmcfg = model_configs(target_source(o.target, prof), dcfg, o)
     cfg = BenchConfig(
         input=input,
         methods=parse_methods(methods, thetas or (PAPER_THETA,), match=match_relax_rate is not None),
-        target=tcfg,
+        target=setup.target,  # the same model configs as generate's (quantization included)
         draft=dcfg,
-        draft_model=dmcfg,
+        draft_model=setup.draft_model,
         margin=margin,
         max_tokens=max_tokens,
         temperature=temperature,
@@ -299,7 +292,7 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
         batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
         guard=resolved.guard,
         task=task,
-        spans=span_config(o.strict_in, o.strict_regex),
+        spans=setup.spans,
         match_relax_rate=match_relax_rate, calibrate_on=calibrate_on,
         **({"calibration_records": calibration_records} if calibration_records is not None else {}),
     )

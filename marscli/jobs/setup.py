@@ -27,13 +27,17 @@ from marscli.calibration.speed import strict_reason
 from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     MODEL_TREE_DEFAULTS,
+    OUTPUT_FORMATS,
     SPANS_OFF,
     STRICT_THETA,
     TREE_DEFAULTS,
+    TRUNCATIONS,
     DraftConfig,
     GenerationOptions,
     GuardConfig,
     ModelConfig,
+    ModelSetup,
+    SamplingOptions,
     SamplingParams,
     SpanConfig,
     VerifyConfig,
@@ -44,7 +48,6 @@ from marscli.engine import build_engine
 from marscli.errors import ModelLoadError, UsageError
 from marscli.heads import shipped_head_for
 from marscli.io.distributed import place_device, rank_max_memory
-from marscli.io.openai_format import OUTPUT_FORMATS
 from marscli.jobs.results import generate_results
 from marscli.models.loading import (
     DEVICE_MAPS,
@@ -80,7 +83,6 @@ SHIPPED_HEAD = "<shipped head>"
 #: --draft ngram+MODEL: hybrid drafting (prompt lookup, else the draft model)
 HYBRID_PREFIX = "ngram+"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TRUNCATIONS = ("none", "left")
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 1
 TREE_BATCH_MESSAGE = ("tree drafting runs one record at a time: drop --batch-size "
@@ -490,16 +492,14 @@ def make_engine(target, draft_loaded, verify: VerifyConfig, draft: DraftConfig, 
                         solo_lengths=solo_lengths, spans=spans, job_corpus=job_corpus)
 
 
-def choice_options(sampling: SamplingParams, n: int = 1, logprobs: bool = False,
-                   top_logprobs: int | None = None, provenance: bool = False) -> SamplingParams:
-    """The sampling defaults with n, logprobs (top_logprobs implies logprobs) and provenance."""
-    if n < 1:
-        raise UsageError(f"n must be at least 1, got {n}")
-    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
-        raise UsageError(f"top_logprobs must be in [0, 20], got {top_logprobs}")
-    on = logprobs or top_logprobs is not None
-    return dataclasses.replace(sampling, n=n, logprobs=on, top_logprobs=top_logprobs or 0,
-                               provenance=provenance)
+def check_sampling_options(o: SamplingOptions) -> None:
+    """The sampling and output options, checked before anything is loaded (the command
+    line's bounds hold already; the API's keywords are checked here)."""
+    check_choices(truncate_prompt=o.truncate_prompt, output_format=o.output_format)
+    if o.n < 1:
+        raise UsageError(f"n must be at least 1, got {o.n}")
+    if o.top_logprobs is not None and not 0 <= o.top_logprobs <= 20:
+        raise UsageError(f"top_logprobs must be in [0, 20], got {o.top_logprobs}")
 
 
 def drafter_desc(d: DraftConfig) -> str:
@@ -538,21 +538,6 @@ def json_knobs(rule) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- generation
-
-
-@dataclass(frozen=True)
-class ModelSetup:
-    """What a generator is made of, resolved from options: models, drafter, verification as
-    asked, profile choice and batch size."""
-
-    target: ModelConfig
-    draft: DraftConfig
-    draft_model: ModelConfig | None
-    verify: VerifyRequest
-    profile: str | None = None  # a profile's path: use it; None: look for a matching one
-    auto_profile: bool = True
-    batch_size: int = 1
-    spans: SpanConfig = SPANS_OFF  # strict spans (marscli.verification.spans)
 
 
 @dataclass
@@ -597,9 +582,14 @@ class Generator:
         return generate_results(self.engine, items, sampling, options, self.spec_meta, self.batch_size)
 
 
+def load_setup(setup: ModelSetup, note: Note = _silent, group=None):
+    """The setup's target and drafter model (or head), loaded: (target, draft_loaded)."""
+    return load_models(setup.target, setup.draft_model, note, group, setup.draft.kind)
+
+
 def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Generator:
     """Load, choose the profile, resolve verification, build the engine."""
-    target, draft_loaded = load_models(setup.target, setup.draft_model, note, group, setup.draft.kind)
+    target, draft_loaded = load_setup(setup, note, group)
     prof = choose_profile(target, draft_loaded, setup.draft, profile=setup.profile,
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
@@ -611,16 +601,20 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
     return Generator(target, draft_loaded, setup.draft, verify, prof, engine, setup.batch_size, setup.spans)
 
 
-def generation_setup(o: GenerationOptions) -> ModelSetup:
-    """Options of `marscli generate` (and of marscli.load) -> ModelSetup, checked before
-    anything is loaded. Command line > profile > defaults: a --profile supplies the target
-    and the drafter's settings that are not given."""
+def generation_setup(o: GenerationOptions, need_drafter: str | None = None) -> ModelSetup:
+    """GenerationOptions -> ModelSetup, checked before anything is loaded: THE one path of
+    `marscli generate`, `marscli calibrate`, `marscli bench`, `marscli train-head` and
+    marscli.load. Command line > profile > defaults: a --profile supplies the target and the
+    drafter's settings that are not given. need_drafter: the usage error when the drafter is
+    none (calibrate needs one)."""
     check_choices(o.margin, o.dtype, o.ngram_min, o.ngram_max, o.verify)
     if o.profile is not None and not o.auto_profile:
         raise UsageError("--profile and --no-profile exclude each other")
     prof = named_profile(o.profile)
     dcfg = draft_config(o, prof)
     check_batch(dcfg, o.batch_size)
+    if need_drafter is not None and dcfg.kind == DRAFT_NONE:
+        raise UsageError(need_drafter)
     tcfg, dmcfg = model_configs(target_source(o.target, prof), dcfg, o)
     request = VerifyRequest(o.verify, o.theta, o.margin, **guard_request(o),
                             **{k: getattr(o, k) for k in OTHER_KNOBS})
