@@ -26,10 +26,9 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from marscli.config import (
-    DEFAULT_MAX_TOKENS,
     CalibrateConfig,
     GenerationOptions,
-    SamplingParams,
+    SamplingOptions,
     VerifyConfig,
 )
 from marscli.drafters.kinds import NONE
@@ -63,7 +62,7 @@ def load(target: str | None = None, draft: str | None = None, *, quiet: bool = T
     record's own text (by default it also drafts from the call's finished records; outputs
     are the same either way). quiet=False narrates loading on stderr as the CLI does.
     """
-    from marscli.jobs.console import Log
+    from marscli.io.console import Log
     from marscli.jobs.setup import build_generator, generation_setup
 
     try:
@@ -88,6 +87,17 @@ def _load_signature() -> inspect.Signature:
 
 
 load.__signature__ = _load_signature()  # type: ignore[attr-defined]
+
+
+def sampling_options(options: dict[str, Any]) -> SamplingOptions:
+    """Keywords -> SamplingOptions; an unknown one is a usage error naming the options."""
+    try:
+        return SamplingOptions(**options)
+    except TypeError:
+        names = [f.name for f in dataclasses.fields(SamplingOptions)]
+        unknown = sorted(set(options) - set(names))
+        raise UsageError(f"unknown option(s) {', '.join(unknown)}; the options are generate's: "
+                         f"{', '.join(names)}") from None
 
 
 def records_jsonl(records: Record | Iterable[Record]) -> bytes:
@@ -138,60 +148,56 @@ class LLM:
         """The marscli.calibration.profiles.Profile in use, or None."""
         return self.generator.profile
 
-    def stream(self, records: Record | Iterable[Record], *, max_tokens: int = DEFAULT_MAX_TOKENS,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-               stop: Iterable[str] = (), truncate_prompt: str = "none", timing: bool = True,
-               token_ids: bool = False, n: int = 1, logprobs: bool = False,
-               top_logprobs: int | None = None, output_format: str = "default",
-               strict_keys: bool = False, provenance: bool = False) -> Iterator[dict[str, Any]]:
+    def stream(self, records: Record | Iterable[Record], **options: Any) -> Iterator[dict[str, Any]]:
         """Result dicts in input order, each as soon as it and those before it are done.
-        provenance=True: each result carries `provenance` (marscli.engine.provenance)."""
-        from marscli.jobs.generate import model_name
-        from marscli.jobs.openai_format import render
-        from marscli.jobs.results import ResultOptions
-        from marscli.jobs.setup import check_choices, check_rule_modes, choice_options
 
-        check_choices(truncate_prompt=truncate_prompt, output_format=output_format)
-        if isinstance(stop, str):
-            stop = (stop,)
-        sampling = choice_options(SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop)),
-                                  n, logprobs, top_logprobs, provenance)
+        The keywords are `marscli generate`'s sampling and output options
+        (marscli.config.SamplingOptions, the one declaration of them): max_tokens,
+        temperature, top_p, top_k, seed, stop, truncate_prompt, n, logprobs, top_logprobs,
+        provenance (each result carries `provenance`: marscli.engine.provenance), timing,
+        token_ids, output_format, strict_keys."""
+        from marscli.io.openai_format import render
+        from marscli.jobs.fingerprint import run_fingerprint, run_key
+        from marscli.jobs.results import result_options
+        from marscli.jobs.setup import check_rule_modes, check_sampling_options
+
+        opts = sampling_options(options)
+        check_sampling_options(opts)
+        sampling = opts.params()
         gen = self.generator
         check_rule_modes(gen.verify.rule, sampling, "temperature")
-        items = records_to_items(records)
-        # The OpenAI format's ids: from what decides the results, as the CLI's run fingerprint.
-        run_key = hashlib.sha256(json.dumps(
-            {"target": getattr(gen.target, "identity", None), "spec": gen.spec_meta,
-             "sampling": dataclasses.asdict(sampling), "truncate_prompt": truncate_prompt},
-            sort_keys=True, default=str).encode()).hexdigest()
-        options = ResultOptions(truncate_prompt, timing, token_ids, output_format, strict_keys,
-                                model_name(gen.target), run_key)
+        data = records_jsonl(records)
+        items = records_to_items(data)
+        # The run fingerprint and key, as `marscli generate -o FILE` makes them for these lines.
+        fingerprint = run_fingerprint(
+            self.setup, opts, gen.target.identity, gen.draft_loaded.identity if gen.draft_loaded else None,
+            {"input": {"sha256": hashlib.sha256(data).hexdigest()}, "profile": gen.spec_meta["profile"]},
+            verify=gen.verify)
+        result_opts = result_options(opts, gen.target, run_key(fingerprint))
         pending: dict[int, dict] = {}
         next_index = 0
-        for item, result, _ in gen.results(items, sampling, options):
-            pending[item.index] = render(item, result, options)
+        for item, result, _ in gen.results(items, sampling, result_opts):
+            pending[item.index] = render(item, result, result_opts)
             while next_index in pending:
                 yield pending.pop(next_index)
                 next_index += 1
 
-    def generate(self, records: Record | Iterable[Record], **sampling: Any) -> list[dict[str, Any]]:
-        """Result dicts in input order, exactly the lines `marscli generate` writes for the
-        same records and options (max_tokens, temperature, top_p, top_k, seed, stop,
-        truncate_prompt, timing, token_ids, n, logprobs, top_logprobs, output_format,
-        strict_keys, provenance). In the "openai" format the ids differ from the CLI's (they come from
-        the models and settings, not from the CLI's run fingerprint)."""
-        return list(self.stream(records, **sampling))
+    def generate(self, records: Record | Iterable[Record], **options: Any) -> list[dict[str, Any]]:
+        """Result dicts in input order, exactly the lines `marscli generate -o FILE` writes for
+        the same records and options (stream's keywords). In the "openai" format the ids are
+        the CLI's too: both come from the run fingerprint (marscli.jobs.fingerprint)."""
+        return list(self.stream(records, **options))
 
     def calibrate(self, records: Record | Iterable[Record], *, rule: str = "mars",
                   max_nll_increase: float | None = None, relax_rate: float | None = None,
                   margin: str = LOGIT_RATIO, name: str | None = None, output: str | None = None,
-                  max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
-                  top_k: int = 0, seed: int = 0, stop: Iterable[str] = (), objective: str = "quality",
-                  **knobs: float | None):
+                  objective: str = "quality", **knobs_and_sampling: Any):
         """Collect margins on `records` under strict verification with this drafter, choose
         `rule`'s main knob (mars: theta; ratio: rho; topk: delta at `top_n`; typical: epsilon;
         regret: budget) by one policy (default max_nll_increase=0.02; the main knob given,
-        e.g. theta=0.9: fixed) and return the profile; with `output`, also write it there (a
+        e.g. theta=0.9: fixed) and return the profile; the other keywords are the sampling
+        options (max_tokens, temperature, top_p, top_k, seed, stop: SamplingOptions' sampling
+        group, as `marscli calibrate` takes them); with `output`, also write it there (a
         YAML file generate can use). It is `marscli calibrate`'s collection, on the models
         already loaded (marscli.jobs.calibrate)."""
         from marscli.calibration.profiles import (
@@ -199,31 +205,32 @@ class LLM:
             parse_profile,
             save_profile,
         )
+        from marscli.io.console import Log
         from marscli.jobs.calibrate import (
             calibration_engine,
             choose_policy,
             choose_rule,
             collect_profile,
         )
-        from marscli.jobs.console import Log
         from marscli.jobs.setup import check_choices
 
         gen = self.generator
         if gen.draft.kind == NONE:
             raise UsageError("calibrate needs a drafter: load with draft='ngram' or a draft model")
         check_choices(margin)
-        sampling = SamplingParams(temperature, top_p, top_k, max_tokens, seed, tuple(stop))
+        names = SamplingOptions.group("sampling")
+        knobs = {k: v for k, v in knobs_and_sampling.items() if k not in names}
+        sampling = sampling_options({k: v for k, v in knobs_and_sampling.items() if k in names}).params()
         template, fixed, alpha_given = choose_rule(rule, margin=margin, greedy=sampling.greedy, **knobs)
         policy, value = choose_policy(max_nll_increase, relax_rate, fixed, knob=template.knob[0])
         data = records_jsonl(records)
         items = records_to_items(data)
         if not items:
             raise InputError("no records to calibrate on")
-        cfg = CalibrateConfig(input=PYTHON_INPUT_NAME, output=output, name=name, target=self.setup.target,
-                              draft=gen.draft, draft_model=self.setup.draft_model, margin=margin,
-                              policy=policy, policy_value=value, sampling=sampling,
-                              batch_size=self.setup.batch_size, guard=gen.verify.guard, objective=objective,
-                              rule=template, alpha_given=alpha_given)
+        cfg = CalibrateConfig(input=PYTHON_INPUT_NAME, output=output, name=name, setup=self.setup,
+                              margin=margin, policy=policy, policy_value=value, sampling=sampling,
+                              guard=gen.verify.guard, objective=objective, rule=template,
+                              alpha_given=alpha_given)
         engine = calibration_engine(cfg, gen.target, gen.draft_loaded)
         doc = collect_profile(cfg, engine, items, gen.target, gen.draft_loaded, Log(quiet=True),
                               input_name=PYTHON_INPUT_NAME,
@@ -231,3 +238,17 @@ class LLM:
         if output is not None:
             return save_profile(doc, output)
         return parse_profile(dump_profile(doc), PYTHON_INPUT_NAME)
+
+
+def _stream_signature() -> inspect.Signature:
+    """stream's and generate's signatures as help() and IDEs show them: the sampling and
+    output options as keywords."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("records", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(f.name, kw, default=f.default) for f in dataclasses.fields(SamplingOptions)]
+    return inspect.Signature(params)
+
+
+LLM.stream.__signature__ = _stream_signature()  # type: ignore[attr-defined]
+LLM.generate.__signature__ = _stream_signature()  # type: ignore[attr-defined]

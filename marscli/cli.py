@@ -27,7 +27,6 @@ from rich.console import Console
 
 from marscli._version import __version__
 from marscli.config import (
-    DEFAULT_MAX_TOKENS,
     PANEL_OUTPUT,
     PANEL_POLICY,
     PANEL_SAMPLING,
@@ -35,7 +34,7 @@ from marscli.config import (
     Flag,
     GenerateConfig,
     GenerationOptions,
-    SamplingParams,
+    SamplingOptions,
 )
 from marscli.drafters.kinds import EAGLE3, MODEL
 from marscli.errors import EXIT_FOR_SIGNAL, EXIT_INTERRUPTED, MarscliError, Stop, UsageError
@@ -57,7 +56,7 @@ app = typer.Typer(
 )
 
 def _fail(err: MarscliError) -> typer.Exit:
-    from marscli.jobs.console import stderr_console, who
+    from marscli.io.console import stderr_console, who
 
     # Under a launcher an error every rank shares is printed once, by the main process.
     if not getattr(err, "reported_elsewhere", False):
@@ -93,19 +92,11 @@ def _root(
 # The options that load models and build a generator are declared once, as the fields of
 # marscli.config.GenerationOptions (groups model, placement, drafting, guard, rule, spans,
 # profile, batch): a command that adds any of those groups receives one GenerationOptions
-# argument, `opts`. The command line's own groups are declared here, as the signature of a
-# function (sampling, run) or built from the rule registry (calibrate's fixed knobs); a
-# command receives each as one namespace argument of the group's name.
-
-
-def _sampling_group(
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.", rich_help_panel=PANEL_SAMPLING)] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel=PANEL_SAMPLING)] = 1.0,
-    top_k: Annotated[int, typer.Option(min=0, help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)] = 0,
-    seed: Annotated[int, typer.Option(min=0, help="Random seed (per record unless the record sets one).", rich_help_panel=PANEL_SAMPLING)] = 0,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens per record.", rich_help_panel=PANEL_SAMPLING)] = DEFAULT_MAX_TOKENS,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).", rich_help_panel=PANEL_SAMPLING)] = None,
-): ...
+# argument, `opts`. The sampling and output options likewise, as the fields of
+# marscli.config.SamplingOptions (groups sampling, choices, output; LLM.stream's keywords
+# too): one SamplingOptions argument, `sampling`. The command line's own groups are declared
+# here, as the signature of a function (run) or built from the rule registry (calibrate's
+# fixed knobs); a command receives each as one namespace argument of the group's name.
 
 
 def _run_group(
@@ -135,10 +126,18 @@ def _option_param(name: str, default: Any, hint: Any, flag) -> inspect.Parameter
                              annotation=Annotated[_optional(hint), typer.Option(*flag.flags, **kw)])
 
 
-def _generation_params(group: str) -> list[inspect.Parameter]:
-    hints = typing.get_type_hints(GenerationOptions)
-    return [_option_param(f.name, f.default, hints[f.name], f.metadata["flag"])
-            for f in dataclasses.fields(GenerationOptions) if f.metadata["flag"].group == group]
+def _declared_params(declared: type, group: str) -> list[inspect.Parameter]:
+    """The Typer options of a group of a declaring dataclass's fields (GenerationOptions,
+    SamplingOptions); a tuple of strings is a repeatable option."""
+    hints = typing.get_type_hints(declared)
+    params = []
+    for f in dataclasses.fields(declared):
+        if f.metadata["flag"].group == group:
+            hint, default = hints[f.name], f.default
+            if hint == tuple[str, ...]:
+                hint, default = Optional[list[str]], None
+            params.append(_option_param(f.name, default, hint, f.metadata["flag"]))
+    return params
 
 
 def _fixed_knob_params() -> list[inspect.Parameter]:
@@ -155,31 +154,43 @@ def _fixed_knob_params() -> list[inspect.Parameter]:
     return params
 
 
-GROUPS = {"sampling": lambda: list(inspect.signature(_sampling_group, eval_str=True).parameters.values()),
-          "run": lambda: list(inspect.signature(_run_group, eval_str=True).parameters.values()),
+GROUPS = {"run": lambda: list(inspect.signature(_run_group, eval_str=True).parameters.values()),
           "knobs": _fixed_knob_params}
 GENERATION_GROUPS = ("model", "placement", "drafting", "guard", "rule", "spans", "profile", "batch")
+SAMPLING_GROUPS = ("sampling", "choices", "output")
+#: The declaring dataclasses: the argument each arrives as, and its groups.
+DECLARED = ((GenerationOptions, "opts", GENERATION_GROUPS), (SamplingOptions, "sampling", SAMPLING_GROUPS))
+
+
+def _group_params(name: str) -> list[inspect.Parameter]:
+    for cls, _, groups in DECLARED:
+        if name in groups:
+            return _declared_params(cls, name)
+    return GROUPS[name]()
 
 
 def options(*names: str):
     """Add the option groups `names` to a command: Typer sees their options. Groups of
-    GenerationOptions arrive together as one GenerationOptions argument, `opts` (the fields
-    of groups not added keep their defaults); each of GROUPS as one namespace argument of the
-    group's name."""
+    GenerationOptions arrive together as one GenerationOptions argument, `opts`, and groups of
+    SamplingOptions as one SamplingOptions argument, `sampling` (the fields of groups not
+    added keep their defaults); each of GROUPS as one namespace argument of the group's name."""
 
     def decorate(command):
         own = inspect.signature(command, eval_str=True)
-        members = {n: (_generation_params(n) if n in GENERATION_GROUPS else GROUPS[n]()) for n in names}
-        generation = [p.name for n in names if n in GENERATION_GROUPS for p in members[n]]
-        params = [p for p in own.parameters.values() if p.name not in members and p.name != "opts"]
+        members = {n: _group_params(n) for n in names}
+        declared = [(cls, arg, [p.name for n in names if n in groups for p in members[n]])
+                    for cls, arg, groups in DECLARED]
+        arguments = {n for n in names if n in GROUPS} | {arg for _, arg, _ in DECLARED}
+        params = [p for p in own.parameters.values() if p.name not in arguments]
         params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in names for p in members[n]]
 
         @functools.wraps(command)
         def wrapper(**kwargs: Any) -> Any:
-            if generation:
-                kwargs["opts"] = GenerationOptions(**{name: kwargs.pop(name) for name in generation})
+            for cls, arg, fields in declared:
+                if fields:
+                    kwargs[arg] = cls(**{name: kwargs.pop(name) for name in fields})
             for n in names:
-                if n not in GENERATION_GROUPS:
+                if n in GROUPS:
                     kwargs[n] = SimpleNamespace(**{p.name: kwargs.pop(p.name) for p in members[n]})
             return command(**kwargs)
 
@@ -188,10 +199,6 @@ def options(*names: str):
         return wrapper
 
     return decorate
-
-
-def _sampling(s: SimpleNamespace) -> SamplingParams:
-    return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed, tuple(s.stop or ()))
 
 
 # --------------------------------------------------------------------------- generate
@@ -217,22 +224,14 @@ def _sampling(s: SimpleNamespace) -> SamplingParams:
         + EXIT_CODES_HELP
     ),
 )
-@options("model", "placement", "drafting", "guard", "rule", "spans", "profile", "batch", "sampling", "run")
+@options("model", "placement", "drafting", "guard", "rule", "spans", "profile", "batch", "sampling", "choices",
+         "output", "run")
 def generate(
     input: Annotated[str, typer.Argument(help="JSONL file of records, or '-' for stdin.")],
-    opts: GenerationOptions, sampling: SimpleNamespace, run: SimpleNamespace,
+    opts: GenerationOptions, sampling: SamplingOptions, run: SimpleNamespace,
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Write results here instead of stdout.", rich_help_panel=PANEL_OUTPUT)] = None,
-    timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Include wall-clock timing in results (off: byte-identical reruns).", rich_help_panel=PANEL_OUTPUT)] = True,
-    token_ids: Annotated[bool, typer.Option("--token-ids", help="Include the generated token ids in results.", rich_help_panel=PANEL_OUTPUT)] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Finish an interrupted run: keep the results already in -o FILE, append the missing ones. Refused if the settings differ.", rich_help_panel=PANEL_OUTPUT)] = False,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first record that fails (exit 3) instead of going on.", rich_help_panel=PANEL_OUTPUT)] = False,
-    truncate_prompt: Annotated[str, typer.Option("--truncate-prompt", help="A prompt too long for the context window: 'none' (error result) or 'left' (drop its oldest tokens to leave room for --max-tokens).", rich_help_panel=PANEL_SAMPLING)] = "none",
-    n: Annotated[int, typer.Option("--n", min=1, max=128, help="Completions per record (a record's own 'n' wins); choice i decodes with seed + i. One result line per record, with 'choices'.", rich_help_panel=PANEL_SAMPLING)] = 1,
-    logprobs: Annotated[bool, typer.Option("--logprobs", help="Report the target's log-probability of every completion token (log_softmax of the raw target logits); a record's own 'logprobs' wins.", rich_help_panel=PANEL_OUTPUT)] = False,
-    top_logprobs: Annotated[Optional[int], typer.Option("--top-logprobs", min=0, max=20, help="With the logprobs, the N most likely alternatives per token (implies --logprobs).", rich_help_panel=PANEL_OUTPUT)] = None,
-    output_format: Annotated[str, typer.Option("--output-format", help="'default' (marscli's result lines) or 'openai' (the OpenAI Batch API output format; marscli's statistics under the key 'marscli').", rich_help_panel=PANEL_OUTPUT)] = "default",
-    strict_keys: Annotated[bool, typer.Option("--strict-keys", help="A record with request keys marscli does not act on (tools, response_format, presence_penalty...) becomes an error result instead of a result with 'warnings'.", rich_help_panel=PANEL_OUTPUT)] = False,
-    provenance: Annotated[bool, typer.Option("--provenance", help="Add to each result where each token came from: accepted draft, relaxed draft (with the rule's statistic), correction, bonus or plain target token, and the share of relaxed tokens (docs/engine.md, 'Provenance').", rich_help_panel=PANEL_OUTPUT)] = False,
 ) -> None:
     """Generate completions for a JSONL file of prompts with speculative decoding.
 
@@ -241,22 +240,14 @@ def generate(
     Per-line max_tokens, temperature, top_p, top_k, seed, stop, n, logprobs and top_logprobs
     override the options. One JSON result per input line is written in input order.
     """
-    from marscli.jobs.console import Log
+    from marscli.io.console import Log
     from marscli.jobs.generate import run_generate
-    from marscli.jobs.setup import check_choices, choice_options, generation_setup
+    from marscli.jobs.setup import check_sampling_options, generation_setup
 
     def job() -> int:
-        check_choices(truncate_prompt=truncate_prompt, output_format=output_format)
-        setup = generation_setup(opts)
-        cfg = GenerateConfig(
-            input=input, output=output, target=setup.target, draft=setup.draft, draft_model=setup.draft_model,
-            verify=setup.verify,
-            sampling=choice_options(_sampling(sampling), n, logprobs, top_logprobs, provenance),
-            limit=run.limit, timing=timing, token_ids=token_ids, profile=setup.profile,
-            auto_profile=setup.auto_profile, resume=resume, fail_fast=fail_fast,
-            truncate_prompt=truncate_prompt, batch_size=opts.batch_size, output_format=output_format,
-            strict_keys=strict_keys, spans=setup.spans,
-        )
+        check_sampling_options(sampling)
+        cfg = GenerateConfig(input=input, output=output, setup=generation_setup(opts), options=sampling,
+                             limit=run.limit, resume=resume, fail_fast=fail_fast)
         return run_generate(cfg, Log(run.quiet))
 
     _run(job)
@@ -291,7 +282,7 @@ def calibrate(
     rule: Annotated[str, typer.Option("--rule", help="The rule whose main knob is calibrated: mars (theta), ratio (rho), topk (delta, at --top-n), typical (epsilon; alpha tied to sqrt(epsilon) unless --alpha), regret (budget; greedy only). Giving the main knob itself (--theta, --rho, --delta, --epsilon, --budget) is the fixed policy.", rich_help_panel=PANEL_POLICY)] = "mars",
     objective: Annotated[str, typer.Option(help="quality: the policy's knob; speed: the fastest knob within the policy's budget (predicted from replayed acceptance and measured step costs). Either way the profile records the predicted speed-up, and generate verifies strictly when relaxing gains under 3%.", rich_help_panel=PANEL_POLICY)] = "quality",
     plot: Annotated[Optional[str], typer.Option(help="Also draw the histogram and the curve to this PNG (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
-    *, opts: GenerationOptions, knobs: SimpleNamespace, sampling: SimpleNamespace, run: SimpleNamespace,
+    *, opts: GenerationOptions, knobs: SimpleNamespace, sampling: SamplingOptions, run: SimpleNamespace,
 ) -> None:
     """Measure the target's margins over prompts and write a profile with a calibrated theta
     (or another rule's knob: --rule).
@@ -301,11 +292,11 @@ def calibrate(
     knob, and picks the knob by one policy. generate then finds the profile for this target
     and drafter.
     """
+    from marscli.io.console import Log
     from marscli.jobs.calibrate import calibrate_config, run_calibrate
-    from marscli.jobs.console import Log
 
     def job() -> int:
-        cfg = calibrate_config(input, opts, _sampling(sampling), rule=rule, knobs=vars(knobs),
+        cfg = calibrate_config(input, opts, sampling.params(), rule=rule, knobs=vars(knobs),
                                max_nll_increase=max_nll_increase, relax_rate=relax_rate, objective=objective,
                                output=output, name=name, limit=run.limit, plot=plot)
         return run_calibrate(cfg, Log(run.quiet))
@@ -381,7 +372,7 @@ def profile_show(
 def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YAML files.")]) -> None:
     """Check profile files against the schema; exit 2 naming the file and key of the first problem."""
     from marscli.calibration.profiles import load_profile
-    from marscli.jobs.console import stderr_console
+    from marscli.io.console import stderr_console
 
     code = 0
     for f in files:
@@ -448,8 +439,8 @@ def bench(
     each against ar and hf-generate, with a line per method: a rule that writes longer answers
     can win the first and lose the second. See docs/bench.md for every column.
     """
+    from marscli.io.console import Log
     from marscli.jobs.bench import bench_config, run_bench
-    from marscli.jobs.console import Log
 
     log = Log(quiet)
 
@@ -497,7 +488,7 @@ def score(
     memory limit, fresh temporary directory, no inherited environment); the code comes from
     the first fenced block defining the function, else the raw completion (docs/bench.md).
     """
-    from marscli.jobs.console import Log
+    from marscli.io.console import Log
     from marscli.jobs.score import ScoreConfig, run_score
 
     def job() -> int:
@@ -558,7 +549,7 @@ def train_head(
     and by vLLM and SGLang (docs/drafters.md, "Training a head"). The training record goes to
     stdout as one JSON line and to DIR/training.json.
     """
-    from marscli.jobs.console import Log
+    from marscli.io.console import Log
     from marscli.jobs.setup import check_choices
     from marscli.jobs.train_head import TrainHeadConfig, check_output, run_train_head
     from marscli.training.collect import CollectSettings

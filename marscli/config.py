@@ -7,7 +7,7 @@ plain values. Nothing here imports torch, so `marscli --help` stays fast.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from marscli.drafters.kinds import MODEL, NGRAM
@@ -375,6 +375,62 @@ class GenerationOptions:
     batch_size: int = _opt(1, "batch", PANEL_MODEL, "Records decoded together, each with its own drafts and acceptance; a finished record's place goes to the next one. Same outputs as 1 (the default).", "--batch-size", min=1)
 
 
+
+#: Result line formats: marscli's own, or OpenAI Batch API output lines (marscli.io.openai_format).
+OUTPUT_FORMATS = ("default", "openai")
+#: What generate does with a prompt too long for the context window: an error result, or drop
+#: its oldest tokens to leave room for max_tokens.
+TRUNCATIONS = ("none", "left")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The sampling and output options of a generation: `marscli generate`'s (groups
+    sampling, choices and output; calibrate takes the sampling group), ``LLM.stream``'s and
+    ``LLM.generate``'s keywords, and what lm-eval passes. Declared once, here, as
+    GenerationOptions is: the Typer options (marscli.cli.options), the API's keywords, the
+    SamplingParams the engine decodes with (``params``), the result lines' options and the run
+    fingerprint (marscli.jobs.fingerprint) come from these fields, so a new sampling option is
+    a field here plus the code that acts on it (and its key in marscli.io.records if records
+    may override it)."""
+
+    # sampling: the settings a record may override (marscli.io.records), in the order it checks them
+    max_tokens: int = _opt(DEFAULT_MAX_TOKENS, "sampling", PANEL_SAMPLING, "Most new tokens per record.", min=1)
+    temperature: float = _opt(0.0, "sampling", PANEL_SAMPLING, "0 = greedy.", min=0.0)
+    top_p: float = _opt(1.0, "sampling", PANEL_SAMPLING, "Nucleus sampling mass.", min=0.0, max=1.0)
+    top_k: int = _opt(0, "sampling", PANEL_SAMPLING, "Top-k filter (0 = off).", min=0)
+    seed: int = _opt(0, "sampling", PANEL_SAMPLING, "Random seed (per record unless the record sets one).", min=0)
+    stop: tuple[str, ...] = _opt((), "sampling", PANEL_SAMPLING, "Stop string (repeatable).")
+    # choices: what each record's completions are and carry
+    truncate_prompt: str = _opt("none", "choices", PANEL_SAMPLING, "A prompt too long for the context window: 'none' (error result) or 'left' (drop its oldest tokens to leave room for --max-tokens).", "--truncate-prompt")
+    n: int = _opt(1, "choices", PANEL_SAMPLING, "Completions per record (a record's own 'n' wins); choice i decodes with seed + i. One result line per record, with 'choices'.", "--n", min=1, max=128)
+    logprobs: bool = _opt(False, "choices", PANEL_OUTPUT, "Report the target's log-probability of every completion token (log_softmax of the raw target logits); a record's own 'logprobs' wins.", "--logprobs")
+    top_logprobs: int | None = _opt(None, "choices", PANEL_OUTPUT, "With the logprobs, the N most likely alternatives per token (implies --logprobs).", "--top-logprobs", min=0, max=20)
+    provenance: bool = _opt(False, "choices", PANEL_OUTPUT, "Add to each result where each token came from: accepted draft, relaxed draft (with the rule's statistic), correction, bonus or plain target token, and the share of relaxed tokens (docs/engine.md, 'Provenance').", "--provenance")
+    # output: what result lines hold
+    timing: bool = _opt(True, "output", PANEL_OUTPUT, "Include wall-clock timing in results (off: byte-identical reruns).", "--timing/--no-timing")
+    token_ids: bool = _opt(False, "output", PANEL_OUTPUT, "Include the generated token ids in results.", "--token-ids")
+    output_format: str = _opt("default", "output", PANEL_OUTPUT, "'default' (marscli's result lines) or 'openai' (the OpenAI Batch API output format; marscli's statistics under the key 'marscli').", "--output-format")
+    strict_keys: bool = _opt(False, "output", PANEL_OUTPUT, "A record with request keys marscli does not act on (tools, response_format, presence_penalty...) becomes an error result instead of a result with 'warnings'.", "--strict-keys")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # one stop string
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+
+    @classmethod
+    def group(cls, name: str) -> tuple[str, ...]:
+        """The names of a group's fields ("sampling", "choices", "output")."""
+        return tuple(f.name for f in fields(cls) if f.metadata["flag"].group == name)
+
+    def params(self) -> SamplingParams:
+        """The SamplingParams records decode with (top_logprobs implies logprobs)."""
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens, self.seed, self.stop,
+                              self.n, self.logprobs or self.top_logprobs is not None, self.top_logprobs or 0,
+                              self.provenance)
+
+
 @dataclass
 class Request:
     """One validated input record."""
@@ -404,28 +460,37 @@ class RecordError:
 
 
 @dataclass(frozen=True)
-class GenerateConfig:
-    """Everything `marscli generate` needs, parsed from the command line."""
+class ModelSetup:
+    """What a generator is made of, resolved from GenerationOptions before anything is
+    loaded (marscli.jobs.setup.generation_setup, the one place): models, drafter,
+    verification as asked, profile choice, batch size and strict spans."""
 
-    input: str
-    output: str | None
     target: ModelConfig
     draft: DraftConfig
     draft_model: ModelConfig | None
     verify: VerifyRequest
-    sampling: SamplingParams
-    limit: int | None = None
-    timing: bool = True
-    token_ids: bool = False
-    profile: str | None = None  # name or path; None: look for one matching the target
+    profile: str | None = None  # a profile's path: use it; None: look for a matching one
     auto_profile: bool = True  # False (--no-profile): never pick a profile by itself
+    batch_size: int = 1  # records decoded together (same outputs as 1)
+    spans: SpanConfig = SPANS_OFF  # strict spans (marscli.verification.spans)
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Everything `marscli generate` needs: the setup (models, drafter, verification as
+    asked), the sampling and output options, and the run's own options."""
+
+    input: str
+    output: str | None
+    setup: ModelSetup
+    options: SamplingOptions = SamplingOptions()
+    limit: int | None = None
     resume: bool = False  # keep the finished results already in `output`, append the rest
     fail_fast: bool = False  # stop at the first record that fails
-    truncate_prompt: Literal["none", "left"] = "none"  # a prompt too long for the window
-    batch_size: int = 1  # records decoded together (1: the single-record engine)
-    output_format: Literal["default", "openai"] = "default"  # result lines: marscli's or OpenAI batch
-    strict_keys: bool = False  # a record with keys marscli does not act on is an error result
-    spans: SpanConfig = SPANS_OFF  # strict spans (--strict-in, --strict-regex)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.options.params()
 
 
 @dataclass(frozen=True)
@@ -435,16 +500,13 @@ class CalibrateConfig:
     input: str
     output: str | None  # None: <user profile dir>/<name>.yaml; "-": YAML on stdout
     name: str | None
-    target: ModelConfig
-    draft: DraftConfig
-    draft_model: ModelConfig | None
+    setup: ModelSetup  # models, drafter and batch size (its verification: strict, cfg.guard's)
     margin: MarginKind
     policy: str  # max-nll-increase | relax-rate | fixed
     policy_value: float
     sampling: SamplingParams
     limit: int | None = None
     plot: str | None = None
-    batch_size: int = 1  # records decoded together (same profile as 1)
     #: The loop guard the replay applies (and the profile records): calibrate and generate
     #: must agree on which relaxations can happen.
     guard: GuardConfig = GuardConfig()

@@ -233,19 +233,18 @@ def test_api_load_takes_the_rule_and_its_knobs(tiny_model_dir):
 def test_fingerprint_holds_the_rule_and_its_knobs():
     from marscli.config import (
         DraftConfig,
-        GenerateConfig,
         ModelConfig,
-        SamplingParams,
+        ModelSetup,
+        SamplingOptions,
         VerifyRequest,
     )
     from marscli.io.resume import fingerprint_diff
     from marscli.jobs.fingerprint import run_fingerprint
 
-    cfg = GenerateConfig(input="in", output="out", target=ModelConfig("m"), draft=DraftConfig(), draft_model=None,
-                         verify=VerifyRequest(), sampling=SamplingParams())
+    setup = ModelSetup(target=ModelConfig("m"), draft=DraftConfig(), draft_model=None, verify=VerifyRequest())
 
     def fp(v):
-        return run_fingerprint(cfg, None, None, {}, verify=v)["verify"]
+        return run_fingerprint(setup, SamplingOptions(), None, None, {}, verify=v)["verify"]
 
     a = fp(VerifyConfig("typical", epsilon=0.09, guard=GuardConfig()))
     assert a["mode"] == "typical" and a["knobs"] == {"epsilon": 0.09, "alpha": pytest.approx(0.3)}
@@ -255,7 +254,7 @@ def test_fingerprint_holds_the_rule_and_its_knobs():
     # strict and mars keep the fingerprint they had before the other rules (old sidecars match).
     assert "knobs" not in fp(VerifyConfig()) and "knobs" not in fp(VerifyConfig("mars", 0.9))
     # Before loading, the options as asked.
-    asked = run_fingerprint(GenerateConfig(**{**cfg.__dict__, "verify": VerifyRequest("ratio", rho=0.5)}),
+    asked = run_fingerprint(dataclasses.replace(setup, verify=VerifyRequest("ratio", rho=0.5)), SamplingOptions(),
                             None, None, {})["verify"]
     assert asked["mode"] == "ratio" and asked["knobs"]["rho"] == 0.5
 

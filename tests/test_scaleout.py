@@ -28,9 +28,9 @@ from typer.testing import CliRunner
 
 from marscli.cli import app
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE, UsageError
+from marscli.io.distributed import Group, Launch, RankLost, launch_from_env, shard
 from marscli.io.results import OutputLock, find_parts, merge_results, part_path
 from marscli.io.resume import sidecar_path
-from marscli.jobs.distributed import Group, Launch, RankLost, launch_from_env, shard
 
 ROOT = Path(__file__).resolve().parents[1]
 N_RECORDS = 24
@@ -362,7 +362,7 @@ def test_a_rank_without_heartbeat_is_reported_not_waited_for(monkeypatch):
 
 
 def test_one_bar_counts_every_rank(monkeypatch):
-    from marscli.jobs.distributed import ProgressPump
+    from marscli.io.distributed import ProgressPump
 
     group = Group(Launch(0, 2, 0, 2))
     group.store = _FakeStore()

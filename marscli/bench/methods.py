@@ -31,11 +31,12 @@ listed in the report and turned into exit code 1, never averaged away.
 
 This module holds what a benchmark is (methods, settings, prompts, runs) and how runs
 add up to per-method figures; marscli/jobs/bench.py runs it, marscli/bench/report.py prints and
-writes the report. Report layout and column meanings: docs/bench.md.
+writes the report. Report layout and column meanings: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -47,6 +48,7 @@ from typing import Any
 
 from marscli.bench import metrics
 from marscli.config import (
+    MODEL_TREE_DEFAULTS,
     SPANS_OFF,
     DraftConfig,
     GuardConfig,
@@ -57,7 +59,8 @@ from marscli.config import (
     SamplingParams,
     SpanConfig,
 )
-from marscli.drafters.kinds import EAGLE3, drafter_kind
+from marscli.drafters.eagle3 import DEFAULT_TREE
+from marscli.drafters.kinds import EAGLE3, MODEL, drafter_kind
 from marscli.errors import EXIT_RUNTIME, InputError, UsageError
 from marscli.io.records import find_duplicate_ids, open_input, read_requests
 from marscli.scoring import rouge
@@ -565,3 +568,17 @@ def summarize(cfg: BenchConfig, runs: Sequence[Run], limit_info: dict[str, Any] 
 
 def round_or_none(v: float | None, digits: int = 4) -> float | None:
     return None if v is None else round(v, digits)
+
+
+def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
+    """The drafter of a chain method (no tree) or of a tree method (the --tree-* settings,
+    else the drafter's defaults: EAGLE-3's, or a draft model's sibling tree)."""
+    if not tree:
+        return dataclasses.replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
+    if draft.tree:
+        return draft
+    if draft.kind == MODEL:
+        return dataclasses.replace(draft, tree_depth=None, tree_top_k=MODEL_TREE_DEFAULTS[0],
+                                   tree_tokens=MODEL_TREE_DEFAULTS[1])
+    return dataclasses.replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
+                               tree_tokens=DEFAULT_TREE.tokens)

@@ -8,4 +8,8 @@
   and their merge (`merge_results`).
 - `marscli.io.resume`: resumable runs. The sidecar holding a run's fingerprint, fingerprint
   comparison, and `RunOutput`: where a run's results go, fresh or resumed.
+- `marscli.io.openai_format`: result lines as OpenAI Batch API output lines.
+- `marscli.io.console`: stderr narration (`Log`) and progress (`Progress`): stdout is data only.
+- `marscli.io.distributed`: launchers (accelerate, torchrun), the process group of a
+  data-parallel run, its shards, steps and progress exchanged between processes.
 """

@@ -53,7 +53,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
-from marscli.config import RecordError, Request
+from marscli.config import RecordError, Request, SamplingOptions
 from marscli.errors import InputError
 
 #: Longest accepted input line, newline excluded. Longer lines become `line_too_long` errors
@@ -65,7 +65,8 @@ _MAX_STOP = 16
 _SEED_LIMIT = 2**63
 _ROLES = ("system", "user", "assistant")
 _BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
-_OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+#: What a record may override: the sampling group of the options (config.SamplingOptions).
+_OVERRIDE_KEYS = SamplingOptions.group("sampling")
 #: The most completions one request may ask for (OpenAI's own limit for chat).
 MAX_N = 128
 #: The most alternatives per token `top_logprobs` (or a completions body's `logprobs`) may ask

@@ -325,7 +325,7 @@ def _has_error(raw: bytes) -> bool:
 # --------------------------------------------------------------------------------------------
 # Part files and merging
 #
-# Data-parallel runs (marscli.jobs.distributed) write one part file per process beside the output,
+# Data-parallel runs (marscli.io.distributed) write one part file per process beside the output,
 # `results.jsonl.rank1-of-8.part`: plain result lines in the order that process finished them.
 # The parts live under the output's sidecar like the output itself: a fresh run removes stale
 # parts before writing its sidecar, --resume counts the ids in the output AND in every part as

@@ -1,472 +1,65 @@
-"""The bench job: load the models once, build every method's engine, run the protocol
-(warm-up, methods rotating per prompt, quality scored in between), measure batched
-throughput, and hand the report to marscli.bench.report. What the methods are, the protocol's
-rationale and how runs add up: marscli.bench.methods.
+"""The bench job: bench's options -> BenchConfig, load the models once, run the protocol
+(marscli.bench.runner.Bench: every method's engine, warm-up, methods rotating per prompt,
+quality scored in between, batched throughput), and hand the report to marscli.bench.report.
+What the methods are, the protocol's rationale and how runs add up: marscli.bench.methods.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import platform
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 from marscli._version import __version__
 from marscli.bench import metrics
-from marscli.bench.measure import (
-    ForwardCounter,
-    forward_times,
-    peak_rss_mib,
-    quiet_transformers,
-)
 from marscli.bench.methods import (
-    AR,
-    BATCHED_METHODS,
     DEFAULT_EAGLE3_METHODS,
     DEFAULT_METHODS,
     EXACT_METHODS,
     EXIT_CORRECTNESS,
-    FORWARD_TIMING_REPEATS,
-    HF_ASSISTED,
-    HF_GENERATE,
     MARS_METHODS,
-    MARS_NOGUARD,
-    MIB,
-    REFERENCE_METHODS,
     REPORT_FORMAT,
     SPEC_METHODS,
     TREE_METHODS,
     WARMUP_MAX_TOKENS,
     BenchConfig,
-    BenchPrompt,
-    Log,
     Run,
+    chain_or_tree,
     check_config,
     parse_float_list,
     parse_int_list,
     parse_methods,
     read_prompt_records,
-    round_or_none,
     summarize,
 )
 from marscli.bench.report import REPORT_WIDTH, json_safe, render_tables, write_outputs
+from marscli.bench.runner import Bench, batch_counters  # noqa: F401 (batch_counters: scripts/bench_batch.py)
 from marscli.config import (
-    GUARD_OFF,
-    DraftConfig,
     GenerationOptions,
-    GuardConfig,
-    Request,
-    SamplingParams,
-    VerifyConfig,
-    VerifyRequest,
 )
-from marscli.drafters.kinds import EAGLE3, NGRAM, NONE
-from marscli.engine import build_engine
-from marscli.engine.sequence import RecordFailure
+from marscli.drafters.kinds import EAGLE3
 from marscli.errors import EXIT_OK, InputError, UsageError
+from marscli.io.console import UNIT_RUNS, Progress
+from marscli.io.console import Log as Narration
+from marscli.io.distributed import launch_from_env
 from marscli.jobs.bench_match import (
     check_match,
     fit_methods,
     match_section,
     read_calibration,
 )
-from marscli.jobs.console import UNIT_RUNS, Progress
-from marscli.jobs.console import Log as Narration
-from marscli.jobs.distributed import launch_from_env
 from marscli.jobs.setup import (
-    chain_or_tree,
-    check_choices,
-    draft_config,
-    guard_request,
+    generation_setup,
     load_models,
-    model_configs,
     named_profile,
     resolve_verification,
-    span_config,
-    target_source,
 )
 from marscli.scoring import rouge
 from marscli.scoring.compare import task_report
 from marscli.verification.registry import MARS, PAPER_THETA, STRICT
-
-
-def method_verification(kind: str, theta: float | None, margin: str,
-                        guard: GuardConfig = GUARD_OFF, rule=None) -> VerifyConfig:
-    """A bench method's verification, by generate's rule (MARS at its theta, another rule at
-    its knobs, or strict), with the margin statistic already resolved; `mars-noguard` without
-    the loop guard. rule: the marscli.verification.rules.Rule of a rule method (MethodSpec.rule)."""
-    if rule is not None:  # guarded like mars: the guard is the run's
-        return VerifyConfig.from_rule(rule, guard)
-    mode = MARS if kind in MARS_METHODS else STRICT
-    if kind == MARS_NOGUARD:
-        guard = GUARD_OFF
-    g = guard.to_dict()
-    return resolve_verification(VerifyRequest(mode, theta if mode == MARS else None, margin,
-                                              g["repeat_ngram"], g["repeat_window"],
-                                              g["max_relaxed_share"], g["strict_first"],
-                                              g["strict_stops"]), None)
-
-
-Runner = Callable[[list[int], SamplingParams], tuple[list[int], Any]]
-
-
-class Bench:
-    """Runs the methods of a BenchConfig on loaded models and builds the report.
-
-    `runners[name](prompt_ids, sampling) -> (completion token ids, SpecStats or None)` is the
-    one seam between methods and the protocol; tests replace a runner to check that a wrong
-    output is caught.
-    """
-
-    def __init__(self, cfg: BenchConfig, target, draft=None, *, log: Log = lambda _: None):
-        self.cfg = cfg
-        self.target = target
-        self.draft = draft
-        self.log = log
-        self.notes: list[str] = []
-        self.hf_assisted: dict[str, Any] | None = None
-        none_cfg = DraftConfig(kind=NONE)
-        # Building any engine installs marscli's CPU fast path on the target model object,
-        # which transformers' generate() then shares (see the report's notes).
-        self._encoder = build_engine(target, None, VerifyConfig(), none_cfg)
-        self.runners: dict[str, Runner] = {}
-        self.engines: dict[str, Any] = {}
-        for m in cfg.methods:
-            if m.kind == HF_GENERATE:
-                self.runners[m.name] = self._hf_runner({})
-            elif m.kind == HF_ASSISTED:
-                self.runners[m.name] = self._hf_runner(self._assisted_kwargs())
-            else:
-                dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
-                verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
-                engine = build_engine(target, draft, verify, dcfg, note=log, spans=cfg.spans)
-                self.engines[m.name] = engine
-                self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != NONE)
-        self._check_generation_config()
-
-    # ---------------------------------------------------------------- methods
-
-    def _max_new(self, ids: list[int], sampling: SamplingParams) -> int:
-        ctx = self.target.context_length
-        return sampling.max_tokens if ctx is None else min(sampling.max_tokens, ctx - len(ids))
-
-    def _hf_runner(self, extra: dict[str, Any]) -> Runner:
-        import torch
-
-        target = self.target
-
-        def run(ids: list[int], sampling: SamplingParams) -> tuple[list[int], None]:
-            x = torch.tensor([ids], dtype=torch.long, device=target.device)  # [1, P]
-            kw = self._hf_generate_kwargs(sampling, self._max_new(ids, sampling))
-            if not sampling.greedy:
-                torch.manual_seed(sampling.seed)
-            with quiet_transformers():
-                out = target.model.generate(x, attention_mask=torch.ones_like(x), **kw, **extra)  # [1, P + new]
-            return out[0, len(ids):].tolist(), None
-
-        return run
-
-    def _hf_generate_kwargs(self, sampling: SamplingParams, max_new: int) -> dict[str, Any]:
-        """Explicit values for every generate() knob that changes greedy or sampled output, so
-        the model's generation_config cannot make hf-generate decode differently from marscli."""
-        eos = list(self.target.eos_token_ids)
-        pad = self.target.tokenizer.pad_token_id
-        return {
-            "max_new_tokens": max_new, "min_new_tokens": 0, "do_sample": not sampling.greedy, "num_beams": 1,
-            "eos_token_id": eos, "pad_token_id": pad if pad is not None else eos[0],
-            "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-            "temperature": 1.0 if sampling.greedy else sampling.temperature, "top_k": 0, "top_p": 1.0,
-        }
-
-    def _assisted_kwargs(self) -> dict[str, Any]:
-        d = self.cfg.draft
-        if d.kind == NGRAM:
-            self.hf_assisted = {"candidates": "prompt_lookup", "prompt_lookup_num_tokens": d.num_draft_tokens,
-                                "max_matching_ngram_size": d.ngram_max}
-            return {"prompt_lookup_num_tokens": d.num_draft_tokens, "max_matching_ngram_size": d.ngram_max}
-        assistant = self.draft.model
-        gc = assistant.generation_config
-        # The assistant drafts as many tokens as marscli's K; its other settings stay
-        # transformers' defaults (what a user of assisted generation gets).
-        gc.num_assistant_tokens = d.num_draft_tokens
-        try:  # the values generate() will fill in for unset fields
-            defaults = gc._get_default_generation_params()
-        except AttributeError:  # pragma: no cover - other transformers versions
-            defaults = {}
-
-        def effective(key: str) -> Any:
-            value = getattr(gc, key, None)
-            return defaults.get(key) if value is None else value
-
-        self.hf_assisted = {"candidates": "assistant_model", "num_assistant_tokens": d.num_draft_tokens,
-                            "num_assistant_tokens_schedule": effective("num_assistant_tokens_schedule"),
-                            "assistant_confidence_threshold": effective("assistant_confidence_threshold")}
-        return {"assistant_model": assistant}
-
-    def _engine_runner(self, engine, drafts: bool) -> Runner:
-        def run(ids: list[int], sampling: SamplingParams):
-            res = engine.generate_ids(ids, sampling)
-            return res.token_ids, (res.stats if drafts else None)
-
-        return run
-
-    def _check_generation_config(self) -> None:
-        gc = getattr(self.target.model, "generation_config", None)
-        odd = [k for k in ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "forced_bos_token_id",
-                           "forced_eos_token_id", "sequence_bias") if getattr(gc, k, None) is not None]
-        if odd:
-            self.notes.append(f"the target's generation_config sets {', '.join(odd)}: transformers' "
-                              "generate() applies them and marscli does not, so hf outputs may differ")
-
-    # ---------------------------------------------------------------- protocol
-
-    def encode(self, records: Sequence[tuple[Request, str | None]]) -> tuple[list[BenchPrompt], list[dict]]:
-        prompts, skipped = [], []
-        for req, ref in records:
-            try:
-                ids = self._encoder.prompts.encode(req)
-            except RecordFailure as e:
-                skipped.append({"id": req.id, "line": req.line, "reason": f"{e.type}: {e.message}"})
-                continue
-            prompts.append(BenchPrompt(req.id, req.line, ids, ref))
-        return prompts, skipped
-
-    def _timed(self, name: str, ids: list[int], sampling: SamplingParams) -> tuple[list[int], Any, float, int]:
-        import torch
-
-        cuda = self.target.device.type == "cuda"
-        counter = ForwardCounter(self.target.model)
-        try:
-            if cuda:  # pragma: no cover - needs a GPU
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            tokens, stats = self.runners[name](ids, sampling)
-            if cuda:  # pragma: no cover
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-        finally:
-            counter.remove()
-        return tokens, stats, seconds, counter.count
-
-    def warm_up(self, prompt: BenchPrompt) -> dict[str, dict[str, float | None]]:
-        """Run every method once (not measured); return each one's memory figures."""
-        import torch
-
-        memory: dict[str, dict[str, float | None]] = {}
-        sampling = self.cfg.sampling(self.cfg.seeds[0], min(WARMUP_MAX_TOKENS, self.cfg.max_tokens))
-        for m in self.cfg.methods:
-            if self.target.device.type == "cuda":  # pragma: no cover - needs a GPU
-                torch.cuda.reset_peak_memory_stats()
-            self._timed(m.name, prompt.ids, sampling)
-            memory[m.name] = {
-                "peak_rss_mib": round_or_none(peak_rss_mib(), 1),
-                "cuda_peak_mib": round_or_none(torch.cuda.max_memory_allocated() / MIB, 1)
-                if self.target.device.type == "cuda" else None,
-            }
-        return memory
-
-    def measure_forwards(self, ids: list[int]) -> dict[str, Any]:
-        """Median target forward time for n = 1..K+1 new tokens over a cached context of
-        `ids`, and the draft model's for one token."""
-        k = self.cfg.draft.num_draft_tokens if self.cfg.draft.kind != NONE else 0
-        if any(m.kind in TREE_METHODS for m in self.cfg.methods):  # a tree pass scores N+1 tokens
-            k = max(k, chain_or_tree(self.cfg.draft, True).tree_tokens - 1)
-        t_target = forward_times(self.target.model, self.target.device, ids, k + 1)
-        t_draft = None
-        if self.draft is not None and self.cfg.draft.kind != EAGLE3:  # a head has no forward of its own here
-            t_draft = forward_times(self.draft.model, self.draft.device, ids, 1)[0]
-        return {
-            "context_tokens": len(ids),
-            "repeats": FORWARD_TIMING_REPEATS,
-            "target_forward_s": {str(n + 1): round_or_none(t, 6) for n, t in enumerate(t_target)},
-            "t_1_s": round_or_none(t_target[0], 6),
-            "t_k_plus_1_s": round_or_none(t_target[-1], 6),
-            "draft_forward_s": round_or_none(t_draft, 6),
-            "_t_target": t_target,
-            "_t_draft": t_draft or 0.0,
-        }
-
-    def run(self, prompts: Sequence[BenchPrompt], progress: Callable[[int, int], None] | None = None) -> list[Run]:
-        """Every seed x prompt x method, methods rotating per prompt; quality scored in between."""
-        names = [m.name for m in self.cfg.methods]
-        runs: list[Run] = []
-        total = len(self.cfg.seeds) * len(prompts) * len(names)
-        done = 0
-        cuda_peak: dict[str, float] = {}
-        for seed in self.cfg.seeds:
-            sampling = self.cfg.sampling(seed)
-            # Each seed's pass is one job: strict's n-gram drafter may draft from the pass's
-            # earlier prompts, never from the warm-up or another seed's output of this prompt.
-            for engine in self.engines.values():
-                engine.forget_earlier_records()
-            for i, prompt in enumerate(prompts):
-                order = names[i % len(names):] + names[: i % len(names)]
-                out: dict[str, Run] = {}
-                for name in order:
-                    if self.target.device.type == "cuda":  # pragma: no cover - needs a GPU
-                        import torch
-
-                        torch.cuda.reset_peak_memory_stats()
-                    tokens, stats, seconds, fwd = self._timed(name, prompt.ids, sampling)
-                    if self.target.device.type == "cuda":  # pragma: no cover
-                        import torch
-
-                        cuda_peak[name] = max(cuda_peak.get(name, 0.0), torch.cuda.max_memory_allocated() / MIB)
-                    out[name] = Run(name, prompt, seed, tokens, seconds, fwd, stats)
-                    done += 1
-                    if progress is not None:
-                        progress(done, total)
-                self._score(prompt, [out[n] for n in names])
-                runs.extend(out[n] for n in names)
-        self.cuda_peak_mib = cuda_peak
-        return runs
-
-    def throughput(self, prompts: Sequence[BenchPrompt],
-                   progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
-        """Batched throughput: every batched method at every --batch-size over all prompts.
-
-        marscli's methods run through the engine's scheduler (continuous refill); hf-generate runs
-        transformers' generate() on consecutive left-padded batches (static batching, what
-        its users get). Each row: tokens/s over the whole set, and whether the outputs equal
-        the method's outputs at the first batch size.
-        """
-        import hashlib
-
-        import torch
-
-        cfg = self.cfg
-        sampling = cfg.sampling(cfg.seeds[0])
-        cuda = self.target.device.type == "cuda"
-        methods = [m for m in cfg.methods if m.kind in BATCHED_METHODS]
-        total = len(methods) * len(cfg.batch_sizes)
-        rows: list[dict[str, Any]] = []
-        first_outputs: dict[str, list[list[int]]] = {}  # per method, at the first batch size
-        first_tps: dict[str, float | None] = {}
-        for m in methods:
-            for bs in cfg.batch_sizes:
-                if cuda:  # pragma: no cover - needs a GPU
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                extra: dict[str, Any] = {}
-                engine = None
-                if m.kind != HF_GENERATE:  # built untimed: the first build measures step costs
-                    dcfg = DraftConfig(kind=NONE) if m.kind == AR else cfg.draft
-                    verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
-                    engine = build_engine(self.target, self.draft, verify, dcfg, bs, self.log, spans=cfg.spans)
-                t0 = time.perf_counter()
-                if m.kind == HF_GENERATE:
-                    outputs = self._hf_batched(prompts, sampling, bs)
-                    stats = None
-                else:
-                    results: dict[int, Any] = {}
-                    for i, res in engine.run(range(len(prompts)), lambda i: (prompts[i].ids, sampling)):
-                        if isinstance(res, BaseException):
-                            raise res
-                        results[i] = res
-                    outputs = [results[i].token_ids for i in range(len(prompts))]
-                    stats = [results[i].stats for i in range(len(prompts))]
-                    extra = batch_counters(engine)
-                if cuda:  # pragma: no cover
-                    torch.cuda.synchronize()
-                seconds = time.perf_counter() - t0
-                tokens = sum(len(o) for o in outputs)
-                ref = first_outputs.setdefault(m.name, outputs)
-                row = {
-                    "method": m.name, "kind": m.kind, "batch_size": bs, "prompts": len(prompts),
-                    "completion_tokens": tokens, "seconds": seconds,
-                    "tokens_per_s": metrics.rate(tokens, seconds),
-                    "speedup_vs_first_batch_size": None,  # below, once tokens/s is known
-                    "acceptance_length": (metrics.ratio(sum(s.emitted for s in stats), sum(s.steps for s in stats))
-                                          if stats and self.cfg.draft.kind != NONE and m.kind != AR else None),
-                    "outputs_equal_first_batch_size": sum(a == b for a, b in zip(outputs, ref)),
-                    "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16],
-                    "peak_rss_mib": round_or_none(peak_rss_mib(), 1),
-                    "cuda_peak_mib": round_or_none(torch.cuda.max_memory_allocated() / MIB, 1) if cuda else None,
-                    **extra,
-                }
-                base_tps = first_tps.setdefault(m.name, row["tokens_per_s"])
-                row["speedup_vs_first_batch_size"] = metrics.ratio(row["tokens_per_s"], base_tps)
-                rows.append(row)
-                self.log(f"throughput: {m.name} batch {bs}: {row['tokens_per_s']:.1f} tokens/s")
-                if progress is not None:
-                    progress(len(rows), total)
-        return rows
-
-    def _hf_batched(self, prompts: Sequence[BenchPrompt], sampling: SamplingParams, bs: int) -> list[list[int]]:
-        """transformers' generate() on consecutive batches of `bs` left-padded prompts; each
-        row's completion is cut after its first end-of-sequence token."""
-        import torch
-
-        target = self.target
-        eos = set(target.eos_token_ids)
-        if not sampling.greedy:
-            torch.manual_seed(sampling.seed)
-        outputs: list[list[int]] = []
-        for start in range(0, len(prompts), bs):
-            chunk = prompts[start: start + bs]
-            kw = self._hf_generate_kwargs(sampling, min(self._max_new(p.ids, sampling) for p in chunk))
-            width = max(len(p.ids) for p in chunk)
-            ids = torch.full((len(chunk), width), kw["pad_token_id"], dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for b, p in enumerate(chunk):
-                ids[b, width - len(p.ids):] = torch.tensor(p.ids)
-                mask[b, width - len(p.ids):] = 1
-            with quiet_transformers():
-                out = target.model.generate(ids.to(target.device), attention_mask=mask.to(target.device),
-                                            **kw)  # [b, width + new]
-            for row in out[:, width:].tolist():
-                cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-                outputs.append(row[:cut])
-        return outputs
-
-    def reference_method(self) -> str | None:
-        for kind in REFERENCE_METHODS:
-            for m in self.cfg.methods:
-                if m.kind == kind:
-                    return m.name
-        return None
-
-    def _score(self, prompt: BenchPrompt, runs: list[Run]) -> None:
-        ref_name = self.reference_method()
-        ref = next((r for r in runs if r.method == ref_name), None)
-        nll_cache: dict[tuple[int, ...], list[float]] = {}
-        with_rouge = prompt.reference is not None and rouge.rouge_available()
-        for r in runs:
-            if ref is not None:
-                r.exact = metrics.exact_match(r.tokens, ref.tokens)
-                r.prefix_share = metrics.prefix_share(r.tokens, ref.tokens)
-                r.first_mismatch = metrics.first_mismatch(r.tokens, ref.tokens)
-            key = tuple(r.tokens)
-            if key not in nll_cache:  # identical outputs (strict, ar, hf-generate) score once
-                nll_cache[key] = metrics.completion_nll(self.target.model, prompt.ids, r.tokens)
-            r.nll = nll_cache[key]
-            if with_rouge:
-                text = self.target.tokenizer.decode(r.tokens, skip_special_tokens=True)
-                r.rouge_l = rouge.rouge_l(text, prompt.reference)
-
-    def correctness_failures(self, runs: Sequence[Run]) -> list[dict[str, Any]]:
-        """Greedy ar/strict outputs that differ from the reference method's."""
-        ref_name = self.reference_method()
-        if not self.cfg.greedy or ref_name is None:
-            return []
-        kinds = {m.name: m.kind for m in self.cfg.methods}
-        ref = {(r.prompt.id, r.seed): r for r in runs if r.method == ref_name}
-        fails = []
-        for r in runs:
-            if kinds[r.method] in EXACT_METHODS and r.method != ref_name and r.exact is False:
-                base = ref[(r.prompt.id, r.seed)]
-                fails.append({
-                    "method": r.method, "reference": ref_name, "id": r.prompt.id, "seed": r.seed,
-                    "first_mismatch": r.first_mismatch, "completion_tokens": len(r.tokens),
-                    "reference_tokens": len(base.tokens),
-                    "token": r.tokens[r.first_mismatch] if r.first_mismatch < len(r.tokens) else None,
-                    "reference_token": base.tokens[r.first_mismatch] if r.first_mismatch < len(base.tokens) else None,
-                })
-        return fails
-
 
 # --------------------------------------------------------------------------------------------
 # The whole run
@@ -656,13 +249,6 @@ def _environment(bench: Bench) -> dict[str, Any]:
     return env
 
 
-def batch_counters(engine) -> dict[str, Any]:
-    """The throughput row's engine counters (every batch size keeps them)."""
-    return {"prefill_seconds": engine.prefill_seconds,
-            "peak_kv_cache_mib": engine.peak_cache_bytes / MIB,
-            "oom_halvings": engine.oom_retries}
-
-
 def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, methods: str | None = None,
                  theta: str | None = None, profile: str | None = None, temperature: float = 0.0,
                  seeds: str = "0", max_tokens: int = 128, limit: int | None = None,
@@ -678,27 +264,25 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
     if launch_from_env() is not None:
         raise UsageError("bench times methods against each other in one process: run it "
                          "without a launcher (accelerate launch, torchrun)")
-    check_choices(o.margin, o.dtype, o.ngram_min, o.ngram_max)
-    prof = named_profile(profile)
-    resolved = resolve_verification(VerifyRequest(STRICT, None, o.margin, **guard_request(o)), prof)
+    setup = generation_setup(dataclasses.replace(o, profile=profile))
+    prof = named_profile(setup.profile)
+    resolved = resolve_verification(dataclasses.replace(setup.verify, mode=STRICT), prof)
     margin = resolved.margin
     thetas = parse_float_list(theta, "--theta") if theta is not None else ()
     prule = prof.rule if prof is not None else None
     if prule is not None and prule.name == MARS and prule.theta not in thetas:
         thetas = (*thetas, prule.theta)
-    dcfg = draft_config(o, prof)
+    dcfg = setup.draft
     if methods is None:
         methods = DEFAULT_EAGLE3_METHODS if dcfg.kind == EAGLE3 else DEFAULT_METHODS
         if prule is not None and prule.name not in (MARS, STRICT):
             methods = f"{methods},{prule.label()}"  # the profile's rule at its knobs
-    # The same model configs as generate's (quantization included).
-    tcfg, dmcfg = model_configs(target_source(o.target, prof), dcfg, o)
     cfg = BenchConfig(
         input=input,
         methods=parse_methods(methods, thetas or (PAPER_THETA,), match=match_relax_rate is not None),
-        target=tcfg,
+        target=setup.target,  # the same model configs as generate's (quantization included)
         draft=dcfg,
-        draft_model=dmcfg,
+        draft_model=setup.draft_model,
         margin=margin,
         max_tokens=max_tokens,
         temperature=temperature,
@@ -709,7 +293,7 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
         batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
         guard=resolved.guard,
         task=task,
-        spans=span_config(o.strict_in, o.strict_regex),
+        spans=setup.spans,
         match_relax_rate=match_relax_rate, calibrate_on=calibrate_on,
         **({"calibration_records": calibration_records} if calibration_records is not None else {}),
     )

@@ -26,6 +26,7 @@ from marscli.bench.methods import (
     MATCHED_METHODS,
     BenchConfig,
     MethodSpec,
+    chain_or_tree,
     read_prompt_records,
 )
 from marscli.bench.metrics import ratio
@@ -36,7 +37,6 @@ from marscli.config import GUARD_OFF, Request, VerifyConfig
 from marscli.engine import build_engine
 from marscli.engine.sequence import RecordFailure
 from marscli.errors import InputError, UsageError
-from marscli.jobs.setup import chain_or_tree
 from marscli.verification.registry import MARS, Rule
 
 Log = Callable[[str], None]

@@ -51,9 +51,7 @@ from marscli.config import (
     RecordError,
     SamplingParams,
     VerifyConfig,
-    VerifyRequest,
 )
-from marscli.drafters.kinds import NONE
 from marscli.engine import build_engine
 from marscli.engine.sequence import RecordFailure
 from marscli.errors import (
@@ -64,17 +62,14 @@ from marscli.errors import (
     MarscliError,
     UsageError,
 )
+from marscli.io.console import Log, Progress
+from marscli.io.distributed import ProgressPump, shard, solo_step
 from marscli.io.records import read_input
-from marscli.jobs.console import Log, Progress
-from marscli.jobs.distributed import ProgressPump, shard, solo_step
 from marscli.jobs.generate import start_group
 from marscli.jobs.setup import (
-    check_batch,
     check_choices,
-    draft_config,
-    guard_request,
-    load_models,
-    model_configs,
+    generation_setup,
+    load_setup,
     resolve_guard,
 )
 from marscli.verification.registry import (
@@ -186,17 +181,12 @@ def calibrate_config(input: str, o: GenerationOptions, sampling: SamplingParams,
     policy, value = choose_policy(max_nll_increase, relax_rate, fixed, knob=template.knob[0])
     if objective not in OBJECTIVES:
         raise UsageError(f"--objective must be 'quality' or 'speed', got {objective!r}")
-    draft_cfg = draft_config(o)
-    check_batch(draft_cfg, o.batch_size)
-    if draft_cfg.kind == NONE:
-        raise UsageError("calibrate needs a drafter: --draft ngram or a draft model")
-    target_cfg, draft_model_cfg = model_configs(o.target, draft_cfg, o)
+    setup = generation_setup(o, need_drafter="calibrate needs a drafter: --draft ngram or a draft model")
     return CalibrateConfig(
-        input=input, output=output, name=name, target=target_cfg, draft=draft_cfg,
-        draft_model=draft_model_cfg, margin=margin, policy=policy, policy_value=value,
-        sampling=sampling, limit=limit, plot=plot, batch_size=o.batch_size,
-        guard=resolve_guard(VerifyRequest(**guard_request(o)), None),
-        objective=objective, rule=template, alpha_given=alpha_given,
+        input=input, output=output, name=name, setup=setup, margin=margin, policy=policy,
+        policy_value=value, sampling=sampling, limit=limit, plot=plot,
+        guard=resolve_guard(setup.verify, None), objective=objective, rule=template,
+        alpha_given=alpha_given,
     )
 
 
@@ -219,10 +209,10 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
         cal, speed = speed_objective(cal, data, cfg, family, costs, seconds)
     ident = target.identity
     name = cfg.name or default_profile_name(
-        str(ident.get("name")), cfg.draft.kind, draft_loaded.identity.get("name") if draft_loaded else None,
+        str(ident.get("name")), cfg.setup.draft.kind, draft_loaded.identity.get("name") if draft_loaded else None,
         str(ident.get("dtype")), ident.get("quantization"), rule=cal.chosen_rule().name)
     doc = build_profile(
-        name=name, cal=cal, data=data, target_identity=ident, draft_cfg=cfg.draft,
+        name=name, cal=cal, data=data, target_identity=ident, draft_cfg=cfg.setup.draft,
         draft_identity=draft_loaded.identity if draft_loaded else None, sampling=cfg.sampling,
         input_name=input_name, input_sha256=input_sha256, seconds=seconds,
     )
@@ -264,7 +254,7 @@ def calibration_engine(cfg: CalibrateConfig, target, draft_loaded, note=None):
     profile is the batch size's neither through the lengths nor through the speed prediction
     (at batch size 1). No job corpus: the n-gram drafter drafts what it will draft for the
     relaxed rule, which gets none."""
-    return build_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.draft, cfg.batch_size,
+    return build_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.setup.draft, cfg.setup.batch_size,
                        note or (lambda _: None), solo_lengths=True, job_corpus=False)
 
 
@@ -336,7 +326,7 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
                              "same input file")
 
     with step("loading the models") as s:
-        target, draft_loaded = load_models(cfg.target, cfg.draft_model, log.info, group, cfg.draft.kind)
+        target, draft_loaded = load_setup(cfg.setup, log.info, group)
         engine = calibration_engine(cfg, target, draft_loaded, log.info)
         s.value = (identity_for_profile(target.identity),
                    identity_for_profile(draft_loaded.identity) if draft_loaded else None)

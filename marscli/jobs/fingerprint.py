@@ -1,16 +1,20 @@
-"""The run fingerprint: the named components that decide a generate run's result bytes.
+"""The run fingerprint: the named components that decide a generate run's result bytes, and
+the run key made from it (the OpenAI format's ids), for `marscli generate` and ``LLM.stream``
+alike.
 
-Made here from a GenerateConfig and the loaded models' identities, then handed on as plain
-JSON data: marscli.io.resume stores it in the output's sidecar and compares it on --resume,
+Made here from a ModelSetup, the SamplingOptions and the loaded models' identities, then
+handed on as plain JSON data: marscli.io.resume stores it in the output's sidecar and compares it on --resume,
 and the ranks of a data-parallel run compare theirs with rank 0's. Nothing in marscli.io
 knows the config classes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
+from marscli.config import ModelSetup, SamplingOptions
 from marscli.drafters.kinds import NGRAM, NONE
 from marscli.verification.registry import MARS, OTHER_KNOBS, RULES, STRICT
 
@@ -26,7 +30,8 @@ _MODEL_KEYS = ("name", "source", "kind", "sha256", "fingerprint", "revision", "d
 
 
 def run_fingerprint(
-    cfg: Any,
+    setup: ModelSetup,
+    options: SamplingOptions,
     target_identity: dict[str, Any] | None,
     draft_identity: dict[str, Any] | None,
     extra: dict[str, Any],
@@ -35,14 +40,15 @@ def run_fingerprint(
 ) -> dict[str, Any]:
     """The named components that decide a run's result bytes (JSON values only).
 
-    cfg: a GenerateConfig; the identities come from LoadedModel.identity (None before the
-    models are loaded: see LOADED_COMPONENTS); extra: further components, which replace
+    setup and options: a GenerateConfig's (or an LLM's setup and a stream's options); the
+    identities come from LoadedModel.identity (None before the models are loaded: see
+    LOADED_COMPONENTS); extra: further components, which replace
     those of the same name, e.g. {"profile": {"name": ..., "sha256": ...} or None,
     "input": {"sha256": ...}}; verify: the VerifyConfig the run really uses when it differs
-    from cfg.verify (a profile applied). Left out on purpose: --limit (may grow on resume),
+    from setup.verify (a profile applied). Left out on purpose: --limit (may grow on resume),
     --quiet, progress, --fail-fast.
     """
-    d = cfg.draft
+    d = setup.draft
     drafter: dict[str, Any] = {"kind": d.kind}
     if d.kind != NONE:
         drafter.update(num_draft_tokens=d.num_draft_tokens, adaptive=d.adaptive)
@@ -54,8 +60,8 @@ def run_fingerprint(
         drafter.update(context=d.context)
     if getattr(d, "tree", False):
         drafter.update(tree={"depth": d.tree_depth, "top_k": d.tree_top_k, "tokens": d.tree_tokens})
-    v = verify if verify is not None else cfg.verify
-    s = cfg.sampling
+    v = verify if verify is not None else setup.verify
+    s = options.params()
     fp: dict[str, Any] = {
         "target": _model_fingerprint(target_identity),
         "drafter": drafter,
@@ -69,8 +75,8 @@ def run_fingerprint(
             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "max_tokens": s.max_tokens, "seed": s.seed, "stop": list(s.stop),
         },
-        "truncate_prompt": cfg.truncate_prompt,
-        "output": {"timing": cfg.timing, "token_ids": cfg.token_ids},
+        "truncate_prompt": options.truncate_prompt,
+        "output": {"timing": options.timing, "token_ids": options.token_ids},
         "profile": None,
     }
     rule = getattr(v, "rule", None)  # a VerifyConfig's; a VerifyRequest's rule is not resolved yet
@@ -93,22 +99,27 @@ def run_fingerprint(
         fp["sampling"]["n"] = s.n
     if s.logprobs:
         fp["sampling"].update(logprobs=True, top_logprobs=s.top_logprobs)
-    if getattr(cfg, "output_format", "default") != "default":
-        fp["output"]["format"] = cfg.output_format
-    if getattr(cfg, "strict_keys", False):
+    if options.output_format != "default":
+        fp["output"]["format"] = options.output_format
+    if options.strict_keys:
         fp["output"]["strict_keys"] = True
-    spans = getattr(cfg, "spans", None)
-    if spans is not None and spans.active:  # they decide which drafts may be relaxed
-        fp["verify"]["spans"] = spans.to_dict()
-    if getattr(s, "provenance", False):
+    if setup.spans.active:  # they decide which drafts may be relaxed
+        fp["verify"]["spans"] = setup.spans.to_dict()
+    if s.provenance:
         fp["output"]["provenance"] = True
     if s.temperature > 0:
         # A sampled row's text does not follow its batch by design (the reproducibility
         # contract), but a batched kernel's rounding can move an inverse-CDF draw: --resume
         # never mixes two batch sizes in one sampled file (docs/verification.md).
-        fp["sampling"]["batch_size"] = int(getattr(cfg, "batch_size", 1))
+        fp["sampling"]["batch_size"] = int(setup.batch_size)
     fp.update(extra)
     return json.loads(json.dumps(fp))  # plain JSON values, as read back from a sidecar
+
+
+def run_key(fingerprint: dict[str, Any]) -> str:
+    """The run's key: the OpenAI format's ids come from it (the same on --resume, on every
+    rank, and for ``LLM.stream`` with the same models, settings and records)."""
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
 
 
 def _model_fingerprint(identity: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -1,5 +1,5 @@
 """The generate job: read, load, generate, write results in input order; resume, data
-parallel (marscli.jobs.distributed), signals, --fail-fast and a closed stdout.
+parallel (marscli.io.distributed), signals, --fail-fast and a closed stdout.
 
 Ctrl-C, SIGTERM and a closed stdout end the run cleanly: every finished result is on disk
 (or sent) before the exit, and with -o FILE the run can be finished with --resume. Under a
@@ -27,11 +27,8 @@ from marscli.errors import (
     Stop,
     UsageError,
 )
-from marscli.io.records import read_input
-from marscli.io.results import held_path
-from marscli.io.resume import RunOutput, fingerprint_diff
-from marscli.jobs.console import Log, Progress, silence_stdout
-from marscli.jobs.distributed import (
+from marscli.io.console import Log, Progress, silence_stdout
+from marscli.io.distributed import (
     Group,
     ProgressPump,
     ids_digest,
@@ -39,17 +36,19 @@ from marscli.jobs.distributed import (
     shard,
     solo_step,
 )
-from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint
-from marscli.jobs.openai_format import render
+from marscli.io.openai_format import render
+from marscli.io.records import read_input
+from marscli.io.results import held_path
+from marscli.io.resume import RunOutput, fingerprint_diff
+from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint, run_key
 from marscli.jobs.results import (
     ERR_GENERATION_FAILED,
     ERR_OUT_OF_MEMORY,
-    ResultOptions,
     Totals,
     ignored_keys_note,
+    result_options,
 )
 from marscli.jobs.setup import (
-    ModelSetup,
     build_generator,
     check_rule_modes,
     drafter_desc,
@@ -145,23 +144,6 @@ def run_generate(cfg: GenerateConfig, log: Log) -> int:
             group.close()
 
 
-def result_options(cfg: GenerateConfig, gen, fingerprint: dict) -> ResultOptions:
-    """What the run's result lines hold; the OpenAI format's ids come from the fingerprint
-    (the same on --resume and on every rank)."""
-    import hashlib
-    import json
-
-    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
-    return ResultOptions(cfg.truncate_prompt, cfg.timing, cfg.token_ids, cfg.output_format,
-                         cfg.strict_keys, model_name(gen.target), key)
-
-
-def model_name(target) -> str:
-    """The target's name as result lines give it (`model` of the OpenAI format)."""
-    identity = getattr(target, "identity", None) or {}
-    return str(identity.get("name") or identity.get("source") or "marscli")
-
-
 def fail_fast_note(stop: dict) -> str:
     return (f"stopped at the first failed record (--fail-fast): id {stop['id']!r}, "
             f"line {stop['line']}: {stop['type']}: {stop['message']}")
@@ -174,7 +156,7 @@ class GenerateRun:
         self.cfg = cfg
         self.log = log
         self.signals = signals
-        self.group = group  # marscli.jobs.distributed.Group under a launcher, else None
+        self.group = group  # marscli.io.distributed.Group under a launcher, else None
         self.output = None  # marscli.io.RunOutput
         self.writer = None  # marscli.io.ResultWriter, once the output is open
         self.progress: Progress | None = None
@@ -184,8 +166,9 @@ class GenerateRun:
     def execute(self) -> int:
         cfg, log, group = self.cfg, self.log, self.group
         step = group.step if group is not None else solo_step
-        if cfg.verify.mode is not None:  # a rule asked for: its decoding modes, before anything else
-            check_rule_modes(cfg.verify.mode, cfg.sampling)
+        setup = cfg.setup
+        if setup.verify.mode is not None:  # a rule asked for: its decoding modes, before anything else
+            check_rule_modes(setup.verify.mode, cfg.sampling)
         # Everything that can be checked without the models is checked before loading them.
         with step("reading the input") as s:
             self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input,
@@ -195,7 +178,7 @@ class GenerateRun:
             # "profile" is known once the target is loaded (a profile matches the loaded weights).
             extra = {"input": {"sha256": input_sha}, "profile": None}
             if items:
-                output.check(run_fingerprint(cfg, None, None, extra), ignore=LOADED_COMPONENTS)
+                output.check(run_fingerprint(setup, cfg.options, None, None, extra), ignore=LOADED_COMPONENTS)
             done = output.done
             todo = [it for it in items if it.id not in done]
             s.value = (input_sha, len(items), ids_digest([it.id for it in todo]))
@@ -219,18 +202,17 @@ class GenerateRun:
                      f"already done{torn}")
 
         with step("loading the models") as s:
-            gen = build_generator(ModelSetup(cfg.target, cfg.draft, cfg.draft_model, cfg.verify, cfg.profile,
-                                             cfg.auto_profile, cfg.batch_size, cfg.spans), log.info, group)
+            gen = build_generator(setup, log.info, group)
             check_rule_modes(gen.verify.rule, cfg.sampling)  # the rule may come from the profile
             extra["profile"] = gen.spec_meta["profile"]
             fingerprint = run_fingerprint(
-                cfg, gen.target.identity, gen.draft_loaded.identity if gen.draft_loaded else None, extra,
-                verify=gen.verify,
+                setup, cfg.options, gen.target.identity, gen.draft_loaded.identity if gen.draft_loaded else None,
+                extra, verify=gen.verify,
             )
             s.value = fingerprint
         if group is not None:
             self._check_same_run(s.values)
-        log.info(f"drafter {drafter_desc(cfg.draft)}, verify {verify_desc(gen.verify)}")
+        log.info(f"drafter {drafter_desc(setup.draft)}, verify {verify_desc(gen.verify)}")
 
         if group is None:
             self.writer = writer = output.open(fingerprint, items)
@@ -241,7 +223,7 @@ class GenerateRun:
         totals = Totals()
         self.progress = Progress(log, len(todo))
         t_start = time.perf_counter()
-        options = result_options(cfg, gen, fingerprint)
+        options = result_options(cfg.options, gen.target, run_key(fingerprint))
         note = ignored_keys_note(todo)  # every record of the run, whatever the rank
         if note is not None:
             log.note(note)
@@ -285,7 +267,7 @@ class GenerateRun:
                 return self._finish_group(items, todo, totals, failed - sum(done.values()), t_start)
         self.close()
         output.finish(items)  # merge a resume over parts or gaps; drop the emptied held file
-        if cfg.batch_size > 1:
+        if setup.batch_size > 1:
             totals.wall = time.perf_counter() - t_start
         earlier = f"; {self.done_before} more were done before resuming" if self.done_before else ""
         log.info(totals.summary(len(todo), failed - sum(done.values())) + earlier)

@@ -23,10 +23,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from marscli.config import RecordError, SamplingParams
+from marscli.config import RecordError, SamplingOptions, SamplingParams
 from marscli.engine.sequence import RecordFailure
+from marscli.io.openai_format import logprobs_content
 from marscli.io.records import ERR_RECORD
-from marscli.jobs.openai_format import logprobs_content
 from marscli.verification.guard import repetition_stats
 from marscli.verification.registry import mode_problem
 
@@ -46,10 +46,23 @@ class ResultOptions:
     truncate_prompt: str = "none"  # "left": drop a long prompt's oldest tokens
     timing: bool = True  # wall-clock figures (off: byte-identical reruns)
     token_ids: bool = False  # the generated token ids
-    output_format: str = "default"  # "openai": OpenAI batch output lines (jobs/openai_format)
+    output_format: str = "default"  # "openai": OpenAI batch output lines (marscli.io.openai_format)
     strict_keys: bool = False  # a record with keys marscli does not act on is an error result
     model: str = ""  # the target's name, for the OpenAI format's `model`
     run_key: str = ""  # what the OpenAI format derives its ids from (the run's fingerprint)
+
+
+def result_options(options: SamplingOptions, target, run_key: str) -> ResultOptions:
+    """What a run's result lines hold, from its sampling and output options; the OpenAI
+    format's ids come from ``run_key`` (marscli.jobs.fingerprint.run_key)."""
+    return ResultOptions(options.truncate_prompt, options.timing, options.token_ids, options.output_format,
+                         options.strict_keys, model_name(target), run_key)
+
+
+def model_name(target) -> str:
+    """The target's name as result lines give it (`model` of the OpenAI format)."""
+    identity = getattr(target, "identity", None) or {}
+    return str(identity.get("name") or identity.get("source") or "marscli")
 
 
 def error_result(item, type_: str, message: str) -> dict:

@@ -16,8 +16,8 @@ from typing import Any
 
 from marscli.bench.report import json_safe
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, MarscliError, UsageError
+from marscli.io.console import Log
 from marscli.io.results import atomic_write_text
-from marscli.jobs.console import Log
 from marscli.scoring import humaneval, stats
 from marscli.scoring.tasks import (
     BINARY_TASKS,

@@ -27,26 +27,28 @@ from marscli.calibration.speed import strict_reason
 from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     MODEL_TREE_DEFAULTS,
+    OUTPUT_FORMATS,
     SPANS_OFF,
     STRICT_THETA,
     TREE_DEFAULTS,
+    TRUNCATIONS,
     DraftConfig,
     GenerationOptions,
     GuardConfig,
     ModelConfig,
+    ModelSetup,
+    SamplingOptions,
     SamplingParams,
     SpanConfig,
     VerifyConfig,
     VerifyRequest,
 )
-from marscli.drafters.eagle3 import DEFAULT_TREE
 from marscli.drafters.eagle3_head import load_head
 from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM, NONE
 from marscli.engine import build_engine
 from marscli.errors import ModelLoadError, UsageError
 from marscli.heads import shipped_head_for
-from marscli.jobs.distributed import place_device, rank_max_memory
-from marscli.jobs.openai_format import OUTPUT_FORMATS
+from marscli.io.distributed import place_device, rank_max_memory
 from marscli.jobs.results import generate_results
 from marscli.models.loading import (
     DEVICE_MAPS,
@@ -57,7 +59,6 @@ from marscli.models.loading import (
     parse_max_memory,
 )
 from marscli.verification.registry import (
-    LOGIT_RATIO,
     MARGINS,
     MARS,
     OTHER_KNOBS,
@@ -80,7 +81,6 @@ SHIPPED_HEAD = "<shipped head>"
 #: --draft ngram+MODEL: hybrid drafting (prompt lookup, else the draft model)
 HYBRID_PREFIX = "ngram+"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TRUNCATIONS = ("none", "left")
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 1
 TREE_BATCH_MESSAGE = ("tree drafting runs one record at a time: drop --batch-size "
@@ -350,8 +350,8 @@ def resolve_verification(req: VerifyRequest, profile, note: Note = _silent) -> V
         except ValueError as e:
             raise UsageError(str(e)) from None
         return VerifyConfig.from_rule(rule, guard)
-    mode = req.mode or STRICT
-    margin = req.margin or LOGIT_RATIO
+    mode = req.mode or "strict"
+    margin = req.margin or "logit-ratio"
     theta = req.theta
     if mode == MARS and theta is None:
         theta = PAPER_THETA
@@ -471,7 +471,7 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
     if not auto or draft.kind == DRAFT_NONE:
         return None
     # --verify naming a relaxed rule looks for a profile of that rule only
-    rule = verify_mode if verify_mode not in (None, STRICT) else None
+    rule = verify_mode if verify_mode not in (None, "strict") else None
     prof = find_matching_profile(target.identity, drafter, note=note, rule=rule)
     if prof is not None:
         note(f"using profile {prof.describe()} (sha256 {prof.short_hash}), matched to the target")
@@ -481,16 +481,14 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
     return prof
 
 
-def choice_options(sampling: SamplingParams, n: int = 1, logprobs: bool = False,
-                   top_logprobs: int | None = None, provenance: bool = False) -> SamplingParams:
-    """The sampling defaults with n, logprobs (top_logprobs implies logprobs) and provenance."""
-    if n < 1:
-        raise UsageError(f"n must be at least 1, got {n}")
-    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
-        raise UsageError(f"top_logprobs must be in [0, 20], got {top_logprobs}")
-    on = logprobs or top_logprobs is not None
-    return dataclasses.replace(sampling, n=n, logprobs=on, top_logprobs=top_logprobs or 0,
-                               provenance=provenance)
+def check_sampling_options(o: SamplingOptions) -> None:
+    """The sampling and output options, checked before anything is loaded (the command
+    line's bounds hold already; the API's keywords are checked here)."""
+    check_choices(truncate_prompt=o.truncate_prompt, output_format=o.output_format)
+    if o.n < 1:
+        raise UsageError(f"n must be at least 1, got {o.n}")
+    if o.top_logprobs is not None and not 0 <= o.top_logprobs <= 20:
+        raise UsageError(f"top_logprobs must be in [0, 20], got {o.top_logprobs}")
 
 
 def drafter_desc(d: DraftConfig) -> str:
@@ -529,21 +527,6 @@ def json_knobs(rule) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- generation
-
-
-@dataclass(frozen=True)
-class ModelSetup:
-    """What a generator is made of, resolved from options: models, drafter, verification as
-    asked, profile choice and batch size."""
-
-    target: ModelConfig
-    draft: DraftConfig
-    draft_model: ModelConfig | None
-    verify: VerifyRequest
-    profile: str | None = None  # a profile's path: use it; None: look for a matching one
-    auto_profile: bool = True
-    batch_size: int = 1
-    spans: SpanConfig = SPANS_OFF  # strict spans (marscli.verification.spans)
 
 
 @dataclass
@@ -588,9 +571,14 @@ class Generator:
         return generate_results(self.engine, items, sampling, options, self.spec_meta, self.batch_size)
 
 
+def load_setup(setup: ModelSetup, note: Note = _silent, group=None):
+    """The setup's target and drafter model (or head), loaded: (target, draft_loaded)."""
+    return load_models(setup.target, setup.draft_model, note, group, setup.draft.kind)
+
+
 def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Generator:
     """Load, choose the profile, resolve verification, build the engine."""
-    target, draft_loaded = load_models(setup.target, setup.draft_model, note, group, setup.draft.kind)
+    target, draft_loaded = load_setup(setup, note, group)
     prof = choose_profile(target, draft_loaded, setup.draft, profile=setup.profile,
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
@@ -602,16 +590,20 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
     return Generator(target, draft_loaded, setup.draft, verify, prof, engine, setup.batch_size, setup.spans)
 
 
-def generation_setup(o: GenerationOptions) -> ModelSetup:
-    """Options of `marscli generate` (and of marscli.load) -> ModelSetup, checked before
-    anything is loaded. Command line > profile > defaults: a --profile supplies the target
-    and the drafter's settings that are not given."""
+def generation_setup(o: GenerationOptions, need_drafter: str | None = None) -> ModelSetup:
+    """GenerationOptions -> ModelSetup, checked before anything is loaded: THE one path of
+    `marscli generate`, `marscli calibrate`, `marscli bench`, `marscli train-head` and
+    marscli.load. Command line > profile > defaults: a --profile supplies the target and the
+    drafter's settings that are not given. need_drafter: the usage error when the drafter is
+    none (calibrate needs one)."""
     check_choices(o.margin, o.dtype, o.ngram_min, o.ngram_max, o.verify)
     if o.profile is not None and not o.auto_profile:
         raise UsageError("--profile and --no-profile exclude each other")
     prof = named_profile(o.profile)
     dcfg = draft_config(o, prof)
     check_batch(dcfg, o.batch_size)
+    if need_drafter is not None and dcfg.kind == DRAFT_NONE:
+        raise UsageError(need_drafter)
     tcfg, dmcfg = model_configs(target_source(o.target, prof), dcfg, o)
     request = VerifyRequest(o.verify, o.theta, o.margin, **guard_request(o),
                             **{k: getattr(o, k) for k in OTHER_KNOBS})
@@ -621,16 +613,3 @@ def generation_setup(o: GenerationOptions) -> ModelSetup:
     return ModelSetup(tcfg, dcfg, dmcfg, request,
                       str(prof.path) if prof is not None else None, o.auto_profile, o.batch_size, spans)
 
-
-def chain_or_tree(draft: DraftConfig, tree: bool) -> DraftConfig:
-    """The drafter of a chain method (no tree) or of a tree method (the --tree-* settings,
-    else the drafter's defaults: EAGLE-3's, or a draft model's sibling tree)."""
-    if not tree:
-        return dataclasses.replace(draft, tree_depth=None, tree_top_k=None, tree_tokens=None)
-    if draft.tree:
-        return draft
-    if draft.kind == DRAFT_MODEL:
-        return dataclasses.replace(draft, tree_depth=None, tree_top_k=MODEL_TREE_DEFAULTS[0],
-                                   tree_tokens=MODEL_TREE_DEFAULTS[1])
-    return dataclasses.replace(draft, tree_depth=DEFAULT_TREE.depth, tree_top_k=DEFAULT_TREE.top_k,
-                               tree_tokens=DEFAULT_TREE.tokens)

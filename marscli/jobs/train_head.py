@@ -16,8 +16,8 @@ from typing import Any
 from marscli.config import GenerationOptions, Request, SamplingParams
 from marscli.drafters.eagle3_head import default_feature_layers
 from marscli.errors import InputError, UsageError
+from marscli.io.console import UNIT_COUNT, Log, Progress
 from marscli.io.records import read_requests
-from marscli.jobs.console import UNIT_COUNT, Log, Progress
 from marscli.jobs.results import ResultOptions
 from marscli.jobs.setup import build_generator, generation_setup
 from marscli.training.collect import (

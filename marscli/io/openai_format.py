@@ -32,7 +32,6 @@ import hashlib
 import time
 from typing import Any, Callable
 
-OUTPUT_FORMATS = ("default", "openai")
 FORMAT_OPENAI = "openai"
 #: The extension key holding marscli's own statistics in an OpenAI-format line.
 EXTENSION_KEY = "marscli"
