@@ -6,6 +6,7 @@ need none of them stays fast.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -140,7 +141,7 @@ def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathF
     monkeypatch.setenv("MARSCLI_PROFILE_DIR", str(base / "profiles"))
     monkeypatch.setenv("HF_HOME", str(base / "hf"))
     # Draft lengths from a fixed cost curve, never a timing: outputs and statistics in tests
-    # do not depend on the machine's load (tests/test_costs.py measures on purpose).
+    # do not depend on the machine's load (tests/engine/test_costs.py measures on purpose).
     monkeypatch.setenv("MARSCLI_COSTS", "static")
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
@@ -207,6 +208,23 @@ def tiny_factory():
 def tiny_tokenizer_factory():
     """make_tiny_tokenizer(corpus=..., vocab_size=..., pad=True) -> PreTrainedTokenizerFast."""
     return make_tiny_tokenizer
+
+
+@pytest.fixture
+def calib_prompts(tmp_path: Path) -> Path:
+    """Four repetitive prompt records (JSONL) to calibrate the tiny models on."""
+    rows = [
+        {"id": f"c{i}", "prompt": p, "max_tokens": 24}
+        for i, p in enumerate([
+            "one two three one two three one two three one two",
+            "the cat sat on the mat. the cat sat on the mat. the cat",
+            "hello world, hello world, hello world, hello",
+            "a b c d a b c d a b c d a b",
+        ])
+    ]
+    src = tmp_path / "calib.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return src
 
 
 @pytest.fixture(scope="session")

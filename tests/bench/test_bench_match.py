@@ -147,7 +147,7 @@ def test_fit_script_matches_every_rule_to_the_reference_methods_share(prompts, t
         relaxed_per_position,
     )
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "fit_matched_knobs.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "fit_matched_knobs.py"
     spec = importlib.util.spec_from_file_location("fit_matched_knobs", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from marscli.calibration.collect import MarginCollector, MarginData
+from marscli.calibration.collect import MarginCollector
 from marscli.calibration.policies import (
     RuleFamily,
     critical_values,
@@ -26,18 +26,9 @@ from marscli.config import SamplingParams
 from marscli.engine.sequence import StepObservation
 from marscli.verification.chain import mars_greedy, speculative_sampling, strict_greedy
 from marscli.verification.registry import Rule
-
-V, K = 12, 5
-
-
-def _step(gen: torch.Generator, scale: float = 3.0):
-    """Random logits [1, K+1, V] and drafts mixing top-1, top-2 and other tokens."""
-    logits = torch.randn(1, K + 1, V, generator=gen) * scale + 1.0
-    order = logits[0, :K].argsort(dim=-1, descending=True)  # [K, V]
-    pick = torch.randint(0, 10, (K,), generator=gen)
-    col = torch.where(pick < 5, 0, torch.where(pick < 8, 1, 2 + pick % 3))
-    drafts = order[torch.arange(K), col].unsqueeze(0)  # [1, K]
-    return drafts, logits
+from tests.helpers import STEP_K as K
+from tests.helpers import STEP_V as V
+from tests.helpers import _step, synthetic
 
 
 def _observe(collector, drafts, logits, sampling, u_accept=None, u_sample=None):
@@ -99,25 +90,6 @@ def test_collector_refuses_a_replay_that_disagrees():
 
 
 # --------------------------------------------------------------------------- synthetic data
-
-
-def synthetic(n_steps: int = 400, k: int = 4, seed: int = 0) -> MarginData:
-    """Greedy-style data: rank 1 positions accepted strictly, rank 2 relaxable by statistic."""
-    rng = np.random.default_rng(seed)
-    P = n_steps * k
-    rank = rng.choice([1, 2, 3], size=P, p=[0.5, 0.3, 0.2])
-    stat = rng.uniform(0.5, 1.0, size=P)
-    logp1 = np.log(rng.uniform(0.3, 0.9, size=P))
-    logp2 = logp1 - rng.exponential(0.5, size=P)
-    logpd = np.where(rank == 1, logp1, np.where(rank == 2, logp2, logp2 - 1.0))
-    strict_ok = (rank == 1).astype(float)
-    ok = strict_ok.reshape(n_steps, k)
-    n = np.cumprod(ok, axis=1).sum(axis=1)
-    return MarginData(
-        step_k=np.full(n_steps, k), step_n=n.astype(np.int64), tokens=int(n.sum() + n_steps),
-        records=10, failed_records=0, logit_ratio=stat, prob_ratio=stat ** 3, z1=np.full(P, 10.0),
-        rank=rank.astype(float), logp1=logp1, logp2=logp2, logp_draft=logpd, strict_ok=strict_ok,
-    )
 
 
 @pytest.mark.parametrize("margin", ["logit-ratio", "prob-ratio"])
@@ -196,22 +168,6 @@ def test_histogram_counts_every_position_by_rank():
 
 
 # --------------------------------------------------------------------------- CLI, end to end
-
-
-@pytest.fixture
-def calib_prompts(tmp_path):
-    rows = [
-        {"id": f"c{i}", "prompt": p, "max_tokens": 24}
-        for i, p in enumerate([
-            "one two three one two three one two three one two",
-            "the cat sat on the mat. the cat sat on the mat. the cat",
-            "hello world, hello world, hello world, hello",
-            "a b c d a b c d a b c d a b",
-        ])
-    ]
-    src = tmp_path / "calib.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return src
 
 
 def test_calibrate_writes_a_profile_generate_picks_up(tiny_model_dir, calib_prompts, tmp_path):

@@ -11,8 +11,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_calibrate import _step
-from test_rules import RankDrafter
 
 from marscli.calibration.collect import MarginCollector, MarginData
 from marscli.calibration.policies import (
@@ -42,6 +40,8 @@ from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
 from marscli.verification.chain import verify
 from marscli.verification.registry import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
+from tests.helpers import _step
+from tests.verification.test_rules import RankDrafter
 
 K = 5
 
@@ -330,7 +330,7 @@ def test_typical_alpha_follows_epsilon_unless_given():
 
 
 def test_typical_needs_the_entropy():
-    from test_calibrate import synthetic
+    from tests.helpers import synthetic
 
     with pytest.raises(ValueError, match="entropy"):
         synthetic().replay(Rule(TYPICAL, epsilon=0.1))

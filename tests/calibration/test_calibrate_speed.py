@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-from test_calibrate import calib_prompts, synthetic  # noqa: F401 - a fixture
 
 from marscli.calibration.policies import RuleFamily
 from marscli.calibration.speed import (
@@ -20,6 +19,7 @@ from marscli.calibration.speed import (
     speed_section,
 )
 from marscli.engine.costs import StepCosts
+from tests.helpers import synthetic
 
 MARS_LR = RuleFamily.mars("logit-ratio")
 
@@ -74,7 +74,7 @@ def _calibrate(runner, app, src, target, out, *extra):
     return r
 
 
-def test_profile_records_speed_and_generate_follows_it(tiny_model_dir, calib_prompts, tmp_path):  # noqa: F811
+def test_profile_records_speed_and_generate_follows_it(tiny_model_dir, calib_prompts, tmp_path):
     import yaml
     from typer.testing import CliRunner
 
@@ -112,7 +112,7 @@ def test_profile_records_speed_and_generate_follows_it(tiny_model_dir, calib_pro
             assert json.loads(g.stdout)["spec"]["verify"] == "mars"
 
 
-def test_profiles_without_speed_still_load(tiny_model_dir, calib_prompts, tmp_path):  # noqa: F811
+def test_profiles_without_speed_still_load(tiny_model_dir, calib_prompts, tmp_path):
     import yaml
     from typer.testing import CliRunner
 
@@ -132,7 +132,7 @@ def test_profiles_without_speed_still_load(tiny_model_dir, calib_prompts, tmp_pa
         load_profile(out)
 
 
-def test_objective_must_be_known(calib_prompts):  # noqa: F811
+def test_objective_must_be_known(calib_prompts):
     from typer.testing import CliRunner
 
     from marscli.cli import app

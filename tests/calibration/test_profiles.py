@@ -26,7 +26,7 @@ from marscli.calibration.profiles import (
 from marscli.calibration.report import build_profile
 from marscli.config import DraftConfig, SamplingParams
 from marscli.errors import EXIT_USAGE
-from tests.test_calibrate import synthetic
+from tests.helpers import synthetic
 
 IDENTITY = {
     "name": "Tiny", "source": "/models/tiny", "kind": "dir", "sha256": None,

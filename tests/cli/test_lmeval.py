@@ -210,7 +210,7 @@ def test_marscli_lm_eval_is_lm_evals_command_line(runner, tmp_path, tiny_model_d
 def test_the_shipped_example_task_runs_offline(runner, monkeypatch, tmp_path, tiny_model_dir):
     # examples/lm-eval/gsm8k_examples.yaml: lm-eval's GSM8K filters over examples/gsm8k.jsonl,
     # run from the repository root as its comment says (through the chat template).
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
     res = runner.invoke(app, ["lm-eval", "--model", "marscli", "--model_args", f"target={tiny_model_dir},draft=ngram",
                               "--tasks", "gsm8k_examples", "--include_path", "examples/lm-eval", "--limit", "2",
                               "--gen_kwargs", "max_gen_toks=8", "--apply_chat_template", "--log_samples",

@@ -693,7 +693,7 @@ def test_logprobs_and_shared_prefills_with_eagle3(target, heads, tree):
     """Issue 18 with a drafter that reads the target's features: logprobs of greedy MARS output
     are the target's own (trees included), and n choices that join from one prefill (its
     features copied too) equal single runs with seeds seed + i."""
-    from test_openai_batch import check_logprobs
+    from tests.oracles import check_logprobs
 
     wide = dict(tree_depth=6, tree_top_k=4, tree_tokens=30) if tree else None
     eng = engine_for(target, heads["fitted"], tree=wide, verify=VerifyConfig("mars", 0.05, "prob-ratio"))

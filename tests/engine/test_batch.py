@@ -94,7 +94,7 @@ def test_greedy_batched_equals_one_at_a_time(target, vcfg):
 
 def test_mars_relaxations_are_batch_invariant(target):
     """A drafter that always offers the target's runner-up, so MARS really relaxes."""
-    from test_engine import RunnerUpDrafter
+    from tests.engines import RunnerUpDrafter
 
     dcfg = DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False)
     factory = lambda: RunnerUpDrafter(target.model, 3)  # noqa: E731

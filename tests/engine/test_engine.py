@@ -14,21 +14,14 @@ import pytest
 import torch
 
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
-from marscli.drafters.base import DrafterBase, RowDrafters
+from marscli.drafters.base import RowDrafters
 from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import FINISH_LENGTH, FINISH_STOP
 from marscli.models.loading import load_model
 from marscli.verification.rules import margin_statistic, top2
+from tests.engines import PROMPTS, RunnerUpDrafter, encode
 from tests.oracles import hf_greedy
-
-PROMPTS = [
-    "the quick brown fox jumps over the lazy dog",
-    "hello world, hello marscli; the cat sat on the mat. hello world, hello",
-    "one two three four five six seven eight nine ten one two three",
-    "a margin aware rule",
-    "speculative decoding drafts tokens and the target verifies them in one pass. speculative",
-]
 
 
 def make_engine(target, kind: str, draft_loaded=None, *, k: int = 4, adaptive: bool = False,
@@ -36,10 +29,6 @@ def make_engine(target, kind: str, draft_loaded=None, *, k: int = 4, adaptive: b
     cfg = DraftConfig(kind=kind, num_draft_tokens=k, adaptive=adaptive,
                       model="x" if kind == "model" else None)
     return build_engine(target, draft_loaded, verify, cfg)
-
-
-def encode(target, text: str) -> list[int]:
-    return target.tokenizer(text).input_ids
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "model", "self"])
@@ -101,36 +90,6 @@ def replay_mars(target, ids: list[int], out: list[int], theta: float, margin: st
         assert tok == int(t2[i]) and float(stat[i]) > theta, (i, tok, int(t1[i]), int(t2[i]), float(stat[i]))
         relaxed += 1
     return relaxed
-
-
-class RunnerUpDrafter(DrafterBase):
-    """Test drafter: proposes the target's own greedy path but puts the target's top-2 token
-    first, so every step offers the verifier a runner-up to relax."""
-
-    name = "runner-up"
-
-    def __init__(self, model, k: int):
-        self.model, self.k = model, k
-
-    def start(self, prompt_ids, *_, **__):
-        pass
-
-    def propose(self, seq, k_max):
-        from marscli.drafters.base import Proposal
-
-        k = min(self.k, k_max)
-        out, cur = [], list(seq)
-        with torch.no_grad():
-            for i in range(k):
-                logits = self.model(torch.tensor([cur])).logits[0, -1]
-                _, _, t1, t2 = top2(logits)
-                tok = int(t2 if i == 0 else t1)
-                out.append(tok)
-                cur.append(tok)
-        return Proposal(out)
-
-    def accepted(self, proposed, accepted, seq):
-        pass
 
 
 @pytest.mark.parametrize("margin,theta", [("prob-ratio", 0.3), ("logit-ratio", 0.5)])

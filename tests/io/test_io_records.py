@@ -15,6 +15,7 @@ from marscli.config import RecordError, Request, SamplingParams
 from marscli.errors import InputError
 from marscli.io.records import find_duplicate_ids, read_input, read_requests
 from marscli.io.results import dump_json_line
+from tests.helpers import json_values
 
 
 def read_bytes(data: bytes) -> list[Request | RecordError]:
@@ -414,23 +415,6 @@ def test_find_duplicate_ids():
 
 # ---------------------------------------------------------------------------------------------
 # Property test: nothing on a line makes the reader raise
-
-
-def json_values():
-    keys = st.sampled_from([
-        "id", "prompt", "messages", "role", "content", "max_tokens", "temperature", "top_p",
-        "top_k", "seed", "stop", "custom_id", "method", "url", "body", "max_completion_tokens",
-        "question_id", "turns", "/v1/chat/completions",
-    ]) | st.text(max_size=8)
-    scalars = (st.none() | st.booleans() | st.integers() | st.floats()
-               | st.sampled_from(["user", "POST", "/v1/completions", "bot", "", " "])
-               | st.text(max_size=12))
-    return st.recursive(
-        scalars,
-        lambda children: st.lists(children, max_size=5)
-        | st.dictionaries(keys, children, max_size=6),
-        max_leaves=25,
-    )
 
 
 def _expected_record_lines(data: bytes) -> list[int]:

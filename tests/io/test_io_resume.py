@@ -19,7 +19,7 @@ from marscli.io.resume import (
     sidecar_path,
     write_sidecar,
 )
-from tests.test_io_records import json_values
+from tests.helpers import json_values
 
 
 def test_sidecar_round_trip_and_atomic(tmp_path):

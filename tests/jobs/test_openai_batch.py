@@ -23,8 +23,9 @@ from marscli.cli import app
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_TERMINATED
 from marscli.io.records import read_requests
+from tests.oracles import check_logprobs
 
-SCHEMA = json.loads((Path(__file__).parent / "openai_batch_output.schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).parents[1] / "openai_batch_output.schema.json").read_text())
 PROMPTS = ["the quick brown fox", "hello world, hello", "one two three four five six"]
 
 
@@ -187,32 +188,6 @@ def test_keys_marscli_does_not_act_on_are_reported_and_identifying_ones_are_quie
 # ------------------------------------------------------------------------------ logprobs
 
 
-def oracle_logprobs(model, prompt_ids: list[int], out_ids: list[int]):
-    """log_softmax of transformers' own forward over prompt + output, at the positions that
-    predict the output's tokens: [len(out_ids), V]."""
-    import torch
-
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + out_ids])).logits[0].float()
-    return torch.log_softmax(logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(out_ids)], -1)
-
-
-def check_logprobs(model, prompt_ids, res, top):
-    import torch
-
-    lsm = oracle_logprobs(model, prompt_ids, res.token_ids)
-    assert [e.token for e in res.logprobs] == res.token_ids
-    got = torch.tensor([e.logprob for e in res.logprobs])
-    want = lsm.gather(-1, torch.tensor(res.token_ids).unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-    for j, e in enumerate(res.logprobs):
-        assert len(e.top) == top
-        # the alternatives' values are the oracle's top values, and each is its token's own
-        torch.testing.assert_close(torch.tensor([v for _, v in e.top]), lsm[j].topk(top).values, rtol=0, atol=1e-4)
-        torch.testing.assert_close(torch.tensor([v for _, v in e.top]), lsm[j, [t for t, _ in e.top]],
-                                   rtol=0, atol=1e-4)
-
-
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("kind,verify", [("ngram", VerifyConfig()), ("model", VerifyConfig()),
                                          ("runner-up", VerifyConfig("mars", 0.3, "prob-ratio"))],
@@ -228,7 +203,7 @@ def test_logprobs_equal_log_softmax_of_transformers_forward(target, tiny_draft_d
     from marscli.models.loading import load_model
 
     if kind == "runner-up":
-        from test_engine import RunnerUpDrafter
+        from tests.engines import RunnerUpDrafter
 
         dcfg = DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False)
         engine = Engine(target, RowDrafters(lambda: RunnerUpDrafter(target.model, 3)), verify.rule, dcfg,
@@ -396,7 +371,7 @@ def test_resume_after_sigterm_in_the_middle_of_a_requests_samples(runner, n_reco
 
 def test_sigkill_mid_samples_then_resume_is_byte_identical(runner, n_records, tiny_model_dir, tmp_path,
                                                            n_reference):
-    from tests.test_reliability import _start, _wait_for_lines
+    from tests.helpers import _start, _wait_for_lines
 
     fmt, reference = n_reference
     out = tmp_path / "out.jsonl"

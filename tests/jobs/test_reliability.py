@@ -30,8 +30,8 @@ from marscli.errors import (
 )
 from marscli.io.records import MAX_LINE_BYTES
 from marscli.io.resume import sidecar_path
+from tests.helpers import _start, _subprocess_env, _wait_for_lines
 
-ROOT = Path(__file__).resolve().parents[1]
 #: Fast settings: the tiny model, no drafter, a few tokens.
 FAST = ["--draft", "none", "--max-tokens", "2", "--no-timing"]
 #: Settings of the resume tests: sampling, so each record's own seed matters.
@@ -258,7 +258,7 @@ def _fault_target(kind: str, tiny_model_dir: Path, tmp_path: Path, make_model,
         d = make_model(tmp_path / "draft", tokenizer=other, layers=1)
         return ["--target", str(tiny_model_dir), "--draft", str(d)], "does not share the vocabulary"
     if kind == "bitsandbytes-without-cuda":
-        # (--load-in-8bit on a CPU is marscli's own int8 now: tests/test_quant.py)
+        # (--load-in-8bit on a CPU is marscli's own int8 now: tests/models/test_quant.py)
         return ["--target", str(tiny_model_dir), "--load-in-4bit"], "--load-in-4bit needs a CUDA GPU"
     raise AssertionError(kind)
 
@@ -537,32 +537,6 @@ def test_ctrl_c_while_writing_a_line_waits_for_the_line(runner, tiny_model_dir, 
     assert r.exit_code == EXIT_INTERRUPTED
     assert ids_of(results(out.read_text())) == ["0", "1"] and out.read_text().endswith("\n")
     assert "interrupted (Ctrl-C): 2 of 4 results are in" in r.stderr
-
-
-def _subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)  # carries the isolation fixture's HF offline and cache settings
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
-def _start(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "marscli", "generate", *args],
-                            env=_subprocess_env(), stderr=subprocess.PIPE, **kw)
-
-
-def _wait_for_lines(proc: subprocess.Popen, out: Path, n: int, timeout: float = 120.0) -> None:
-    """Poll until `out` holds n complete lines or the process ended."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if out.read_bytes().count(b"\n") >= n:
-                return
-        except FileNotFoundError:
-            pass
-        time.sleep(0.005)
-    if proc.poll() is None:
-        proc.kill()
-        pytest.fail(f"no {n} results in {timeout} s")
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGKILL, -signal.SIGKILL),

@@ -32,7 +32,7 @@ from marscli.io.results import OutputLock, find_parts, merge_results, part_path
 from marscli.io.resume import sidecar_path
 from marscli.jobs.distributed import Group, Launch, RankLost, launch_from_env, shard
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_RECORDS = 24
 #: Sampling, so each record's own seed matters; no timing, so runs compare byte for byte.
 RUN = ["--no-timing", "--max-tokens", "12", "--temperature", "0.8", "--seed", "5"]

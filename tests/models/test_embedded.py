@@ -12,7 +12,7 @@ from marscli.config import DraftConfig, Request, SamplingParams, VerifyConfig
 from marscli.engine import build_engine
 
 #: A few records of each prompt set, shipped with the repository (examples/README.md).
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "examples"
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "examples"
 MAX_NEW = 40
 
 pytestmark = pytest.mark.embedded

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.qwen
 
 #: Read at collection, before the autouse fixture points MARSCLI_CACHE at a temporary folder.
 USER_CACHE = cache_root()
-PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "humaneval.jsonl"
+PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "humaneval.jsonl"
 MAX_NEW = 8
 
 

@@ -11,7 +11,7 @@ from marscli.scoring import gsm8k
 from marscli.scoring.rouge import reference_text
 
 #: GSM8K records shipped with the repository (examples/README.md: source and licence).
-PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "gsm8k.jsonl"
+PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "gsm8k.jsonl"
 
 
 @pytest.mark.parametrize(("answer", "expected"), [

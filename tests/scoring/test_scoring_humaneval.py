@@ -11,7 +11,7 @@ import pytest
 from marscli.scoring import humaneval as he
 
 #: HumanEval/0-7 as the prompt sets hold them, shipped with the repository (examples/README.md).
-PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "humaneval.jsonl"
+PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "humaneval.jsonl"
 FAST = he.Limits(timeout_s=5.0)
 
 

@@ -36,7 +36,7 @@ from marscli.verification.guard import (
 from marscli.verification.registry import MARS, Rule
 from marscli.verification.rules import margin_statistic, top2
 from marscli.verification.tree import verify_tree
-from tests.test_engine import RunnerUpDrafter
+from tests.engines import RunnerUpDrafter
 
 # --------------------------------------------------------------------------- the statistic
 

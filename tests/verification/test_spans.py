@@ -46,7 +46,7 @@ from marscli.verification.spans import (
     parse_strict_in,
     strict_at,
 )
-from tests.test_engine import PROMPTS, RunnerUpDrafter, encode
+from tests.engines import PROMPTS, RunnerUpDrafter, encode
 
 CODE_ONLY = SpanRule((CODE,))
 ANSWER_ONLY = SpanRule((ANSWER,))
