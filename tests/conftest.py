@@ -170,13 +170,28 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> 
 
 
 @pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    """The tiny target loaded float32 on the CPU, once per module (an engine patches its CPU
-    kernels: compare with ``oracle``, never with this model's own generate())."""
+def target_dir(tiny_model_dir) -> Path:
+    """The directory ``target`` loads: tiny_model_dir, unless a module overrides it with a
+    target of its own (a deeper one for EAGLE-3 heads, say)."""
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    """The target (target_dir) loaded float32 on the CPU, once per module (an engine patches its
+    CPU kernels: compare with ``oracle``, never with this model's own generate())."""
     from marscli.config import ModelConfig
     from marscli.models.loading import load_model
 
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
+    return load_model(ModelConfig(str(target_dir), dtype="float32", device="cpu"))
+
+
+@pytest.fixture
+def runner():
+    """Typer's CliRunner for marscli.cli.app: result.stdout and result.stderr apart."""
+    from typer.testing import CliRunner
+
+    return CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -189,13 +204,13 @@ def draft(tiny_draft_dir):
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_model_dir):
+def oracle(target_dir):
     """The target's weights loaded apart by transformers alone: the engine patches its model's
     CPU kernels (fastpath), and the oracle must not share those patches."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from marscli.config import DraftConfig, VerifyConfig
 from marscli.drafters.base import DrafterBase, Proposal
+from marscli.engine import build_engine
+from marscli.engine.scheduler import Engine
 from marscli.verification.rules import top2
 
 PROMPTS = [
@@ -47,3 +50,14 @@ class RunnerUpDrafter(DrafterBase):
 
     def accepted(self, proposed, accepted, seq):
         pass
+
+
+def make_engine(target, kind: str, draft=None, *, k: int = 4, adaptive: bool = False,
+                verify: VerifyConfig = VerifyConfig(), batch_size: int = 1, job_corpus: bool | None = None,
+                **draft_fields) -> Engine:
+    """build_engine for `kind`'s drafter (draft: the loaded draft model or EAGLE-3 head) with k
+    drafts a step, fixed unless adaptive; the kinds that name a model get a placeholder name.
+    draft_fields: more DraftConfig fields (a tree's shape, hybrid, context)."""
+    cfg = DraftConfig(kind=kind, num_draft_tokens=k, adaptive=adaptive,
+                      model="x" if kind in ("model", "eagle3") else None, **draft_fields)
+    return build_engine(target, draft, verify, cfg, batch_size=batch_size, job_corpus=job_corpus)

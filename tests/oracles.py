@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from marscli.verification.rules import margin_statistic, top2
+
 
 def hf_greedy(model, ids: list[int], max_new: int) -> list[int]:
     """transformers' own greedy generate(): the reference for strict greedy output. Give it a
@@ -38,3 +40,63 @@ def check_logprobs(model, prompt_ids, res, top):
         torch.testing.assert_close(torch.tensor([v for _, v in e.top]), lsm[j].topk(top).values, rtol=0, atol=1e-4)
         torch.testing.assert_close(torch.tensor([v for _, v in e.top]), lsm[j, [t for t, _ in e.top]],
                                    rtol=0, atol=1e-4)
+
+
+def replay_mars(target, ids: list[int], out: list[int], theta: float, margin: str) -> int:
+    """MARS greedy's law on an output, by one full target forward over prompt + output: every
+    emitted token is the target's top-1, or its top-2 where the margin statistic exceeds theta.
+    Returns how many tokens were top-2 (relaxed)."""
+    with torch.no_grad():
+        logits = target.model(torch.tensor([ids + out])).logits[0, len(ids) - 1: len(ids) + len(out) - 1]
+    z1, z2, t1, t2 = top2(logits)
+    stat = margin_statistic(z1, z2, margin)
+    relaxed = 0
+    for i, tok in enumerate(out):
+        if tok == int(t1[i]):
+            continue
+        # Tiny float differences between a (k+1)-token and a full forward only matter at
+        # exact near-ties; the tiny model has none at these prompts.
+        assert tok == int(t2[i]) and float(stat[i]) > theta, (i, tok, int(t1[i]), int(t2[i]), float(stat[i]))
+        relaxed += 1
+    return relaxed
+
+
+#: no_cache_loop's verdicts on a draft.
+REJECT, TOP1, RELAXED = 0, 1, 2
+
+
+def no_cache_loop(model, ids: list[int], max_new: int, k: int, drafter, judge, eos: frozenset[int] = frozenset(),
+                  after_step=None) -> tuple[list[int], int]:
+    """A plain greedy speculative loop without a cache, step by step as the engine takes them:
+    the drafter's drafts (at most k, and fewer than the tokens left, so that the step's own
+    token fits), each judged on the target's logits from a full forward pass over the whole
+    sequence so far: judge(z, i, drafts, out, step, relaxed) says REJECT (the step ends), TOP1
+    or RELAXED (the draft is kept); then the target's own next token. The output ends at
+    max_new tokens or after its first token of eos; after_step(step) sees each step's tokens.
+    Returns (the output, how many drafts were kept as RELAXED)."""
+    out: list[int] = []
+    relaxed = 0
+
+    def row(prefix):
+        with torch.no_grad():
+            return model(torch.tensor([prefix])).logits[0, -1].float()
+
+    while len(out) < max_new:
+        cap = min(k, max_new - len(out) - 1)
+        drafts = drafter.propose(ids + out, cap).tokens if cap > 0 else []
+        step: list[int] = []
+        for i, d in enumerate(drafts):
+            verdict = judge(row(ids + out + step), i, drafts, out, step, relaxed)
+            if verdict == REJECT:
+                break
+            step.append(d)
+            relaxed += verdict == RELAXED
+        step.append(int(row(ids + out + step).argmax()))
+        stop = next((i for i, t in enumerate(step) if t in eos), None)
+        step = step[: max_new - len(out)] if stop is None else step[: stop + 1]
+        out += step
+        if after_step is not None:
+            after_step(step)
+        if stop is not None:
+            break
+    return out, relaxed

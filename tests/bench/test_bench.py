@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from marscli.bench import methods as bench_mod
 from marscli.bench.methods import (
@@ -39,11 +38,6 @@ METHOD_FIELDS = {
 SPEC_FIELDS = ("steps", "acceptance_length", "acceptance_rate", "per_position_acceptance_rate",
                "relaxed_share", "ideal_speedup_vs_ar", "measured_over_ideal")
 MAX_TOKENS = "12"
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 @pytest.fixture

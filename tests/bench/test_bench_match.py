@@ -8,7 +8,6 @@ import json
 from dataclasses import replace
 
 import pytest
-from typer.testing import CliRunner
 
 from marscli.bench.methods import BenchConfig, parse_methods, read_prompt_records
 from marscli.cli import app
@@ -28,11 +27,6 @@ TEXTS = [
 MAX_TOKENS = 12
 SHARE = 0.2
 METHODS = "ar,strict,mars,mars-noguard,ratio,topk@3,typical,typical@0.5:0.2,regret"
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 @pytest.fixture

@@ -170,13 +170,10 @@ def test_histogram_counts_every_position_by_rank():
 # --------------------------------------------------------------------------- CLI, end to end
 
 
-def test_calibrate_writes_a_profile_generate_picks_up(tiny_model_dir, calib_prompts, tmp_path):
-    from typer.testing import CliRunner
-
+def test_calibrate_writes_a_profile_generate_picks_up(runner, tiny_model_dir, calib_prompts, tmp_path):
     from marscli.calibration.profiles import load_profile, user_profile_dir
     from marscli.cli import app
 
-    runner = CliRunner()
     plot = tmp_path / "c.png"
     r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
                             "--relax-rate", "0.3", "--plot", str(plot)])
@@ -225,9 +222,7 @@ def test_calibrate_writes_a_profile_generate_picks_up(tiny_model_dir, calib_prom
     assert json.loads(g.stdout)["spec"]["profile"]["sha256"] == prof.sha256
 
 
-def test_profile_for_another_dtype_is_not_picked(tiny_model_dir, calib_prompts, tmp_path):
-    from typer.testing import CliRunner
-
+def test_profile_for_another_dtype_is_not_picked(runner, tiny_model_dir, calib_prompts, tmp_path):
     from marscli.calibration.profiles import (
         load_profile,
         save_profile,
@@ -235,7 +230,6 @@ def test_profile_for_another_dtype_is_not_picked(tiny_model_dir, calib_prompts, 
     )
     from marscli.cli import app
 
-    runner = CliRunner()
     r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir), "--theta", "0.9"])
     assert r.exit_code == 0, r.stderr
     path = next(user_profile_dir().glob("*.yaml"))
@@ -255,24 +249,19 @@ def test_profile_for_another_dtype_is_not_picked(tiny_model_dir, calib_prompts, 
     (["--draft", "none"], "calibrate needs a drafter"),
     (["--margin", "z-score"], "--margin must be"),
 ])
-def test_calibrate_usage_errors(args, fragment, calib_prompts):
-    from typer.testing import CliRunner
-
+def test_calibrate_usage_errors(runner, args, fragment, calib_prompts):
     from marscli.cli import app
 
-    r = CliRunner().invoke(app, ["calibrate", str(calib_prompts), *args])
+    r = runner.invoke(app, ["calibrate", str(calib_prompts), *args])
     assert r.exit_code == 2
     assert fragment in r.stderr
 
 
-def test_calibrate_with_a_draft_model_and_sampling(tiny_model_dir, tiny_draft_dir, calib_prompts, tmp_path):
+def test_calibrate_with_a_draft_model_and_sampling(runner, tiny_model_dir, tiny_draft_dir, calib_prompts, tmp_path):
     """The sampling path (draft probabilities q from a model drafter) and model-drafter matching."""
-    from typer.testing import CliRunner
-
     from marscli.calibration.profiles import load_profile
     from marscli.cli import app
 
-    runner = CliRunner()
     out = tmp_path / "p.yaml"
     r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir), "--draft",
                             str(tiny_draft_dir), "--fixed-k", "-k", "3", "--temperature", "0.8", "--seed", "3",
@@ -297,11 +286,9 @@ def test_calibrate_with_a_draft_model_and_sampling(tiny_model_dir, tiny_draft_di
 
 
 @pytest.mark.parametrize("extra", [[], ["--temperature", "0.8", "--seed", "3"]], ids=["greedy", "sampling"])
-def test_batched_calibration_writes_the_same_profile(tiny_model_dir, calib_prompts, tmp_path, extra):
+def test_batched_calibration_writes_the_same_profile(runner, tiny_model_dir, calib_prompts, tmp_path, extra):
     """Per-record collectors merged in input order: the batch size changes no count, and
     floats only by the last bits of batched float32 matmuls (the logits are not bit-equal)."""
-    from typer.testing import CliRunner
-
     from marscli.calibration.profiles import load_profile
     from marscli.cli import app
 
@@ -311,7 +298,7 @@ def test_batched_calibration_writes_the_same_profile(tiny_model_dir, calib_promp
     data = {}
     for bs in (1, 3):
         out = tmp_path / f"p{bs}.yaml"
-        r = CliRunner().invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
+        r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
                                      "--relax-rate", "0.3", "-o", str(out), "--quiet", "--batch-size", str(bs),
                                      *extra])
         assert r.exit_code == 3, r.stderr  # profile written, one record failed

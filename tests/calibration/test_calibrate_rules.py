@@ -437,12 +437,9 @@ def test_profiles_of_several_rules_coexist_and_are_found():
 # --------------------------------------------------------------------------- command line
 
 
-def test_cli_calibrates_a_rule(tiny_model_dir, calib_prompts, tmp_path):
-    from typer.testing import CliRunner
-
+def test_cli_calibrates_a_rule(runner, tiny_model_dir, calib_prompts, tmp_path):
     from marscli.cli import app
 
-    runner = CliRunner()
     out = tmp_path / "ratio.yaml"
     r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
                             "--rule", "ratio", "--relax-rate", "0.1", "-o", str(out), "--fixed-k"])
@@ -487,16 +484,13 @@ def test_api_calibrates_a_rule(tiny_model_dir):
     assert fixed.rule == Rule(REGRET, budget=1.5) and fixed.data["policy"]["name"] == "fixed"
 
 
-def test_generate_applies_a_profiles_rule_and_the_command_line_wins(tiny_model_dir, calib_prompts, tmp_path):
+def test_generate_applies_a_profiles_rule_and_the_command_line_wins(runner, tiny_model_dir, calib_prompts, tmp_path):
     """calibrate --rule ratio -> profile -> generate: the profile's rule at its knob is the
     default; --rho replaces the knob; --verify naming another rule drops the profile's."""
     import json
 
-    from typer.testing import CliRunner
-
     from marscli.cli import app
 
-    runner = CliRunner()
     prof = tmp_path / "ratio.yaml"
     r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
                             "--rule", "ratio", "--relax-rate", "0.2", "-o", str(prof), "--fixed-k", "--quiet"])

@@ -74,14 +74,12 @@ def _calibrate(runner, app, src, target, out, *extra):
     return r
 
 
-def test_profile_records_speed_and_generate_follows_it(tiny_model_dir, calib_prompts, tmp_path):
+def test_profile_records_speed_and_generate_follows_it(runner, tiny_model_dir, calib_prompts, tmp_path):
     import yaml
-    from typer.testing import CliRunner
 
     from marscli.calibration.profiles import load_profile
     from marscli.cli import app
 
-    runner = CliRunner()
     out = tmp_path / "p.yaml"
     _calibrate(runner, app, calib_prompts, tiny_model_dir, out, "--relax-rate", "0.3", "--objective", "speed")
     prof = load_profile(out)
@@ -112,15 +110,14 @@ def test_profile_records_speed_and_generate_follows_it(tiny_model_dir, calib_pro
             assert json.loads(g.stdout)["spec"]["verify"] == "mars"
 
 
-def test_profiles_without_speed_still_load(tiny_model_dir, calib_prompts, tmp_path):
+def test_profiles_without_speed_still_load(runner, tiny_model_dir, calib_prompts, tmp_path):
     import yaml
-    from typer.testing import CliRunner
 
     from marscli.calibration.profiles import ProfileError, load_profile
     from marscli.cli import app
 
     out = tmp_path / "p.yaml"
-    _calibrate(CliRunner(), app, calib_prompts, tiny_model_dir, out, "--relax-rate", "0.3")
+    _calibrate(runner, app, calib_prompts, tiny_model_dir, out, "--relax-rate", "0.3")
     doc = yaml.safe_load(out.read_text())
     assert doc["speed"]["objective"] == "quality"
     del doc["speed"]
@@ -132,12 +129,10 @@ def test_profiles_without_speed_still_load(tiny_model_dir, calib_prompts, tmp_pa
         load_profile(out)
 
 
-def test_objective_must_be_known(calib_prompts):
-    from typer.testing import CliRunner
-
+def test_objective_must_be_known(runner, calib_prompts):
     from marscli.cli import app
 
-    r = CliRunner().invoke(app, ["calibrate", str(calib_prompts), "--objective", "fastest"])
+    r = runner.invoke(app, ["calibrate", str(calib_prompts), "--objective", "fastest"])
     assert r.exit_code == 2 and "--objective" in r.stderr
 
 

@@ -107,9 +107,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("name, breaker, fragment", BAD, ids=[b[0] for b in BAD])
-def test_bad_profiles_fail_with_file_and_key(name, breaker, fragment, tmp_path):
-    from typer.testing import CliRunner
-
+def test_bad_profiles_fail_with_file_and_key(runner, name, breaker, fragment, tmp_path):
     from marscli.cli import app
 
     path = tmp_path / "bad.yaml"
@@ -119,9 +117,9 @@ def test_bad_profiles_fail_with_file_and_key(name, breaker, fragment, tmp_path):
     assert str(err.value).startswith(f"{path}: ")
     assert fragment in str(err.value)
     assert err.value.exit_code == EXIT_USAGE
-    r = CliRunner().invoke(app, ["profile", "validate", str(path)])
+    r = runner.invoke(app, ["profile", "validate", str(path)])
     assert r.exit_code == EXIT_USAGE and fragment in r.stderr and r.stdout == ""
-    g = CliRunner().invoke(app, ["generate", str(path), "--profile", str(path)])
+    g = runner.invoke(app, ["generate", str(path), "--profile", str(path)])
     assert g.exit_code == EXIT_USAGE and fragment in g.stderr and g.stdout == ""
 
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
 import marscli
 from marscli.cli import app
@@ -24,11 +23,6 @@ RECORDS = [
      "body": {"prompt": "one two three one two three one", "max_tokens": 9}},
     {"id": "hot", "prompt": "the quick brown fox jumps", "temperature": 0.8, "seed": 3},
 ]
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 def cli_bytes(runner, tmp_path, records, *args) -> bytes:

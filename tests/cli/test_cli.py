@@ -5,15 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from marscli.cli import app
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 def write_jsonl(path, lines):

@@ -19,7 +19,6 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
 
 import marscli  # noqa: E402
 from marscli.cli import app  # noqa: E402
@@ -35,11 +34,6 @@ def _gen(context: str, i: int = 0, **gen_kwargs) -> Instance:
 
 def _ll(context: str, continuation: str) -> Instance:
     return Instance("loglikelihood", {}, (context, continuation), idx=0, metadata=("t", 0, 1))
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 @pytest.fixture(scope="module")

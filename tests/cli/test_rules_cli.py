@@ -9,7 +9,6 @@ import json
 import math
 
 import pytest
-from typer.testing import CliRunner
 
 import marscli
 from marscli.bench.methods import MethodSpec, parse_methods
@@ -22,11 +21,6 @@ from marscli.verification.registry import ALL_KNOBS, OTHER_KNOBS, RULEBOOK, Rule
 #: A prompt whose n-grams repeat, so the ngram drafter has drafts to verify.
 PROMPT = "hello world, hello marscli; the cat sat on the mat. hello world, hello the cat sat on the"
 MAX_TOKENS = "10"
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 def write_jsonl(path, records):

@@ -71,12 +71,9 @@ def test_batched_windowed_drafts_are_each_rows_own(target, draft):
     assert [len(h.cached) for h in batched.rows] == [min(len(p), 13) + 3 for p in prompts]
 
 
-def test_draft_context_on_the_command_line(tiny_model_dir, tiny_draft_dir, tmp_path):
-    from typer.testing import CliRunner
-
+def test_draft_context_on_the_command_line(runner, tiny_model_dir, tiny_draft_dir, tmp_path):
     from marscli.cli import app
 
-    runner = CliRunner()
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "prompt": PROMPTS[0]}) + "\n")
     out = tmp_path / "out.jsonl"

@@ -32,7 +32,8 @@ from marscli.errors import ModelLoadError
 from marscli.models.loading import load_model
 from marscli.training.ttt import pass_mask
 from marscli.verification.rules import margin_statistic, top2
-from tests.oracles import hf_greedy
+from tests.engines import make_engine
+from tests.oracles import hf_greedy, replay_mars
 
 TARGET_LAYERS = 8  # EAGLE-3's rule picks layers 2, 4, 5: three distinct feature layers
 PROMPTS = [
@@ -61,11 +62,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def target_dir(tmp_path_factory, tiny_factory, tiny_tokenizer) -> Path:
     return tiny_factory(tmp_path_factory.mktemp("e3-target"), seed=0, layers=TARGET_LAYERS,
                         tokenizer=tiny_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return load_model(ModelConfig(str(target_dir), dtype="float32", device="cpu"))
 
 
 def greedy_ref(target, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
@@ -148,12 +144,6 @@ def fitted_dir(target, references, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def heads(target, random_dir, fitted_dir):
     return {"random": load_head(str(random_dir), target), "fitted": load_head(str(fitted_dir), target)}
-
-
-def engine_for(target, head, *, k: int = 4, adaptive: bool = False, verify=VerifyConfig(), tree=None):
-    kw = TREE if tree is True else (tree or {})
-    cfg = DraftConfig(kind="eagle3", model="x", num_draft_tokens=k, adaptive=adaptive, **kw)
-    return build_engine(target, head, verify, cfg)
 
 
 def run_all(engine, target, sampling=SamplingParams(max_tokens=MAX_NEW), observer=None):
@@ -374,7 +364,7 @@ def test_sampling_proposal_carries_the_heads_distribution(target, heads):
 
 @pytest.mark.parametrize("which", ["random", "fitted"])
 def test_chain_strict_greedy_equals_generate(target, heads, references, which):
-    out, st = run_all(engine_for(target, heads[which], k=4), target)
+    out, st = run_all(make_engine(target, "eagle3", heads[which], k=4), target)
     assert out == references
     if which == "random":
         assert st["drafted"] > 0 and st["accepted"] < st["drafted"] / 4
@@ -418,26 +408,11 @@ def test_chain_adaptive_and_batched_equal_single(target, heads, references, head
 
 def test_chain_mars_greedy_emits_only_top1_or_relaxable_top2(target, heads):
     theta = 0.3
-    eng = engine_for(target, heads["fitted"], k=4, verify=VerifyConfig("mars", theta, "prob-ratio"))
+    eng = make_engine(target, "eagle3", heads["fitted"], k=4, verify=VerifyConfig("mars", theta, "prob-ratio"))
     for p in PROMPTS:
         ids = target.tokenizer(p).input_ids
         res = eng.generate_ids(ids, SamplingParams(max_tokens=MAX_NEW))
-        assert replay_top2(target, ids, res.token_ids, theta, "prob-ratio") == res.stats.relaxed
-
-
-def replay_top2(target, ids, out, theta, margin) -> int:
-    """Every emitted token is the target's top-1, or its top-2 at a relaxable position (one
-    full forward pass as the oracle); returns how many were top-2."""
-    with torch.no_grad():
-        logits = target.model(torch.tensor([ids + out])).logits[0, len(ids) - 1: len(ids) + len(out) - 1]
-    z1, z2, t1, t2 = top2(logits)
-    stat = margin_statistic(z1, z2, margin)
-    n = 0
-    for i, t in enumerate(out):
-        if t != int(t1[i]):
-            assert t == int(t2[i]) and float(stat[i]) > theta, (i, t)
-            n += 1
-    return n
+        assert replay_mars(target, ids, res.token_ids, theta, "prob-ratio") == res.stats.relaxed
 
 
 # --------------------------------------------------------------------------- tree drafting
@@ -482,7 +457,7 @@ def test_dynamic_tree_is_eagle2s(target, heads):
 
 @pytest.mark.parametrize("which", ["random", "fitted"])
 def test_tree_strict_greedy_equals_generate(target, heads, references, which):
-    out, st = run_all(engine_for(target, heads[which], tree=True), target)
+    out, st = run_all(make_engine(target, "eagle3", heads[which], **TREE), target)
     assert out == references
     if which == "fitted":
         assert st["tau"] > 1.5, st
@@ -519,7 +494,7 @@ def test_tree_mars_greedy_follows_the_papers_rule(target, heads, margin, theta):
         steps.append(obs)
 
     wide = dict(tree_depth=6, tree_top_k=4, tree_tokens=30)  # siblings often hold the top-2
-    eng = engine_for(target, heads["fitted"], tree=wide, verify=VerifyConfig("mars", theta, margin))
+    eng = make_engine(target, "eagle3", heads["fitted"], **wide, verify=VerifyConfig("mars", theta, margin))
     relaxed_total = 0
     for p in PROMPTS + HELD_OUT:  # on held-out text the head errs, and siblings get their chance
         ids = target.tokenizer(p).input_ids
@@ -535,14 +510,14 @@ def test_tree_mars_greedy_follows_the_papers_rule(target, heads, margin, theta):
             last = 0 if not path else path[-1] + 1
             assert obs.result.next_token == int(obs.tree_logits[last].argmax())
         # And against one full target pass over the output: the tree mask and positions were right.
-        assert replay_top2(target, ids, res.token_ids, theta, margin) == res.stats.relaxed
+        assert replay_mars(target, ids, res.token_ids, theta, margin) == res.stats.relaxed
         relaxed_total += res.stats.relaxed
     assert relaxed_total > 0, "the test must exercise relaxed acceptances"
 
 
 @pytest.mark.parametrize("verify", [VerifyConfig(), VerifyConfig("mars", 0.6)])
 def test_tree_sampling_runs_and_is_deterministic(target, heads, verify):
-    eng = engine_for(target, heads["fitted"], tree=True, verify=verify)
+    eng = make_engine(target, "eagle3", heads["fitted"], **TREE, verify=verify)
     s = SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=3)
     ids = target.tokenizer(PROMPTS[0]).input_ids
     a, b = eng.generate_ids(ids, s), eng.generate_ids(ids, s)
@@ -556,7 +531,7 @@ def test_tree_calibration_records_path_and_siblings(target, heads):
     from marscli.calibration.collect import TREE_COLS, MarginCollector
 
     col = MarginCollector()
-    eng = engine_for(target, heads["fitted"], tree=True)
+    eng = make_engine(target, "eagle3", heads["fitted"], **TREE)
     res = [eng.generate_ids(target.tokenizer(p).input_ids, SamplingParams(max_tokens=MAX_NEW), observer=col)
            for p in PROMPTS[:3]]
     data = col.data(records=3)
@@ -579,15 +554,12 @@ def _jsonl(path: Path, prompts) -> Path:
     return path
 
 
-def test_cli_generate_chain_and_tree(target_dir, fitted_dir, references, tmp_path):
-    from typer.testing import CliRunner
-
+def test_cli_generate_chain_and_tree(runner, target_dir, fitted_dir, references, tmp_path):
     from marscli.cli import app
 
     src = _jsonl(tmp_path / "in.jsonl", PROMPTS)
     base = ["generate", str(src), "--target", str(target_dir), "--draft", f"eagle3:{fitted_dir}",
             "--max-tokens", str(MAX_NEW), "--token-ids", "--no-timing", "--dtype", "float32", "--device", "cpu"]
-    runner = CliRunner()
     for extra in ([], ["--batch-size", "2"], ["--tree-depth", "3", "--tree-top-k", "3", "--tree-tokens", "12"]):
         r = runner.invoke(app, base + ["--verify", "strict"] + extra)
         assert r.exit_code == 0, r.stderr
@@ -608,27 +580,23 @@ def test_cli_generate_chain_and_tree(target_dir, fitted_dir, references, tmp_pat
     (["--draft", "ngram", "--tree-depth", "3"], "need a draft model (--draft MODEL) or an EAGLE-3 drafter"),
     (["--draft", "eagle3"], "ships no EAGLE-3 head for"),
 ])
-def test_cli_usage_errors(target_dir, fitted_dir, tmp_path, args, fragment):
-    from typer.testing import CliRunner
-
+def test_cli_usage_errors(runner, target_dir, fitted_dir, tmp_path, args, fragment):
     from marscli.cli import app
 
     src = _jsonl(tmp_path / "in.jsonl", PROMPTS[:1])
     argv = ["generate", str(src), "--target", str(target_dir)]
     if "--draft" not in args:
         argv += ["--draft", f"eagle3:{fitted_dir}"]
-    r = CliRunner().invoke(app, argv + args)
+    r = runner.invoke(app, argv + args)
     assert r.exit_code == 2 and fragment in r.stderr, r.stderr
     assert r.stdout == ""
 
 
-def test_cli_mismatched_head_fails_with_one_line(tiny_model_dir, random_dir, tmp_path):
-    from typer.testing import CliRunner
-
+def test_cli_mismatched_head_fails_with_one_line(runner, tiny_model_dir, random_dir, tmp_path):
     from marscli.cli import app
 
     src = _jsonl(tmp_path / "in.jsonl", PROMPTS[:1])
-    r = CliRunner().invoke(app, ["generate", str(src), "--target", str(tiny_model_dir),
+    r = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir),
                                  "--draft", f"eagle3:{random_dir}"])
     assert r.exit_code == 2, r.stderr
     line = [x for x in r.stderr.splitlines() if x.startswith("marscli: error:")]
@@ -636,15 +604,14 @@ def test_cli_mismatched_head_fails_with_one_line(tiny_model_dir, random_dir, tmp
 
 
 @pytest.mark.parametrize("tree", [[], ["--tree-depth", "3", "--tree-top-k", "3", "--tree-tokens", "12"]])
-def test_cli_calibrate_with_eagle3(target_dir, fitted_dir, tmp_path, tree):
+def test_cli_calibrate_with_eagle3(runner, target_dir, fitted_dir, tmp_path, tree):
     import yaml
-    from typer.testing import CliRunner
 
     from marscli.cli import app
 
     src = _jsonl(tmp_path / "in.jsonl", PROMPTS + HELD_OUT)
     out = tmp_path / "prof.yaml"
-    r = CliRunner().invoke(app, ["calibrate", str(src), "--target", str(target_dir), "--draft",
+    r = runner.invoke(app, ["calibrate", str(src), "--target", str(target_dir), "--draft",
                                  f"eagle3:{fitted_dir}", "--max-tokens", "16", "--relax-rate", "0.3",
                                  "-o", str(out), "-q"] + tree)
     assert r.exit_code == 0, r.stderr
@@ -653,26 +620,24 @@ def test_cli_calibrate_with_eagle3(target_dir, fitted_dir, tmp_path, tree):
     assert prof["drafter"]["model"]["fingerprint"]
     assert (prof["drafter"].get("tree") or {}).get("depth") == (3 if tree else None)
     # generate finds the profile for this target and head by itself
-    g = CliRunner().invoke(app, ["generate", str(src), "--target", str(target_dir), "--draft",
+    g = runner.invoke(app, ["generate", str(src), "--target", str(target_dir), "--draft",
                                  f"eagle3:{fitted_dir}", "--max-tokens", "4", "--profile", str(out)])
     assert g.exit_code == 0, g.stderr
     # MARS at the profile's theta, unless the profile predicts relaxing gains too little
     if prof["speed"]["verify_strictly"]:
         assert "verifying strictly" in g.stderr and "mars (theta=" not in g.stderr
-        g = CliRunner().invoke(app, ["generate", str(src), "--target", str(target_dir), "--draft",
+        g = runner.invoke(app, ["generate", str(src), "--target", str(target_dir), "--draft",
                                      f"eagle3:{fitted_dir}", "--max-tokens", "4", "--profile", str(out),
                                      "--verify", "mars"])
     assert "mars (theta=" in g.stderr
 
 
-def test_cli_bench_compares_chain_and_tree(target_dir, fitted_dir, tmp_path):
-    from typer.testing import CliRunner
-
+def test_cli_bench_compares_chain_and_tree(runner, target_dir, fitted_dir, tmp_path):
     from marscli.cli import app
 
     src = _jsonl(tmp_path / "in.jsonl", PROMPTS[:3])
     rep = tmp_path / "bench.json"
-    r = CliRunner().invoke(app, ["bench", str(src), "--target", str(target_dir), "--draft", f"eagle3:{fitted_dir}",
+    r = runner.invoke(app, ["bench", str(src), "--target", str(target_dir), "--draft", f"eagle3:{fitted_dir}",
                                  "--max-tokens", "16", "--tree-depth", "3", "--tree-top-k", "3",
                                  "--tree-tokens", "12", "--theta", "0.5", "--report", str(rep), "-q"])
     assert r.exit_code == 0, r.stderr
@@ -683,7 +648,7 @@ def test_cli_bench_compares_chain_and_tree(target_dir, fitted_dir, tmp_path):
     assert set(report["correctness"]["methods"]) >= {"strict", "strict-tree"}
     assert methods["strict-tree"]["acceptance_length"] > 1.5 and methods["strict"]["acceptance_length"] > 1.5
     assert report["settings"]["drafter"]["tree"] == {"depth": 3, "top_k": 3, "tokens": 12}
-    bad = CliRunner().invoke(app, ["bench", str(src), "--target", str(target_dir), "--draft", f"eagle3:{fitted_dir}",
+    bad = runner.invoke(app, ["bench", str(src), "--target", str(target_dir), "--draft", f"eagle3:{fitted_dir}",
                                    "--methods", "hf-assisted,strict"])
     assert bad.exit_code == 2 and "no assisted generation" in bad.stderr
 
@@ -696,7 +661,7 @@ def test_logprobs_and_shared_prefills_with_eagle3(target, heads, tree):
     from tests.oracles import check_logprobs
 
     wide = dict(tree_depth=6, tree_top_k=4, tree_tokens=30) if tree else None
-    eng = engine_for(target, heads["fitted"], tree=wide, verify=VerifyConfig("mars", 0.05, "prob-ratio"))
+    eng = make_engine(target, "eagle3", heads["fitted"], **wide, verify=VerifyConfig("mars", 0.05, "prob-ratio"))
     ids = target.tokenizer(PROMPTS[0]).input_ids
     res = eng.generate_ids(ids, SamplingParams(max_tokens=MAX_NEW, logprobs=True, top_logprobs=2))
     assert res.stats.accepted > 0

@@ -189,12 +189,9 @@ def test_sampled_hybrid_rows_in_a_batch_equal_each_row_alone(target, draft, monk
 # --- the command line ---------------------------------------------------------------------
 
 
-def test_draft_ngram_plus_model_reaches_spec_and_fingerprint(tiny_model_dir, tiny_draft_dir, tmp_path):
-    from typer.testing import CliRunner
-
+def test_draft_ngram_plus_model_reaches_spec_and_fingerprint(runner, tiny_model_dir, tiny_draft_dir, tmp_path):
     from marscli.cli import app
 
-    runner = CliRunner()
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "prompt": "hello world, hello marscli; hello world"}) + "\n")
     out = tmp_path / "out.jsonl"

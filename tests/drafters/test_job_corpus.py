@@ -7,14 +7,12 @@ row leaves; bench forgets the warm-up; old records leave within the token budget
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.config import DraftConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import RowDrafters
 from marscli.drafters.ngram import JobCorpus, NgramDrafter
 from marscli.engine import build_engine
-from marscli.models.loading import load_model
+from tests.engines import make_engine
+from tests.oracles import hf_greedy
 
 
 def test_a_record_without_its_own_match_drafts_from_the_corpus():
@@ -108,28 +106,16 @@ def test_a_record_joins_the_corpus_when_its_row_leaves():
     assert corpus.records == 2
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
-
-
-def _engine(target, verify=VerifyConfig(), **kw):
-    return build_engine(target, None, verify, DraftConfig(kind="ngram", num_draft_tokens=4, adaptive=False), **kw)
-
-
 def test_only_strict_verification_gets_a_corpus(target):
-    assert _engine(target).drafters.corpus is not None
-    assert _engine(target, VerifyConfig("mars", 0.9)).drafters.corpus is None
-    assert _engine(target, job_corpus=False).drafters.corpus is None
+    assert make_engine(target, "ngram").drafters.corpus is not None
+    assert make_engine(target, "ngram", verify=VerifyConfig("mars", 0.9)).drafters.corpus is None
+    assert make_engine(target, "ngram", job_corpus=False).drafters.corpus is None
     off = DraftConfig(kind="ngram", num_draft_tokens=4, adaptive=False, job_corpus=False)  # --no-job-corpus
     assert build_engine(target, None, VerifyConfig(), off).drafters.corpus is None
 
 
-def test_strict_output_is_unchanged_by_the_corpus(target, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    oracle = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    engine = _engine(target)
+def test_strict_output_is_unchanged_by_the_corpus(target, oracle):
+    engine = make_engine(target, "ngram")
     texts = ["one two three four five six seven eight", "one two three four five six seven eight nine",
              "the cat sat on the mat", "the cat sat on the mat and"]
     drafted_from_corpus = False
@@ -137,10 +123,7 @@ def test_strict_output_is_unchanged_by_the_corpus(target, tiny_model_dir):
         ids = target.tokenizer(text).input_ids
         before = engine.drafters.corpus.records
         res = engine.generate_ids(ids, SamplingParams(max_tokens=24))
-        want = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               do_sample=False, max_new_tokens=24,
-                               pad_token_id=oracle.generation_config.pad_token_id)[0, len(ids):].tolist()
-        assert res.token_ids == want, text
+        assert res.token_ids == hf_greedy(oracle, ids, 24), text
         assert engine.drafters.corpus.records == before + 1
         drafted_from_corpus |= res.stats.drafted > 0
     assert drafted_from_corpus

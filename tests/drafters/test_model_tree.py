@@ -261,12 +261,9 @@ def test_trees_run_one_record_at_a_time(target, draft):
 # --- the command line ---------------------------------------------------------------------
 
 
-def test_tree_options_reach_a_draft_model(tiny_model_dir, tiny_draft_dir, tmp_path):
-    from typer.testing import CliRunner
-
+def test_tree_options_reach_a_draft_model(runner, tiny_model_dir, tiny_draft_dir, tmp_path):
     from marscli.cli import app
 
-    runner = CliRunner()
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "prompt": "hello world, hello marscli; hello world"}) + "\n")
     base = ["generate", str(src), "--target", str(tiny_model_dir), "--max-tokens", "16", "--verify", "strict",

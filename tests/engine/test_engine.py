@@ -11,7 +11,6 @@ import dataclasses
 import math
 
 import pytest
-import torch
 
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import RowDrafters
@@ -19,16 +18,8 @@ from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import FINISH_LENGTH, FINISH_STOP
 from marscli.models.loading import load_model
-from marscli.verification.rules import margin_statistic, top2
-from tests.engines import PROMPTS, RunnerUpDrafter, encode
-from tests.oracles import hf_greedy
-
-
-def make_engine(target, kind: str, draft_loaded=None, *, k: int = 4, adaptive: bool = False,
-                verify: VerifyConfig = VerifyConfig()) -> Engine:
-    cfg = DraftConfig(kind=kind, num_draft_tokens=k, adaptive=adaptive,
-                      model="x" if kind == "model" else None)
-    return build_engine(target, draft_loaded, verify, cfg)
+from tests.engines import PROMPTS, RunnerUpDrafter, encode, make_engine
+from tests.oracles import hf_greedy, replay_mars
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "model", "self"])
@@ -73,23 +64,6 @@ def test_mars_with_infinite_theta_is_strict(target, draft):
         b = mars.generate_ids(ids, SamplingParams(max_tokens=32))
         assert a.token_ids == b.token_ids
         assert b.stats.relaxed == 0 and b.stats.relaxable == 0
-
-
-def replay_mars(target, ids: list[int], out: list[int], theta: float, margin: str) -> int:
-    """Check every emitted token by the paper's rule in one full forward; return #top-2 tokens."""
-    with torch.no_grad():
-        logits = target.model(torch.tensor([ids + out])).logits[0, len(ids) - 1: len(ids) + len(out) - 1]
-    z1, z2, t1, t2 = top2(logits)
-    stat = margin_statistic(z1, z2, margin)
-    relaxed = 0
-    for i, tok in enumerate(out):
-        if tok == int(t1[i]):
-            continue
-        # Tiny float differences between a (k+1)-token and a full forward only matter at
-        # exact near-ties; the tiny model has none at these prompts.
-        assert tok == int(t2[i]) and float(stat[i]) > theta, (i, tok, int(t1[i]), int(t2[i]), float(stat[i]))
-        relaxed += 1
-    return relaxed
 
 
 @pytest.mark.parametrize("margin,theta", [("prob-ratio", 0.3), ("logit-ratio", 0.5)])

@@ -6,20 +6,14 @@ from __future__ import annotations
 import pytest
 
 import marscli.engine.scheduler as scheduler_mod
-from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.config import DraftConfig, SamplingParams, VerifyConfig
 from marscli.engine import build_engine
-from marscli.models.loading import load_model
 from marscli.verification.chain import VerifyResult
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog the quick brown fox",
            "one two three four five six seven eight nine ten one two three",
            "hello world, hello marscli; the cat sat on the mat. hello world, hello",
            "x"]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

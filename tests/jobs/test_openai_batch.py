@@ -115,18 +115,6 @@ def test_the_validator_rejects_what_it_should():
             validate_line(bad)
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    from marscli.models.loading import load_model
-
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
-
-
 def lines(text: str) -> list[dict]:
     return [json.loads(x) for x in text.splitlines() if x.strip()]
 

@@ -39,11 +39,6 @@ RUN = ["--no-timing", "--max-tokens", "6", "--temperature", "0.8", "--seed", "5"
 N_RECORDS = 16
 
 
-@pytest.fixture
-def runner():
-    return CliRunner()
-
-
 def write_lines(path: Path, lines: list) -> Path:
     with open(path, "wb") as f:
         for line in lines:

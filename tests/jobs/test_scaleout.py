@@ -203,11 +203,11 @@ def test_an_output_in_use_refuses_the_whole_launched_run(records_file, tiny_mode
     assert sorted(os.listdir(tmp_path)) == ["out.jsonl"]
 
 
-def test_calibrate_under_two_processes_writes_the_same_histogram(records_file, tiny_model_dir,
+def test_calibrate_under_two_processes_writes_the_same_histogram(runner, records_file, tiny_model_dir,
                                                                  tmp_path):
     args = ["--target", str(tiny_model_dir), "--max-tokens", "16", "-q"]
     one, two = tmp_path / "one.yaml", tmp_path / "two.yaml"
-    r = CliRunner().invoke(app, ["calibrate", str(records_file), "-o", str(one), *args])  # 1 thread
+    r = runner.invoke(app, ["calibrate", str(records_file), "-o", str(one), *args])  # 1 thread
     assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
     r2 = run_launch(torchrun_cmd("calibrate", str(records_file), "-o", str(two), *args))
     assert b"exitcode  : 3" in r2.stderr, r2.stderr.decode()
@@ -295,17 +295,17 @@ def test_merge_orders_dedups_and_reports_missing(tmp_path):
     assert report.missing == ["d", "f"] and report.written == 5 and report.failed == 1
 
 
-def test_a_fresh_run_removes_stale_parts(tiny_model_dir, tmp_path):
+def test_a_fresh_run_removes_stale_parts(runner, tiny_model_dir, tmp_path):
     src = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi"}])
     out = tmp_path / "out.jsonl"
     Path(part_path(out, 1, 2)).write_text('{"id": "a", "output": "stale"}\n')
-    r = CliRunner().invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "-o", str(out),
+    r = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "-o", str(out),
                                  "--draft", "none", "--max-tokens", "2", "-q"])
     assert r.exit_code == EXIT_OK, r.stderr
     assert find_parts(out) == [] and "stale" not in out.read_text()
 
 
-def test_one_process_resumes_what_two_left_in_parts(records_file, tiny_model_dir, reference, tmp_path):
+def test_one_process_resumes_what_two_left_in_parts(runner, records_file, tiny_model_dir, reference, tmp_path):
     """A crash under 2 processes leaves an empty output, 2 parts (one torn) and the sidecar;
     a single-process --resume finishes it: each record once, in input order."""
     lines = reference.read_bytes().splitlines(keepends=True)
@@ -314,7 +314,7 @@ def test_one_process_resumes_what_two_left_in_parts(records_file, tiny_model_dir
     shutil.copy(sidecar_path(reference), sidecar_path(out))
     Path(part_path(out, 0, 2)).write_bytes(b"".join(lines[0:10:2]))
     Path(part_path(out, 1, 2)).write_bytes(b"".join(lines[1:8:2]) + lines[9][:20])
-    r = CliRunner().invoke(app, ["generate", str(records_file), "--target", str(tiny_model_dir),
+    r = runner.invoke(app, ["generate", str(records_file), "--target", str(tiny_model_dir),
                                  "-o", str(out), "--resume", *RUN])
     assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
     assert "resuming" in r.stderr and "2 part file(s): 9 of 24 records already done" in r.stderr
@@ -384,12 +384,12 @@ def test_step_failures_are_said_once_by_the_main_process():
     assert str(err) == "rank 1: CUDA out of memory (while loading the models)"
 
 
-def test_stdin_under_a_launcher_is_refused_before_joining(monkeypatch, tmp_path):
+def test_stdin_under_a_launcher_is_refused_before_joining(runner, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    r = CliRunner().invoke(app, ["generate", "-"], input='{"prompt": "hi"}\n')
+    r = runner.invoke(app, ["generate", "-"], input='{"prompt": "hi"}\n')
     assert r.exit_code == EXIT_USAGE and "give a file, not '-'" in r.stderr
-    r = CliRunner().invoke(app, ["bench", str(tmp_path / "x.jsonl")])
+    r = runner.invoke(app, ["bench", str(tmp_path / "x.jsonl")])
     assert r.exit_code == EXIT_USAGE and "run it without a launcher" in r.stderr
 
 
@@ -448,23 +448,23 @@ def test_max_memory_goes_to_from_pretrained_and_nothing_is_moved(tiny_model_dir,
     assert lm.device == lm.model.get_input_embeddings().weight.device
 
 
-def test_device_map_run_equals_the_plain_run(tiny_model_dir, tiny_draft_dir, tmp_path):
+def test_device_map_run_equals_the_plain_run(runner, tiny_model_dir, tiny_draft_dir, tmp_path):
     src = write_lines(tmp_path / "in.jsonl", [{"id": str(i), "prompt": f"hello {i}"} for i in range(3)])
     base = ["generate", str(src), "--target", str(tiny_model_dir), "--draft", str(tiny_draft_dir),
             "--no-timing", "--max-tokens", "8", "-q"]
-    plain = CliRunner().invoke(app, base)
-    mapped = CliRunner().invoke(app, [*base, "--device-map", "auto", "--max-memory", "cpu=2GiB"])
+    plain = runner.invoke(app, base)
+    mapped = runner.invoke(app, [*base, "--device-map", "auto", "--max-memory", "cpu=2GiB"])
     assert plain.exit_code == mapped.exit_code == EXIT_OK, mapped.stderr
     assert [json.loads(x)["output"] for x in plain.stdout.splitlines()] == \
         [json.loads(x)["output"] for x in mapped.stdout.splitlines()]
 
 
-def test_bad_model_options_are_usage_errors(tmp_path):
+def test_bad_model_options_are_usage_errors(runner, tmp_path):
     src = write_lines(tmp_path / "in.jsonl", [{"prompt": "hi"}])
     for args, fragment in [(["--device-map", "everywhere"], "--device-map must be one of auto"),
                            (["--max-memory", "0=20"], "--max-memory '0=20': the size must"),
                            (["--bnb-compute-dtype", "int8"], "--bnb-compute-dtype must be")]:
-        r = CliRunner().invoke(app, ["generate", str(src), *args])
+        r = runner.invoke(app, ["generate", str(src), *args])
         assert r.exit_code == EXIT_USAGE and fragment in r.stderr, r.stderr
 
 
@@ -491,21 +491,21 @@ def _has_bitsandbytes() -> bool:
 
 
 @pytest.mark.skipif(not _has_bitsandbytes(), reason="bitsandbytes is not installed")
-def test_4bit_on_cpu_profiles_record_the_quantization(tiny_model_dir, tmp_path, monkeypatch, no_to):
+def test_4bit_on_cpu_profiles_record_the_quantization(runner, tiny_model_dir, tmp_path, monkeypatch, no_to):
     """The bitsandbytes path end to end on its CPU backend: load (never .to()), generate,
     calibrate; a profile made under 4-bit is not picked for an unquantized target or another
     compute dtype, and stderr says why."""
     src = write_lines(tmp_path / "in.jsonl", [{"id": str(i), "prompt": f"the quick brown fox {i} the quick"}
                                               for i in range(4)])
     q4 = ["--target", str(tiny_model_dir), "--device", "cpu", "--load-in-4bit", "--max-tokens", "8"]
-    r = CliRunner().invoke(app, ["calibrate", str(src), *q4, "--relax-rate", "0.5", "-q"])
+    r = runner.invoke(app, ["calibrate", str(src), *q4, "--relax-rate", "0.5", "-q"])
     assert r.exit_code == EXIT_OK, r.stderr
     (made,) = Path(os.environ["MARSCLI_PROFILE_DIR"]).glob("*.yaml")
     name = made.stem
     assert name.endswith(".ngram.float32.bnb-4bit-nf4-float32")
     assert yaml.safe_load(made.read_text())["target"]["quantization"] == "bnb-4bit-nf4-float32"
 
-    r = CliRunner().invoke(app, ["generate", str(src), *q4])
+    r = runner.invoke(app, ["generate", str(src), *q4])
     assert r.exit_code == EXIT_OK, r.stderr
     assert f"using profile {name}" in r.stderr
     assert all(json.loads(x)["spec"]["profile"]["name"] == name for x in r.stdout.splitlines())
@@ -514,10 +514,10 @@ def test_4bit_on_cpu_profiles_record_the_quantization(tiny_model_dir, tmp_path, 
 
     monkeypatch.setattr(PreTrainedModel, "to", _REAL_TO)  # an unquantized model is moved as usual
     plain = ["--target", str(tiny_model_dir), "--max-tokens", "4"]
-    r = CliRunner().invoke(app, ["generate", str(src), *plain])
+    r = runner.invoke(app, ["generate", str(src), *plain])
     assert r.exit_code == EXIT_OK
     assert "calibrated with quantization bnb-4bit-nf4-float32 (loaded: none): not used" in r.stderr
-    r = CliRunner().invoke(app, ["generate", str(src), *q4, "--bnb-compute-dtype", "bfloat16"])
+    r = runner.invoke(app, ["generate", str(src), *q4, "--bnb-compute-dtype", "bfloat16"])
     assert r.exit_code == EXIT_OK
     assert ("calibrated with quantization bnb-4bit-nf4-float32 (loaded: bnb-4bit-nf4-bfloat16): "
             "not used") in r.stderr

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
-from marscli.engine import build_engine
+from marscli.config import ModelConfig, SamplingParams, VerifyConfig
 from marscli.models.loading import load_model
 from marscli.verification.registry import MARS
+from tests.engines import make_engine
 from tests.oracles import hf_greedy
 
 pytestmark = [
@@ -32,11 +32,6 @@ PROMPTS = [
 N = 32
 
 
-def _engine(target, kind, draft=None, k=4, verify=None, batch_size=1, **tree):
-    cfg = DraftConfig(kind=kind, model="x" if kind == "model" else None, num_draft_tokens=k, **tree)
-    return build_engine(target, draft, verify or VerifyConfig(), cfg, batch_size=batch_size)
-
-
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def cuda_pair(request, tiny_model_dir, tiny_draft_dir):
     t = load_model(ModelConfig(str(tiny_model_dir), dtype=request.param, device="cuda"))
@@ -48,7 +43,7 @@ def cuda_pair(request, tiny_model_dir, tiny_draft_dir):
 @pytest.mark.parametrize("kind", ["none", "ngram", "model"])
 def test_strict_greedy_on_cuda_is_the_loaded_models_generate(cuda_pair, kind):
     target, draft = cuda_pair
-    engine = _engine(target, kind, draft if kind == "model" else None)
+    engine = make_engine(target, kind, draft if kind == "model" else None, adaptive=True)
     drafted = 0
     for text in PROMPTS:
         ids = target.tokenizer(text).input_ids
@@ -60,7 +55,7 @@ def test_strict_greedy_on_cuda_is_the_loaded_models_generate(cuda_pair, kind):
 
 def test_strict_greedy_with_a_draft_model_tree_on_cuda(cuda_pair):
     target, draft = cuda_pair
-    engine = _engine(target, "model", draft, tree_top_k=2, tree_tokens=12)
+    engine = make_engine(target, "model", draft, adaptive=True, tree_top_k=2, tree_tokens=12)
     for text in PROMPTS:
         ids = target.tokenizer(text).input_ids
         got = engine.generate_ids(ids, SamplingParams(max_tokens=N)).token_ids
@@ -71,8 +66,8 @@ def test_strict_greedy_with_a_draft_model_tree_on_cuda(cuda_pair):
 def test_a_batch_on_cuda_equals_each_row_alone(cuda_pair, verify):
     target, draft = cuda_pair
     vc = VerifyConfig(MARS, theta=0.5) if verify == "mars" else VerifyConfig()
-    batched = _engine(target, "model", draft, verify=vc, batch_size=4)
-    alone = _engine(target, "model", draft, verify=vc)
+    batched = make_engine(target, "model", draft, adaptive=True, verify=vc, batch_size=4)
+    alone = make_engine(target, "model", draft, adaptive=True, verify=vc)
     prompts = [target.tokenizer(t).input_ids for t in PROMPTS]
     got = dict(batched.run(range(len(prompts)), lambda i: (prompts[i], SamplingParams(max_tokens=N))))
     for i, ids in enumerate(prompts):
@@ -81,7 +76,7 @@ def test_a_batch_on_cuda_equals_each_row_alone(cuda_pair, verify):
 
 def test_sampling_on_cuda_is_reproducible(cuda_pair):
     target, draft = cuda_pair
-    engine = _engine(target, "model", draft, verify=VerifyConfig(MARS, theta=0.5))
+    engine = make_engine(target, "model", draft, adaptive=True, verify=VerifyConfig(MARS, theta=0.5))
     ids = target.tokenizer(PROMPTS[1]).input_ids
     sp = SamplingParams(max_tokens=N, temperature=1.0, seed=7)
     assert engine.generate_ids(ids, sp).token_ids == engine.generate_ids(ids, sp).token_ids
@@ -94,7 +89,7 @@ def test_bitsandbytes_strict_is_the_quantized_models_generate(tiny_model_dir, ti
     draft = load_model(ModelConfig(str(tiny_draft_dir), device="cuda", quant=quant), role="draft")
     assert target.identity.get("quantization"), target.identity
     for kind in ("ngram", "model"):
-        engine = _engine(target, kind, draft if kind == "model" else None)
+        engine = make_engine(target, kind, draft if kind == "model" else None, adaptive=True)
         for text in PROMPTS:
             ids = target.tokenizer(text).input_ids
             got = engine.generate_ids(ids, SamplingParams(max_tokens=N)).token_ids
@@ -105,7 +100,7 @@ def test_device_map_auto_decodes_as_one_device(tiny_model_dir):
     whole = load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cuda"))
     mapped = load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device_map="auto"))
     assert next(mapped.model.parameters()).device.type == "cuda"
-    a, b = _engine(whole, "ngram"), _engine(mapped, "ngram")
+    a, b = make_engine(whole, "ngram", adaptive=True), make_engine(mapped, "ngram", adaptive=True)
     for text in PROMPTS:
         ids = whole.tokenizer(text).input_ids
         res = b.generate_ids(ids, SamplingParams(max_tokens=N)).token_ids

@@ -10,6 +10,7 @@ import torch
 
 from marscli.config import DraftConfig, Request, SamplingParams, VerifyConfig
 from marscli.engine import build_engine
+from tests.oracles import hf_greedy
 
 #: A few records of each prompt set, shipped with the repository (examples/README.md).
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "examples"
@@ -39,11 +40,7 @@ def test_ngram_strict_greedy_equals_transformers_generate(embedded_model):
         req = Request(0, 1, str(rec["question_id"]), messages=[{"role": "user", "content": rec["turns"][0]}])
         ids = engine.encode(req)
         res = engine.generate_ids(ids, SamplingParams(max_tokens=MAX_NEW))
-        ref = oracle.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=MAX_NEW,
-        )[0, len(ids):].tolist()
-        assert res.token_ids == ref, rec["question_id"]
+        assert res.token_ids == hf_greedy(oracle, ids, MAX_NEW), rec["question_id"]
         accepted += res.stats.accepted
     assert accepted > 0, "prompt lookup should find something to copy in code prompts"
 
@@ -73,15 +70,12 @@ def test_shipped_profiles_validate_and_match_their_models(embedded_model):
     assert 0.0 < found.data["summary"]["nll_increase"] <= found.data["policy"]["value"]
 
 
-def test_calibrate_then_generate_on_the_embedded_model(use_embedded_cache, tmp_path):
-    from typer.testing import CliRunner
-
+def test_calibrate_then_generate_on_the_embedded_model(runner, use_embedded_cache, tmp_path):
     from marscli.calibration.profiles import load_profile, user_profile_dir
     from marscli.cli import app
 
     src = tmp_path / "calib.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in first_turns("humaneval.jsonl", 2)))
-    runner = CliRunner()
     r = runner.invoke(app, ["calibrate", str(src), "--max-tokens", "24", "--relax-rate", "0.2", "--quiet"])
     assert r.exit_code == 0, r.stderr
     prof = load_profile(user_profile_dir() / f"{SHIPPED_SMOLLM2}.yaml")
@@ -98,12 +92,10 @@ def test_calibrate_then_generate_on_the_embedded_model(use_embedded_cache, tmp_p
         assert spec["theta"] == prof.theta
 
 
-def test_the_shipped_head_drafts_for_the_embedded_model(embedded_model, use_embedded_cache, tmp_path):
+def test_the_shipped_head_drafts_for_the_embedded_model(runner, embedded_model, use_embedded_cache, tmp_path):
     """`--draft eagle3` with no path finds the head trained for the embedded model: strict
     greedy output equals plain decoding on held-out prompts (the shipped examples; the head
     was trained on @stdlib only), and it drafts tokens the target keeps."""
-    from typer.testing import CliRunner
-
     from marscli.cli import app
     from marscli.heads import shipped_head_for
 
@@ -115,7 +107,6 @@ def test_the_shipped_head_drafts_for_the_embedded_model(embedded_model, use_embe
     src = tmp_path / "heldout.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in first_turns("humaneval.jsonl", 2)
                            + first_turns("mt_bench.jsonl", 1)))
-    runner = CliRunner()
     common = ["generate", str(src), "--max-tokens", str(MAX_NEW), "--no-profile", "--no-timing"]
     plain = runner.invoke(app, [*common, "--draft", "none"])
     spec = runner.invoke(app, [*common, "--draft", "eagle3", "-k", "4", "--fixed-k"])

@@ -421,18 +421,16 @@ def test_chunked_gguf_assembles_once_and_checks_sha256(tmp_path, monkeypatch):
         load_model(ModelConfig(source="gone"))
 
 
-def test_cli_offline_flag_never_downloads(online, fake_hub, tmp_path):
+def test_cli_offline_flag_never_downloads(runner, online, fake_hub, tmp_path):
     """--offline reaches the loader from every command's model options: no download."""
-    from typer.testing import CliRunner
-
     from marscli.cli import app
 
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": "a", "prompt": "hi"}\n')
-    r = CliRunner().invoke(app, ["generate", str(src), "--target", "some-org/tiny", "--offline", "-q"])
+    r = runner.invoke(app, ["generate", str(src), "--target", "some-org/tiny", "--offline", "-q"])
     assert r.exit_code != 0 and "downloads are off" in r.stderr, r.stderr
     assert fake_hub == []
-    r = CliRunner().invoke(app, ["generate", str(src), "--target", "some-org/tiny", "-q",
+    r = runner.invoke(app, ["generate", str(src), "--target", "some-org/tiny", "-q",
                                  "--max-tokens", "2", "--no-timing"])
     assert r.exit_code == 0, r.stderr
     assert [c["repo_id"] for c in fake_hub] == ["some-org/tiny"]

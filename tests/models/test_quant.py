@@ -24,6 +24,7 @@ from marscli.errors import ModelLoadError
 from marscli.models import quant
 from marscli.models.loading import load_model
 from marscli.models.quant import CPU_INT8, Int8Linear, Int8Slice, quantize_int8, weight_bytes
+from tests.engines import make_engine
 from tests.oracles import hf_greedy
 
 pytestmark = pytest.mark.skipif(not quant.int8_available(), reason="this torch build has no fbgemm")
@@ -124,11 +125,6 @@ def draft8(tiny_draft_dir):
     return load_model(ModelConfig(str(tiny_draft_dir), dtype="float32", device="cpu", quant="int8"))
 
 
-def _engine(target, kind, draft=None, k=4):
-    cfg = DraftConfig(kind=kind, num_draft_tokens=k, adaptive=False, model="x" if kind == "model" else None)
-    return build_engine(target, draft, VerifyConfig(), cfg)
-
-
 def test_the_identity_names_the_quantization(target8, tiny_model_dir):
     assert target8.identity["quantization"] == CPU_INT8
     assert target8.identity["dtype"] == "float32"
@@ -177,8 +173,8 @@ def test_an_int8_model_keeps_no_view_of_its_float_file(tiny_model_dir):
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "model", "self"])
 def test_strict_speculation_on_an_int8_target_is_its_plain_decoding(target8, draft8, kind):
-    engine = _engine(target8, "model" if kind == "self" else kind, {"model": draft8, "self": target8}.get(kind))
-    plain = _engine(target8, "none")
+    engine = make_engine(target8, "model" if kind == "self" else kind, {"model": draft8, "self": target8}.get(kind))
+    plain = make_engine(target8, "none")
     drafted = 0
     for text in PROMPTS:
         ids = target8.tokenizer(text).input_ids
@@ -192,7 +188,7 @@ def test_strict_speculation_on_an_int8_target_is_its_plain_decoding(target8, dra
 def test_a_batch_of_int8_rows_equals_each_row_alone(target8, draft8):
     engine = build_engine(target8, draft8, VerifyConfig(), DraftConfig(kind="model", model="x", num_draft_tokens=4),
                           batch_size=4)
-    alone = _engine(target8, "none")
+    alone = make_engine(target8, "none")
     prompts = [target8.tokenizer(t).input_ids for t in PROMPTS]
     got = dict(engine.run(range(len(prompts)), lambda i: (prompts[i], SamplingParams(max_tokens=32))))
     assert sorted(got) == list(range(len(prompts)))
@@ -204,7 +200,7 @@ def test_the_embedded_model_int8_strict_is_its_plain_decoding(use_embedded_cache
     lm = load_model(ModelConfig(source=None, device="cpu", dtype="float32", quant="int8"))
     model = lm.model
     assert lm.identity["quantization"] == CPU_INT8
-    ngram, plain = _engine(lm, "ngram", k=6), _engine(lm, "none")
+    ngram, plain = make_engine(lm, "ngram", k=6), make_engine(lm, "none")
     prompts = ["Write a Python function that returns the n-th Fibonacci number.",
                "List three facts about the planet Mars, then repeat the list."]
     for text in prompts:
@@ -243,8 +239,9 @@ def test_int8_on_cuda_without_bitsandbytes_is_a_clear_error(monkeypatch, tiny_mo
         load_model(ModelConfig(str(tiny_model_dir), quant="4bit"), role="draft")
 
 
-def test_quantization_reaches_spec_fingerprint_and_profile(runner_cli, tiny_model_dir, tiny_draft_dir, tmp_path):
-    runner, app = runner_cli
+def test_quantization_reaches_spec_fingerprint_and_profile(runner, tiny_model_dir, tiny_draft_dir, tmp_path):
+    from marscli.cli import app
+
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "prompt": "the cat sat on the mat"}) + "\n")
     out = tmp_path / "out.jsonl"
@@ -262,11 +259,12 @@ def test_quantization_reaches_spec_fingerprint_and_profile(runner_cli, tiny_mode
     assert r.exit_code != 0 and "--draft-quant applies to a draft model" in r.stderr
 
 
-def test_the_embedded_model_drafts_for_itself_with_int8_weights(runner_cli, use_embedded_cache, tmp_path):
+def test_the_embedded_model_drafts_for_itself_with_int8_weights(runner, use_embedded_cache, tmp_path):
     """--draft self --draft-quant int8: the float32 target with an int8 copy of itself as its
     draft model. Strict output is the float32 target's plain decoding; the spec says which
     copy was quantized."""
-    runner, app = runner_cli
+    from marscli.cli import app
+
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(
         ["Write a Python function that checks whether a number is prime.",
@@ -287,8 +285,9 @@ def test_the_embedded_model_drafts_for_itself_with_int8_weights(runner_cli, use_
         assert mine["spec"]["accepted"] > 0.8 * mine["spec"]["drafted"] > 0  # an int8 copy agrees
 
 
-def test_draft_self_needs_a_different_quantization(runner_cli, tiny_model_dir, tmp_path):
-    runner, app = runner_cli
+def test_draft_self_needs_a_different_quantization(runner, tiny_model_dir, tmp_path):
+    from marscli.cli import app
+
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "prompt": "the cat"}) + "\n")
     base = ["generate", str(src), "--target", str(tiny_model_dir), "--draft", "self"]
@@ -296,12 +295,3 @@ def test_draft_self_needs_a_different_quantization(runner_cli, tiny_model_dir, t
     assert r.exit_code != 0 and "--draft self needs --draft-quant" in r.stderr
     r = runner.invoke(app, [*base, "--quant", "int8", "--draft-quant", "int8"])
     assert r.exit_code != 0 and "drafts with the target itself" in r.stderr
-
-
-@pytest.fixture
-def runner_cli():
-    from typer.testing import CliRunner
-
-    from marscli.cli import app
-
-    return CliRunner(), app

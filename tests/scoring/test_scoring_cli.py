@@ -8,16 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from marscli.cli import app
 from marscli.errors import EXIT_OK, EXIT_RECORDS_FAILED, EXIT_USAGE
 from marscli.scoring import humaneval as he
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 def write_jsonl(path: Path, rows) -> Path:

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.config import DraftConfig, SamplingParams, VerifyConfig
 from marscli.drafters.eagle3_head import FeatureTap, load_head, random_head
 from marscli.engine import build_engine
 from marscli.heads import shipped_head_for
-from marscli.models.loading import load_model
 from marscli.training.collect import CollectSettings, collect, read_records
 from marscli.training.corpus import build_corpus, passages
 from marscli.training.train import TrainSettings, make_batch, simulated_acceptance, train_head
@@ -56,11 +55,6 @@ def target_dir(tmp_path_factory, tiny_factory, tiny_tokenizer) -> Path:
         model.lm_head.weight.mul_(SHARPEN)
     model.save_pretrained(str(path))
     return path
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return load_model(ModelConfig(str(target_dir), dtype="float32", device="cpu"))
 
 
 def plain_answer(target, prompt: str, max_new: int = MAX_NEW) -> tuple[list[int], list[int]]:
@@ -292,9 +286,7 @@ def _jsonl(path: Path, prompts) -> Path:
     return path
 
 
-def test_train_head_command_end_to_end(target_dir, target, tmp_path):
-    from typer.testing import CliRunner
-
+def test_train_head_command_end_to_end(runner, target_dir, target, tmp_path):
     from marscli.cli import app
 
     src = _jsonl(tmp_path / "prompts.jsonl", PROMPTS)
@@ -302,7 +294,6 @@ def test_train_head_command_end_to_end(target_dir, target, tmp_path):
     base = ["train-head", str(src), "--target", str(target_dir), "-o", str(out), "--max-tokens", str(MAX_NEW),
             "--batch-size", "2", "--draft-vocab", "150", "--ttt-steps", "2", "--holdout", "4",
             "--tokens-per-batch", "256", "--save-dtype", "float32", "--dtype", "float32", "--device", "cpu"]
-    runner = CliRunner()
     r = runner.invoke(app, base + ["--collect-tokens", "40", "--collect-only"])
     assert r.exit_code == 0, r.stderr
     manifest = json.loads((tmp_path / "head.collect" / "manifest.json").read_text())
@@ -364,22 +355,20 @@ def test_train_head_command_end_to_end(target_dir, target, tmp_path):
     assert all(x["spec"]["drafter"] == "eagle3" for x in b)
 
 
-def test_train_head_refuses_bad_input(target_dir, tmp_path):
-    from typer.testing import CliRunner
-
+def test_train_head_refuses_bad_input(runner, target_dir, tmp_path):
     from marscli.cli import app
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n')
-    r = CliRunner().invoke(app, ["train-head", str(bad), "--target", str(target_dir), "-o", str(tmp_path / "h")])
+    r = runner.invoke(app, ["train-head", str(bad), "--target", str(target_dir), "-o", str(tmp_path / "h")])
     assert r.exit_code == 2 and f"{bad}:2: not JSON" in r.stderr
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
-    r = CliRunner().invoke(app, ["train-head", str(bad), "--target", str(target_dir), "-o", str(tmp_path / "full")])
+    r = runner.invoke(app, ["train-head", str(bad), "--target", str(target_dir), "-o", str(tmp_path / "full")])
     assert r.exit_code == 2 and "notes.txt" in r.stderr
     good = tmp_path / "good.jsonl"
     good.write_text('{"id": "a", "prompt": "x"}\n')
-    r = CliRunner().invoke(app, ["train-head", str(good), "--target", str(target_dir), "-o", str(tmp_path / "q"),
+    r = runner.invoke(app, ["train-head", str(good), "--target", str(target_dir), "-o", str(tmp_path / "q"),
                                  "--draft-quant", "int8"])
     assert r.exit_code == 2 and "--draft-quant applies to a draft model; the drafter is ngram" in r.stderr
 

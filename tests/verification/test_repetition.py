@@ -16,7 +16,6 @@ from marscli.config import (
     GUARD_OFF,
     DraftConfig,
     GuardConfig,
-    ModelConfig,
     SamplingParams,
     VerifyConfig,
 )
@@ -24,7 +23,6 @@ from marscli.drafters.base import RowDrafters
 from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
-from marscli.models.loading import load_model
 from marscli.verification.chain import verify
 from marscli.verification.guard import (
     NgramIndex,
@@ -37,6 +35,7 @@ from marscli.verification.registry import MARS, Rule
 from marscli.verification.rules import margin_statistic, top2
 from marscli.verification.tree import verify_tree
 from tests.engines import RunnerUpDrafter
+from tests.oracles import REJECT, RELAXED, TOP1, hf_greedy, no_cache_loop
 
 # --------------------------------------------------------------------------- the statistic
 
@@ -159,54 +158,32 @@ def test_tree_guard_and_budget_match_the_chain():
 # --------------------------------------------------------------------------- the engine
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
-
-
 def reference_loop(model, ids, max_new, k, theta, margin, guard: GuardConfig,
                    eos: frozenset[int] = frozenset()) -> tuple[list[int], int]:
-    """A plain no-cache loop: MARS greedy with the loop guard, the budget, the strict first
-    tokens and the stop rule (GuardConfig), step by step as
-    the engine takes them (the runner-up drafter, k drafts capped by the budget of tokens).
-    Every logit comes from a full forward pass over the whole sequence."""
-    drafter = RunnerUpDrafter(model, k)
-    out: list[int] = []
-    relaxed = 0
+    """MARS greedy with the loop guard, the budget, the strict first tokens and the stop rule
+    (GuardConfig) in the no-cache loop (oracles.no_cache_loop), on the runner-up drafter's k
+    drafts a step. Every logit comes from a full forward pass over the whole sequence."""
     budget = guard.budget(max_new)
     index = NgramIndex(guard.repeat_ngram, guard.repeat_window) if guard.repeat_ngram else None
+    rep: list[bool] = []
 
-    def row(prefix):
-        with torch.no_grad():
-            return model(torch.tensor([prefix])).logits[0, -1]
+    def judge(z, i, drafts, out, step, relaxed):
+        if i == 0:  # which of the step's drafts repeat an n-gram of the output
+            rep[:] = index.repeats(drafts) if index is not None else [False] * len(drafts)
+        d = drafts[i]
+        z1, z2, t1, t2 = top2(z)
+        stat = float(margin_statistic(z1, z2, margin))
+        first = len(out) + len(step) < guard.strict_first  # the output's strict first tokens
+        stops = guard.strict_stops and (d in eos or int(t1) in eos)  # never relax a stop
+        if d == int(t1):
+            return TOP1
+        if (d == int(t2) and stat > theta and not rep[i] and not first and not stops
+                and (budget is None or relaxed < budget)):
+            return RELAXED
+        return REJECT
 
-    while len(out) < max_new:
-        cap = min(k, max_new - len(out) - 1)
-        drafts = drafter.propose(ids + out, cap).tokens if cap > 0 else []
-        rep = index.repeats(drafts) if index is not None else [False] * len(drafts)
-        step: list[int] = []
-        for i, d in enumerate(drafts):
-            z1, z2, t1, t2 = top2(row(ids + out + step))
-            stat = float(margin_statistic(z1, z2, margin))
-            first = len(out) + len(step) < guard.strict_first  # the output's strict first tokens
-            stops = guard.strict_stops and (d in eos or int(t1) in eos)  # never relax a stop
-            if d == int(t1):
-                step.append(d)
-            elif (d == int(t2) and stat > theta and not rep[i] and not first and not stops
-                  and (budget is None or relaxed < budget)):
-                step.append(d)
-                relaxed += 1
-            else:
-                break
-        step.append(int(row(ids + out + step).argmax()))
-        stop = next((i for i, t in enumerate(step) if t in eos), None)
-        step = step[: max_new - len(out)] if stop is None else step[: stop + 1]
-        out += step
-        if index is not None:
-            index.extend(step)
-        if stop is not None:
-            break
-    return out, relaxed
+    return no_cache_loop(model, ids, max_new, k, RunnerUpDrafter(model, k), judge, eos,
+                         after_step=None if index is None else index.extend)
 
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog",
@@ -253,12 +230,9 @@ def test_guarded_engine_equals_the_no_cache_reference(target, guard):
         assert spent > 0
 
 
-def test_budget_switches_the_record_to_strict_at_the_right_token(target, tiny_model_dir):
+def test_budget_switches_the_record_to_strict_at_the_right_token(target, oracle):
     """After the budget is spent, the output is the target's own greedy continuation of what
     came before (transformers' generate() as the oracle)."""
-    from transformers import AutoModelForCausalLM
-
-    oracle = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     guard = GuardConfig(0, 64, 0.1)  # 4 relaxations in 40 tokens, no n-gram guard
     cfg = DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False)
     engine = Engine(target, RowDrafters(lambda: RunnerUpDrafter(target.model, 3)),
@@ -272,10 +246,7 @@ def test_budget_switches_the_record_to_strict_at_the_right_token(target, tiny_mo
             continue
         assert res.stats.relaxed == 4
         head, tail = res.token_ids[:at], res.token_ids[at:]
-        prefix = torch.tensor([ids + head])
-        cont = oracle.generate(prefix, attention_mask=torch.ones_like(prefix), do_sample=False,
-                               max_new_tokens=len(tail), pad_token_id=oracle.generation_config.pad_token_id)
-        assert tail == cont[0, prefix.shape[1]:].tolist(), text
+        assert tail == hf_greedy(oracle, ids + head, len(tail)), text
         checked += 1
     assert checked > 0
 
@@ -380,15 +351,12 @@ def test_a_constructed_loop_does_not_look_cheap_to_calibration():
 # --------------------------------------------------------------------------- CLI, profiles
 
 
-def test_guard_travels_from_calibrate_to_profile_to_results(tiny_model_dir, tmp_path):
+def test_guard_travels_from_calibrate_to_profile_to_results(runner, tiny_model_dir, tmp_path):
     import json
-
-    from typer.testing import CliRunner
 
     from marscli.calibration.profiles import load_profile, user_profile_dir
     from marscli.cli import app
 
-    runner = CliRunner()
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": str(i), "prompt": p, "max_tokens": 24}) + "\n"
                            for i, p in enumerate(PROMPTS)))
@@ -432,14 +400,12 @@ def test_guard_travels_from_calibrate_to_profile_to_results(tiny_model_dir, tmp_
     (["--strict-first", "-1"], "--strict-first"),
     (["--repeat-guard", "8", "--repeat-window", "4"], "--repeat-window (4) must be at least"),
 ])
-def test_guard_usage_errors(tiny_model_dir, tmp_path, args, fragment):
-    from typer.testing import CliRunner
-
+def test_guard_usage_errors(runner, tiny_model_dir, tmp_path, args, fragment):
     from marscli.cli import app
 
     src = tmp_path / "p.jsonl"
     src.write_text('{"prompt": "x"}\n')
-    r = CliRunner().invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--verify", "mars",
+    r = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--verify", "mars",
                                  *args])
     assert r.exit_code == 2 and fragment in r.stderr, r.stderr
     assert r.stdout == ""

@@ -19,7 +19,6 @@ import torch
 
 from marscli.config import (
     DraftConfig,
-    ModelConfig,
     SamplingParams,
     SpanConfig,
     VerifyConfig,
@@ -35,7 +34,6 @@ from marscli.engine.provenance import (
     step_kinds,
 )
 from marscli.engine.scheduler import Engine
-from marscli.models.loading import load_model
 from marscli.verification.spans import (
     ANSWER,
     CODE,
@@ -210,11 +208,6 @@ def test_step_kinds_and_truncation():
 
 
 # --------------------------------------------------------------------------- the engine
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
 
 
 def span_engine(target, spans: SpanConfig | None, pieces: list[str], batch_size: int = 1, k: int = 3,
@@ -394,16 +387,13 @@ def test_tree_steps_report_provenance_and_respect_spans(target):
         assert not (res.relaxed[j] and flags[i])
 
 
-def test_cli_generate_provenance_and_strict_in(tiny_model_dir, tmp_path):
-    from typer.testing import CliRunner
-
+def test_cli_generate_provenance_and_strict_in(runner, tiny_model_dir, tmp_path):
     from marscli.cli import app
 
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(PROMPTS[:2])))
     base = ["generate", str(src), "--target", str(tiny_model_dir), "--max-tokens", "16", "--token-ids",
             "--verify", "mars", "--theta", "0", "--margin", "prob-ratio", "-k", "3", "--fixed-k", "--no-profile"]
-    runner = CliRunner()
     r = runner.invoke(app, base + ["--provenance", "--strict-in", "code"])
     assert r.exit_code == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
