@@ -7,6 +7,8 @@ row leaves; bench forgets the warm-up; old records leave within the token budget
 
 from __future__ import annotations
 
+import pytest
+
 from marscli.config import DraftConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import RowDrafters
 from marscli.drafters.ngram import JobCorpus, NgramDrafter
@@ -30,24 +32,17 @@ def test_a_record_without_its_own_match_drafts_from_the_corpus():
     assert alone.offer(seq, 8).available == 0
 
 
-def test_a_full_length_match_of_its_own_wins_over_the_corpus():
-    corpus = JobCorpus(2)
-    corpus.add([1, 2, 50, 51])
-    d = NgramDrafter(8, ngram_max=2, corpus=corpus)
-    seq = [1, 2, 60, 61, 1, 2]
+@pytest.mark.parametrize("n,earlier,seq,drafts", [
+    (2, [1, 2, 50, 51], [1, 2, 60, 61, 1, 2], [60, 61]),  # a full-length match of its own wins
+    (3, [7, 8, 9, 40, 41], [9, 30, 7, 8, 9], [40, 41]),  # own: "9" (n = 1) -> 30; corpus: "7 8 9" (n = 3)
+], ids=["own-full-length-wins", "longer-corpus-match-wins"])
+def test_the_longer_match_wins_whether_its_own_or_the_corpus(n, earlier, seq, drafts):
+    corpus = JobCorpus(n)
+    corpus.add(earlier)
+    d = NgramDrafter(8, ngram_max=n, corpus=corpus)
     d.start(seq)
     d.offer(seq, 8)
-    assert d.propose(seq, 2).tokens == [60, 61]
-
-
-def test_a_longer_corpus_match_beats_a_shorter_own_one():
-    corpus = JobCorpus(3)
-    corpus.add([7, 8, 9, 40, 41])
-    d = NgramDrafter(8, ngram_max=3, corpus=corpus)
-    seq = [9, 30, 7, 8, 9]  # own: "9" (n = 1) -> 30; corpus: "7 8 9" (n = 3) -> 40 41
-    d.start(seq)
-    d.offer(seq, 8)
-    assert d.propose(seq, 2).tokens == [40, 41]
+    assert d.propose(seq, 2).tokens == drafts
 
 
 def test_a_sampled_record_does_not_draft_from_the_corpus():
