@@ -6,6 +6,7 @@ need none of them stays fast.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -140,7 +141,7 @@ def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathF
     monkeypatch.setenv("MARSCLI_PROFILE_DIR", str(base / "profiles"))
     monkeypatch.setenv("HF_HOME", str(base / "hf"))
     # Draft lengths from a fixed cost curve, never a timing: outputs and statistics in tests
-    # do not depend on the machine's load (tests/test_costs.py measures on purpose).
+    # do not depend on the machine's load (tests/engine/test_costs.py measures on purpose).
     monkeypatch.setenv("MARSCLI_COSTS", "static")
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
@@ -169,13 +170,28 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> 
 
 
 @pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    """The tiny target loaded float32 on the CPU, once per module (an engine patches its CPU
-    kernels: compare with ``oracle``, never with this model's own generate())."""
+def target_dir(tiny_model_dir) -> Path:
+    """The directory ``target`` loads: tiny_model_dir, unless a module overrides it with a
+    target of its own (a deeper one for EAGLE-3 heads, say)."""
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    """The target (target_dir) loaded float32 on the CPU, once per module (an engine patches its
+    CPU kernels: compare with ``oracle``, never with this model's own generate())."""
     from marscli.config import ModelConfig
     from marscli.models.loading import load_model
 
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
+    return load_model(ModelConfig(str(target_dir), dtype="float32", device="cpu"))
+
+
+@pytest.fixture
+def runner():
+    """Typer's CliRunner for marscli.cli.app: result.stdout and result.stderr apart."""
+    from typer.testing import CliRunner
+
+    return CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -188,13 +204,13 @@ def draft(tiny_draft_dir):
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_model_dir):
+def oracle(target_dir):
     """The target's weights loaded apart by transformers alone: the engine patches its model's
     CPU kernels (fastpath), and the oracle must not share those patches."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -207,6 +223,23 @@ def tiny_factory():
 def tiny_tokenizer_factory():
     """make_tiny_tokenizer(corpus=..., vocab_size=..., pad=True) -> PreTrainedTokenizerFast."""
     return make_tiny_tokenizer
+
+
+@pytest.fixture
+def calib_prompts(tmp_path: Path) -> Path:
+    """Four repetitive prompt records (JSONL) to calibrate the tiny models on."""
+    rows = [
+        {"id": f"c{i}", "prompt": p, "max_tokens": 24}
+        for i, p in enumerate([
+            "one two three one two three one two three one two",
+            "the cat sat on the mat. the cat sat on the mat. the cat",
+            "hello world, hello world, hello world, hello",
+            "a b c d a b c d a b c d a b",
+        ])
+    ]
+    src = tmp_path / "calib.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return src
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,8 @@ LAYERS = (
 ROOT_MODULES = {"__init__", "__main__", "_version", "api", "cli", "config", "errors", "lmeval"}
 #: Where marscli imports may sit inside a function, and why: the faces import the jobs in
 #: command bodies and API calls so that `marscli --help` and `import marscli` (marscli.LLM
-#: included) never import torch and transformers (about 2 s; tests/test_api.py,
-#: tests/test_cli.py). Everywhere else imports sit at the top of the module.
+#: included) never import torch and transformers (about 2 s; tests/cli/test_api.py,
+#: tests/cli/test_cli.py). Everywhere else imports sit at the top of the module.
 LAZY_IMPORTS_ALLOWED = {"marscli", "marscli.cli", "marscli.api"}
 
 

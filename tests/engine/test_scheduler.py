@@ -1,0 +1,51 @@
+"""The scheduler's contract per step: one target forward, one verification call and one
+device-to-host transfer for the whole batch, whatever the batch size."""
+
+from __future__ import annotations
+
+import pytest
+
+import marscli.engine.scheduler as scheduler_mod
+from marscli.config import DraftConfig, SamplingParams, VerifyConfig
+from marscli.engine import build_engine
+from marscli.verification.chain import VerifyResult
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog the quick brown fox",
+           "one two three four five six seven eight nine ten one two three",
+           "hello world, hello marscli; the cat sat on the mat. hello world, hello",
+           "x"]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("verify_cfg", [VerifyConfig(), VerifyConfig("mars", 0.3, "prob-ratio")],
+                         ids=["strict", "mars"])
+def test_one_forward_one_verification_one_transfer_per_step(target, monkeypatch, batch_size, verify_cfg):
+    engine = build_engine(target, None, verify_cfg, DraftConfig(kind="ngram", num_draft_tokens=4),
+                          batch_size)
+    counts = {"steps": 0, "verify": 0, "host": 0, "forward": 0, "prefill": 0}
+    real_step, real_verify, real_host = engine._step, scheduler_mod.verify_rows, VerifyResult.host_rows
+    real_forward, real_prefill = engine.kv.__class__.forward, engine.kv.__class__.add_prefilled
+
+    def count(name, fn):
+        def wrapped(*a, **kw):
+            counts[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(engine, "_step", count("steps", real_step))
+    monkeypatch.setattr(scheduler_mod, "verify_rows", count("verify", real_verify))
+    monkeypatch.setattr(VerifyResult, "host_rows", count("host", real_host))
+    monkeypatch.setattr(engine.kv.__class__, "forward", count("forward", real_forward))
+    monkeypatch.setattr(engine.kv.__class__, "add_prefilled", count("prefill", real_prefill))
+    samplings = [SamplingParams(max_tokens=20, temperature=0.8 * (i % 2), seed=i) for i in range(len(PROMPTS))]
+    out = dict(engine.run(range(len(PROMPTS)), lambda i: (target.tokenizer(PROMPTS[i]).input_ids, samplings[i])))
+    assert all(not isinstance(r, Exception) for r in out.values())
+    assert counts["steps"] > 0
+    # steps are counted once per batch, so with 3 rows there are fewer steps than row-steps
+    row_steps = sum(r.stats.steps for r in out.values())
+    assert counts["verify"] == counts["host"] == counts["forward"] == counts["steps"]
+    assert counts["prefill"] == len(PROMPTS)
+    if batch_size > 1:
+        assert counts["steps"] < row_steps
+    else:
+        assert counts["steps"] == row_steps
