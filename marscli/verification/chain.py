@@ -238,6 +238,15 @@ def _prefix_len(ok: torch.Tensor) -> torch.Tensor:
     return ok.long().cumprod(dim=1).sum(dim=1)
 
 
+@dataclass
+class StepLimits:
+    """Where a step's rule may act at all: the real drafts and the two limits on relaxing."""
+
+    valid: torch.Tensor  # [B, K] bool: row b proposed only its first draft_len[b] drafts
+    guard: torch.Tensor | None  # [B, K] bool: never relax here (the loop guard, spans, stops)
+    relax_left: torch.Tensor | None  # [B] long: each row's remaining relaxation budget
+
+
 def verify(
     drafts: torch.Tensor,  # [B, K] long
     logits: torch.Tensor,  # [B, K+1, V] raw target logits
@@ -261,23 +270,21 @@ def verify(
     relaxations in the step is judged strictly too (the record is strict from there on).
     """
     _check_shapes(drafts, logits)
-    valid = _draft_mask(drafts, draft_len)  # [B, K]
+    limits = StepLimits(_draft_mask(drafts, draft_len), guard, relax_left)
     if temperature == 0.0:
-        return greedy_walk(drafts, logits, rule, valid, guard, relax_left)
+        return greedy_walk(drafts, logits, rule, limits)
     if SAMPLING_MODE not in rule.modes:
         raise ValueError(f"the {rule.name} rule is defined for greedy decoding only")
     assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
-    return sampling_walk(drafts, logits, rule, valid, guard, relax_left, temperature, top_k, top_p,
-                         u_accept, u_sample, draft_probs)
+    return sampling_walk(drafts, logits, rule, limits, temperature, top_k, top_p, u_accept, u_sample,
+                         draft_probs)
 
 
 def greedy_walk(
     drafts: torch.Tensor,  # [B, K] long
     logits: torch.Tensor,  # [B, K+1, V]
     rule: Rule,
-    valid: torch.Tensor,  # [B, K] bool: real drafts
-    guard: torch.Tensor | None,  # [B, K] bool
-    relax_left: torch.Tensor | None,  # [B] long
+    limits: StepLimits,
 ) -> VerifyResult:
     """Greedy: the strict check is draft == argmax (gpt-fast's greedy acceptance); the next
     token is the argmax after the accepted prefix (a correction, or the bonus)."""
@@ -287,7 +294,7 @@ def greedy_walk(
     strict_ok = drafts == argmax[:, :K]
     if per_token(rule):
         facts = per_token_facts(rule, logits_k, drafts, torch.softmax(logits_k.float(), dim=-1),
-                                strict_ok, valid)
+                                strict_ok, limits.valid)
     elif rule.name == MARS:
         alive = logits_k.float().gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > -math.inf
         facts = mars_facts(rule, logits_k, drafts, alive, strict_ok)
@@ -295,8 +302,8 @@ def greedy_walk(
     else:  # strict, or a rule at its strict end: no statistic needed, none computed
         facts = PositionFacts({rule.margin: torch.full((B, K), NOT_RELAXABLE, device=drafts.device)},
                               strict_ok, strict_ok)
-    decision, refused = guarded_decision(rule, facts, valid, guard, relax_left)
-    n, relaxed, relaxable = accepted_prefix(decision, strict_ok, valid)
+    decision, refused = guarded_decision(rule, facts, limits)
+    n, relaxed, relaxable = accepted_prefix(decision, strict_ok, limits.valid)
     next_token = argmax.gather(1, n.unsqueeze(1)).squeeze(1)  # [B]
     return VerifyResult(n, next_token, relaxed, relaxable, position_statistic(rule, facts), refused)
 
@@ -305,9 +312,7 @@ def sampling_walk(
     drafts: torch.Tensor,  # [B, K] long
     logits: torch.Tensor,  # [B, K+1, V]
     rule: Rule,
-    valid: torch.Tensor,  # [B, K] bool: real drafts
-    guard: torch.Tensor | None,  # [B, K] bool
-    relax_left: torch.Tensor | None,  # [B] long
+    limits: StepLimits,
     temperature: float,
     top_k: int,
     top_p: float,
@@ -324,19 +329,19 @@ def sampling_walk(
     p = sampling_probs(logits, temperature, top_k, top_p)  # [B, K+1, V]
     strict_ok = strict_sampling_accepts(drafts, p[:, :K], u_accept, draft_probs)  # [B, K]
     if per_token(rule):
-        facts = per_token_facts(rule, logits_k, drafts, p[:, :K], strict_ok, valid)
+        facts = per_token_facts(rule, logits_k, drafts, p[:, :K], strict_ok, limits.valid)
     else:  # MARS, or strict (whose statistic is reported all the same)
         alive = p[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2) > 0  # [B, K]
         facts = mars_facts(rule, logits_k, drafts, alive, strict_ok)
-    decision, refused = guarded_decision(rule, facts, valid, guard, relax_left)
-    n, relaxed, relaxable = accepted_prefix(decision, strict_ok, valid)
+    decision, refused = guarded_decision(rule, facts, limits)
+    n, relaxed, relaxable = accepted_prefix(decision, strict_ok, limits.valid)
     # The next token: from row n of p, or of the residual when the strict check rejected there.
     rows = torch.arange(B, device=drafts.device)
     p_n = p[rows, n]  # [B, V]
     dist = p_n
     if K > 0:
         n_c = n.clamp(max=K - 1)
-        rejected_own = n < valid.sum(dim=1)  # the row rejected one of its own drafts
+        rejected_own = n < limits.valid.sum(dim=1)  # the row rejected one of its own drafts
         use_residual = rejected_own & ~relaxable[rows, n_c]
         if bool(use_residual.any()):
             q_n = None if draft_probs is None else draft_probs[rows, n_c].float()
@@ -385,13 +390,12 @@ def per_token_facts(
 def guarded_decision(
     rule: Rule,
     facts: PositionFacts,  # [B, K] each
-    valid: torch.Tensor,  # [B, K] bool
-    guard: torch.Tensor | None,  # [B, K] bool: the loop guard (never relax here)
-    relax_left: torch.Tensor | None,  # [B] long: each row's remaining relaxation budget
+    limits: StepLimits,
 ) -> tuple[Decision, torch.Tensor | None]:
     """The rule's decision with the loop guard and the relaxation budget applied, and
     ``refused`` [B] bool (None without guard and budget): the row's first rejection is a
     relaxation the guard or the budget refused (the rule alone would have accepted there)."""
+    valid, guard, relax_left = limits.valid, limits.guard, limits.relax_left
     decision = decide(rule, facts)
     if not rule.relaxes or (guard is None and relax_left is None):
         return decision, None
