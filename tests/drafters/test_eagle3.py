@@ -660,7 +660,7 @@ def test_logprobs_and_shared_prefills_with_eagle3(target, heads, tree):
     features copied too) equal single runs with seeds seed + i."""
     from tests.oracles import check_logprobs
 
-    wide = dict(tree_depth=6, tree_top_k=4, tree_tokens=30) if tree else None
+    wide = dict(tree_depth=6, tree_top_k=4, tree_tokens=30) if tree else {}
     eng = make_engine(target, "eagle3", heads["fitted"], **wide, verify=VerifyConfig("mars", 0.05, "prob-ratio"))
     ids = target.tokenizer(PROMPTS[0]).input_ids
     res = eng.generate_ids(ids, SamplingParams(max_tokens=MAX_NEW, logprobs=True, top_logprobs=2))
