@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from marscli.jobs.setup import Generator, ModelSetup
 
 # marscli.jobs (and through it torch and transformers) is imported inside the functions below:
-# `marscli.LLM` and `import marscli` stay light (tests/test_api.py), as `marscli --help` does.
+# `marscli.LLM` and `import marscli` stay light (tests/cli/test_api.py), as `marscli --help` does.
 
 #: What calibrate records as the input's name in a profile made from Python objects.
 PYTHON_INPUT_NAME = "<python>"

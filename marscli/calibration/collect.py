@@ -27,7 +27,7 @@ n-gram already in the record's recent output), and the replay judges those posit
 strictly, as generate will; the relaxation budget (--max-relaxed-share) is replayed per
 record. The cost is the regret of each relaxed token on the strict trajectory (log p1 -
 log p(draft)), a sum of non-negative terms: it cannot fall because text became repetitive,
-as the target's NLL of a looping output does (tests/test_repetition.py builds such a loop).
+as the target's NLL of a looping output does (tests/verification/test_repetition.py builds such a loop).
 """
 
 from __future__ import annotations

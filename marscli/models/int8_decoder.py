@@ -17,7 +17,7 @@ Only layers whose code was read and mirrored op for op are patched: transformers
 Qwen2 decoder layers (SmolLM2, Qwen2.5), with marscli's fused int8 siblings and float64
 attention. Anything else keeps transformers' modules, as does a call this does not mirror
 (one `fastpath.cpu_sdpa_forward` hands to transformers, a non-float32 input, training).
-tests/test_int8_decoder.py checks the logits against the unpatched layers bit for bit.
+tests/models/test_int8_decoder.py checks the logits against the unpatched layers bit for bit.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Why per row: fbgemm's own dynamic linear chooses one scale for the whole input, 
 result would depend on the other tokens of the forward (the drafts verified beside it, the
 rows of a batch), and strict verification of 9 drafts would not reproduce plain decoding.
 Here integer accumulation is exact, the grid is fixed and the scale is the row's own, so a
-row's output is the same bits whoever its neighbours are (tests/test_quant.py).
+row's output is the same bits whoever its neighbours are (tests/models/test_quant.py).
 
 The grid uses 7 of uint8's 8 bits (1..127, zero at 64). On CPUs without VNNI fbgemm
 multiplies with `vpmaddubsw`, which sums two uint8 x int8 products into int16 and saturates:
@@ -287,7 +287,7 @@ def _f64_sdpa_forward(module, query, key, value, attention_mask, dropout: float 
     a forward holds (1 in plain decoding, k + 1 in a verification). Computed in float64, the
     order's effect is ~1e-16, and the float32 result is the same bits unless a value falls
     within that of a float32 rounding boundary: strict speculative decoding of an int8 model
-    then reproduces its plain decoding (tests/test_quant.py; measured in docs/results.md).
+    then reproduces its plain decoding (tests/models/test_quant.py; measured in docs/results.md).
     """
     return cpu_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
                             compute_dtype=torch.float64, **kwargs)

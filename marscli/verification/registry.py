@@ -47,7 +47,7 @@ PAPER_THETA = 0.9
 @dataclass(frozen=True)
 class Knob:
     """One numeric knob of a rule: a field of ``Rule``, of config.VerifyRequest and of
-    config.GenerationOptions (tests/test_rules_cli.py holds them to this registry), and an
+    config.GenerationOptions (tests/cli/test_rules_cli.py holds them to this registry), and an
     option of generate, calibrate and the Python API (``option``)."""
 
     name: str  # the field: "rho"

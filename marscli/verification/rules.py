@@ -129,7 +129,7 @@ class RuleBehaviour:
         return Decision(ok=facts.strict_ok | relax, relaxable=relax)
 
 
-#: Every rule's behaviour by its registry name (tests/test_rulebook.py: one per RULEBOOK entry).
+#: Every rule's behaviour by its registry name (tests/verification/test_rulebook.py: one per RULEBOOK entry).
 BEHAVIOURS: dict[str, type[RuleBehaviour]] = {}
 
 

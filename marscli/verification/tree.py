@@ -2,7 +2,7 @@
 
 Same rules and words as ``marscli.verification`` (the chain walk, ``rules.decide``, the random-draw
 policy): a node is judged at its parent's row by the very same per-position decision, and a
-tree that is one chain is verified as that chain is (tests/test_tree.py, test_repetition.py).
+tree that is one chain is verified as that chain is (tests/verification/test_tree.py, test_repetition.py).
 """
 
 from __future__ import annotations
