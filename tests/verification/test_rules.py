@@ -14,10 +14,9 @@ import math
 import pytest
 import torch
 
-from marscli.config import DraftConfig, ModelConfig, SamplingParams
+from marscli.config import DraftConfig, SamplingParams
 from marscli.drafters.base import RowDrafters
 from marscli.engine.scheduler import Engine
-from marscli.models.loading import load_model
 from marscli.verification.chain import sample_from, sampling_probs, verify
 from marscli.verification.registry import (
     GREEDY_MODE,
@@ -30,6 +29,7 @@ from marscli.verification.registry import (
 )
 from marscli.verification.tree import DraftTree, verify_tree
 from tests.engines import RankDrafter
+from tests.oracles import REJECT, RELAXED, TOP1, no_cache_loop
 
 V = 10
 
@@ -321,43 +321,25 @@ def reference_condition(rule: Rule, z: torch.Tensor, x: int, regret_so_far: floa
 
 
 def reference_loop(model, ids, max_new, k, rule: Rule, eos: frozenset[int]) -> tuple[list[int], int]:
-    """A plain no-cache greedy loop of one rule: the RankDrafter's k drafts per step, each
-    judged on logits from a full forward over the whole sequence."""
-    drafter = RankDrafter(model, k)
-    out: list[int] = []
-    relaxed = 0
+    """A plain no-cache greedy loop of one rule (oracles.no_cache_loop): the RankDrafter's k
+    drafts per step, each judged on logits from a full forward over the whole sequence; the
+    regret sums over the drafts kept in the step."""
+    regret = [0.0]
 
-    def row(prefix):
-        with torch.no_grad():
-            return model(torch.tensor([prefix])).logits[0, -1].float()
+    def judge(z, i, drafts, out, step, relaxed):
+        if i == 0:
+            regret[0] = 0.0
+        d = drafts[i]
+        if d == int(z.argmax()):
+            verdict = TOP1
+        elif reference_condition(rule, z, d, regret[0]):
+            verdict = RELAXED
+        else:
+            return REJECT
+        regret[0] += float(z.max() - z[d])
+        return verdict
 
-    while len(out) < max_new:
-        cap = min(k, max_new - len(out) - 1)
-        drafts = drafter.propose(ids + out, cap).tokens if cap > 0 else []
-        step: list[int] = []
-        regret = 0.0
-        for d in drafts:
-            z = row(ids + out + step)
-            if d == int(z.argmax()):
-                step.append(d)
-            elif reference_condition(rule, z, d, regret):
-                step.append(d)
-                relaxed += 1
-            else:
-                break
-            regret += float(z.max() - z[d])
-        step.append(int(row(ids + out + step).argmax()))
-        stop = next((i for i, t in enumerate(step) if t in eos), None)
-        step = step[: max_new - len(out)] if stop is None else step[: stop + 1]
-        out += step
-        if stop is not None:
-            break
-    return out, relaxed
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_model(ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu"))
+    return no_cache_loop(model, ids, max_new, k, RankDrafter(model, k), judge, eos)
 
 
 ENGINE_RULES = [Rule("ratio", rho=0.3), Rule("topk", top_n=3, delta=0.3),
