@@ -122,10 +122,14 @@ class RuleBehaviour:
         raise ValueError(f"the {rule.name} rule has no knob to calibrate")
 
     @classmethod
-    def decide(cls, rule: Rule, facts: PositionFacts) -> Decision:
+    def relaxed_here(cls, rule: Rule, facts: PositionFacts) -> Any:
+        """The condition where the loop guard and the budget allow relaxing (``guarded``)."""
         relax = cls.condition(rule, facts)
-        if facts.guarded is not None:
-            relax = relax & ~facts.guarded
+        return relax if facts.guarded is None else relax & ~facts.guarded
+
+    @classmethod
+    def decide(cls, rule: Rule, facts: PositionFacts) -> Decision:
+        relax = cls.relaxed_here(rule, facts)
         return Decision(ok=facts.strict_ok | relax, relaxable=relax)
 
 
@@ -185,9 +189,7 @@ class Mars(RuleBehaviour):
 
     @classmethod
     def decide(cls, rule: Rule, facts: PositionFacts) -> Decision:
-        relax = cls.condition(rule, facts)
-        if facts.guarded is not None:
-            relax = relax & ~facts.guarded
+        relax = cls.relaxed_here(rule, facts)
         ok = (relax & facts.in_top2) | (~relax & facts.strict_ok)
         return Decision(ok=ok, relaxable=relax)
 
