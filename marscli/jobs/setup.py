@@ -72,7 +72,6 @@ from marscli.verification.registry import (
 )
 from marscli.verification.spans import compile_regex, parse_strict_in
 
-DRAFT_NONE, DRAFT_NGRAM, DRAFT_MODEL, DRAFT_EAGLE3 = NONE, NGRAM, MODEL, EAGLE3
 #: --draft self: the target's own weights, loaded a second time with --draft-quant.
 DRAFT_SELF = "self"
 EAGLE3_PREFIX = "eagle3:"
@@ -99,13 +98,13 @@ def _silent(_: str) -> None:
 def parse_draft(draft: str) -> tuple[str, str | None]:
     """'none' | 'ngram' | 'eagle3:PATH' | 'self' | a model path or hub id -> (kind, model);
     'self' is a draft model whose source is the target's (``model_configs``)."""
-    if draft in (DRAFT_NONE, DRAFT_NGRAM):
+    if draft in (NONE, NGRAM):
         return draft, None
-    if draft in (DRAFT_EAGLE3, EAGLE3_PREFIX):  # the head marscli ships for the target, found once it is loaded
-        return DRAFT_EAGLE3, SHIPPED_HEAD
+    if draft in (EAGLE3, EAGLE3_PREFIX):  # the head marscli ships for the target, found once it is loaded
+        return EAGLE3, SHIPPED_HEAD
     if draft.startswith(EAGLE3_PREFIX):
-        return DRAFT_EAGLE3, draft[len(EAGLE3_PREFIX):]
-    return DRAFT_MODEL, draft
+        return EAGLE3, draft[len(EAGLE3_PREFIX):]
+    return MODEL, draft
 
 
 def check_choices(margin: str | None = None, dtype: str = "auto", ngram_min: int | None = None,
@@ -150,19 +149,19 @@ def draft_config(o: GenerationOptions, profile=None) -> DraftConfig:
     draft, tree = o.draft, (o.tree_depth, o.tree_top_k, o.tree_tokens)
     pd = profile.data["drafter"] if profile is not None else {}
     if draft is None and pd:
-        if pd["kind"] == DRAFT_MODEL:
+        if pd["kind"] == MODEL:
             draft = (pd["model"] or {}).get("source")
             if draft and pd.get("hybrid"):
                 draft = HYBRID_PREFIX + draft
-        elif pd["kind"] == DRAFT_EAGLE3:
+        elif pd["kind"] == EAGLE3:
             draft = EAGLE3_PREFIX + str((pd["model"] or {}).get("source"))
         else:
             draft = pd["kind"]
-    draft = draft or DRAFT_NGRAM
+    draft = draft or NGRAM
     hybrid = draft.startswith(HYBRID_PREFIX)
     if hybrid:
         draft = draft[len(HYBRID_PREFIX):]
-        if draft in ("", DRAFT_NONE, DRAFT_NGRAM) or draft.startswith(EAGLE3_PREFIX):
+        if draft in ("", NONE, NGRAM) or draft.startswith(EAGLE3_PREFIX):
             raise UsageError("--draft ngram+MODEL needs a draft model (a packaged name, path, "
                              "hub id or self), e.g. --draft ngram+qwen2.5-coder-0.5b-instruct")
     kind, model = parse_draft(draft)
@@ -195,7 +194,7 @@ def draft_config(o: GenerationOptions, profile=None) -> DraftConfig:
 
 def draft_context(context: int | None, kind: str) -> int | None:
     """--draft-context: a draft model's prompt window (None: the whole prompt)."""
-    if context is not None and kind != DRAFT_MODEL:
+    if context is not None and kind != MODEL:
         raise UsageError(f"--draft-context limits what a draft model reads of the prompt; the {kind} "
                          "drafter has no prefill to save (use --draft MODEL or ngram+MODEL)")
     return context
@@ -205,10 +204,10 @@ def tree_settings(kind: str, given: tuple, prof_tree: dict) -> tuple[int | None,
     """(depth, top_k, tokens) of tree drafting from the --tree-* options given (None: not
     given) over the profile's tree: an EAGLE-3 head's EAGLE-2 tree, or a draft model's chain
     with sibling leaves (no depth: its chain's length is chosen per step)."""
-    if kind == DRAFT_EAGLE3:
+    if kind == EAGLE3:
         return tuple(v if v is not None else prof_tree.get(key, default)
                      for v, key, default in zip(given, ("depth", "top_k", "tokens"), TREE_DEFAULTS))
-    if kind != DRAFT_MODEL:
+    if kind != MODEL:
         raise UsageError("--tree-depth, --tree-top-k and --tree-tokens need a draft model "
                          "(--draft MODEL) or an EAGLE-3 drafter (--draft eagle3:PATH)")
     if given[0] is not None:
@@ -254,7 +253,7 @@ def model_configs(target: str | None, draft: DraftConfig, o: GenerationOptions):
     # --load-in-8bit / --load-in-4bit are the older spelling of both options at once.
     legacy = "int8" if o.load_in_8bit else "4bit" if o.load_in_4bit else None
     draft_quant = legacy if o.draft_quant is None else None if o.draft_quant == "none" else o.draft_quant
-    if o.draft_quant not in (None, "none") and draft.kind != DRAFT_MODEL:  # the old flags are for both, if any
+    if o.draft_quant not in (None, "none") and draft.kind != MODEL:  # the old flags are for both, if any
         raise UsageError(f"--draft-quant applies to a draft model; the drafter is {draft.kind}")
     tcfg = ModelConfig(target, o.dtype, o.device, device_map, o.load_in_8bit, o.load_in_4bit, pairs,
                        bnb_compute_dtype, o.offline, quant)
@@ -428,7 +427,7 @@ def place(model: ModelConfig | None, group) -> ModelConfig | None:
 
 
 def load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, note: Note = _silent,
-                group=None, kind: str = DRAFT_MODEL):
+                group=None, kind: str = MODEL):
     """Load the target and (if any) the draft model or EAGLE-3 head (kind "eagle3"); check
     that they fit each other. Under a launcher each model goes to this rank's device(s), the
     draft model's share reckoned with the memory the target left."""
@@ -436,7 +435,7 @@ def load_models(target_cfg: ModelConfig, draft_cfg: ModelConfig | None, note: No
     t0 = time.perf_counter()
     target = load_model(place(target_cfg, group), role="target", log=note)
     draft = None
-    if draft_cfg is not None and kind == DRAFT_EAGLE3:
+    if draft_cfg is not None and kind == EAGLE3:
         source = str(draft_cfg.source)
         if source == SHIPPED_HEAD:
             found = shipped_head_for(target.identity)
@@ -468,7 +467,7 @@ def choose_profile(target, draft_loaded, draft: DraftConfig, *, profile: str | N
             note(f"warning: profile {prof.describe()} was calibrated with {'; '.join(problems)}")
         note(f"using profile {prof.describe()} (sha256 {prof.short_hash})")
         return prof
-    if not auto or draft.kind == DRAFT_NONE:
+    if not auto or draft.kind == NONE:
         return None
     # --verify naming a relaxed rule looks for a profile of that rule only
     rule = verify_mode if verify_mode not in (None, "strict") else None
@@ -492,7 +491,7 @@ def check_sampling_options(o: SamplingOptions) -> None:
 
 
 def drafter_desc(d: DraftConfig) -> str:
-    if d.kind == DRAFT_NONE:
+    if d.kind == NONE:
         return "none"
     context = f", the prompt's last {d.context} tokens" if d.context else ""
     if d.sibling_tree:
@@ -560,7 +559,7 @@ class Generator:
     @property
     def quantization(self) -> dict[str, str | None]:
         """The target's and the draft model's quantization labels (None: the dtype's weights)."""
-        draft = getattr(self.draft_loaded, "identity", None) if self.draft.kind == DRAFT_MODEL else None
+        draft = getattr(self.draft_loaded, "identity", None) if self.draft.kind == MODEL else None
         return {"target": self.target.identity.get("quantization"),
                 "draft": (draft or {}).get("quantization")}
 
@@ -602,13 +601,13 @@ def generation_setup(o: GenerationOptions, need_drafter: str | None = None) -> M
     prof = named_profile(o.profile)
     dcfg = draft_config(o, prof)
     check_batch(dcfg, o.batch_size)
-    if need_drafter is not None and dcfg.kind == DRAFT_NONE:
+    if need_drafter is not None and dcfg.kind == NONE:
         raise UsageError(need_drafter)
     tcfg, dmcfg = model_configs(target_source(o.target, prof), dcfg, o)
     request = VerifyRequest(o.verify, o.theta, o.margin, **guard_request(o),
                             **{k: getattr(o, k) for k in OTHER_KNOBS})
     check_rule_request(request, prof.rule.name if prof is not None else None,
-                       profile_pending=prof is None and o.auto_profile and dcfg.kind != DRAFT_NONE)
+                       profile_pending=prof is None and o.auto_profile and dcfg.kind != NONE)
     spans = span_config(o.strict_in, o.strict_regex)
     return ModelSetup(tcfg, dcfg, dmcfg, request,
                       str(prof.path) if prof is not None else None, o.auto_profile, o.batch_size, spans)
