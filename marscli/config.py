@@ -28,6 +28,8 @@ STRICT_THETA = math.inf
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 8
+#: The bound of a run's prefix cache, MiB (--prefix-cache; marscli.models.prefill).
+DEFAULT_PREFIX_CACHE_MIB = 512
 #: EAGLE-3 tree drafting defaults, EAGLE-3's own (eagle/model/ea_model.py): depth 7, top-k 10,
 #: 60 tokens (the MARS paper's runs: depth 6-7, top-k 10, 50-60 tokens).
 TREE_DEFAULTS = (7, 10, 60)
@@ -373,6 +375,7 @@ class GenerationOptions:
     auto_profile: bool = _opt(True, "profile", PANEL_VERIFY, "Pick a profile matching the target and drafter by itself (default), or not (--no-profile).", "--auto-profile/--no-profile")
     # batching
     batch_size: int = _opt(1, "batch", PANEL_MODEL, "Records decoded together, each with its own drafts and acceptance; a finished record's place goes to the next one. Same outputs as 1 (the default).", "--batch-size", min=1)
+    prefix_cache: float = _opt(DEFAULT_PREFIX_CACHE_MIB, "batch", PANEL_MODEL, f"MiB of prompt keys/values kept so that a prompt prefix shared by several records (a system prompt, few-shot examples, a document with many questions, the n choices of a record) is computed once; least recently used first out; 0 = off. Default {DEFAULT_PREFIX_CACHE_MIB}. Same outputs either way.", "--prefix-cache", min=0.0)
 
 
 
@@ -473,6 +476,7 @@ class ModelSetup:
     auto_profile: bool = True  # False (--no-profile): never pick a profile by itself
     batch_size: int = 1  # records decoded together (same outputs as 1)
     spans: SpanConfig = SPANS_OFF  # strict spans (marscli.verification.spans)
+    prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB  # MiB of the prefix cache (same outputs at any size)
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,11 @@ class BatchedDrafter(Protocol):
                 generator: torch.Generator | None) -> None:
         """Append a row for a new record (prefilling whatever the drafter caches)."""
 
+    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> None:
+        """Append a row for each new record, in order (records that join together: a drafter
+        that prefills a model prefills them together)."""
+
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows, in this order."""
 
@@ -268,6 +273,11 @@ class RowDrafters:
         d = self.factory()
         d.start(list(prompt_ids), sampling, generator)
         self.rows.append(d)
+
+    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> None:
+        for p, s, g in zip(prompts, samplings, generators):
+            self.add_row(p, s, g)
 
     def keep(self, rows: list[int]) -> None:
         kept = set(rows)

@@ -268,6 +268,11 @@ class BatchedEagle3Drafter:
         row.start(prompt_ids, sampling, generator)
         self.rows.append(row)
 
+    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> None:
+        for p, s, g in zip(prompts, samplings, generators):
+            self.add_row(p, s, g)
+
     def keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[b] for b in rows]
 

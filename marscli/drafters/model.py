@@ -10,6 +10,7 @@ from marscli.config import SamplingParams
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
 from marscli.drafters.kinds import MODEL
 from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback
+from marscli.models.prefill import DRAFT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.verification.chain import sample_from, sampling_probs
 
 
@@ -241,15 +242,28 @@ class BatchedModelDrafter(DraftModelSettings):
     def reset(self) -> None:
         self.kv = HoleCache(self.model, self.device, masked=True)
         self.rows: list[_Row] = []
+        if not hasattr(self, "prefiller"):  # the prefix cache outlives the rows and jobs
+            self.prefiller = Prefiller(self.model, self.device, PrefixCache(DRAFT_PREFIX_CACHE_MIB * MIB),
+                                       self.pad_id)
 
     def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
                 generator: torch.Generator | None) -> None:
         """Prefill the new row's prompt but its last token, alone, and append the row."""
-        row = _Row(self, sampling, generator)
-        row.offset = prompt_offset(len(prompt_ids), self.context)
-        row.cached = list(prompt_ids[row.offset:-1])
-        self.kv.add_prefilled(row.cached)
-        self.rows.append(row)
+        self.add_rows([prompt_ids], [sampling], [generator])
+
+    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> None:
+        """Prefill the new rows' prompts but their last tokens, together (in padded passes,
+        each after what the draft model's prefix cache holds of it), and append the rows."""
+        rows = []
+        for ids, sampling, generator in zip(prompts, samplings, generators):
+            row = _Row(self, sampling, generator)
+            row.offset = prompt_offset(len(ids), self.context)
+            row.cached = list(ids[row.offset:-1])
+            rows.append(row)
+        done = self.prefiller.prefill([r.cached for r in rows])
+        self.kv.add_rows([(p.kv, p.length) for p in done])
+        self.rows.extend(rows)
 
     def keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[b] for b in rows]

@@ -17,12 +17,13 @@ from marscli.drafters.kinds import drafter_kind
 from marscli.engine.costs import draft_ratio, reference_costs, step_costs
 from marscli.engine.scheduler import Engine
 from marscli.errors import UsageError
+from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB
 from marscli.verification.registry import STRICT
 
 
 def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: DraftConfig,
                  batch_size: int = 1, note=None, solo_lengths: bool = False, spans=None,
-                 job_corpus: bool | None = None):
+                 job_corpus: bool | None = None, prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB):
     """An Engine for target with the drafter draft_cfg asks for (draft_model: the loaded draft
     model or EAGLE-3 head; None for ngram/none), verify_cfg's rule and batch_size rows.
     Its draft lengths follow the target's measured step costs (marscli.engine.costs.step_costs:
@@ -36,6 +37,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     leans on another's. job_corpus: None follows draft_cfg.job_corpus (--no-job-corpus) and the
     rule; False turns it off (calibration collects margins under strict verification with
     the drafts the relaxed rule will get), True turns it on whatever the rule.
+    prefix_cache_mib: the bound of the run's prefix cache (0: off; marscli.models.prefill).
     Raises UsageError for what the engine cannot run (trees or sliding-window models at
     batch size > 1)."""
 
@@ -44,7 +46,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
                               if job_corpus is None else job_corpus)
     try:
         engine = Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size, guard=verify_cfg.guard,
-                        spans=spans)
+                        spans=spans, prefix_cache_mib=prefix_cache_mib)
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine.solo_lengths = solo_lengths

@@ -19,13 +19,15 @@ chain with sibling leaves; batch size 1) takes the same path with one tree forwa
   in the cache masked out (marscli.models.kvcache.HoleCache), with explicit per-row position
   ids, so a row's logits are those of its own sequence (only float summation order can differ
   from a single-row pass); at batch size 1 they are rolled back.
-- A new record is prefilled alone, then joins the batch; a finished row leaves at once and
-  the next record takes its place (continuous refill).
+- Records join in groups: every free place is filled from the input at once, and the
+  joiners' prompts are prefilled together (marscli.models.prefill: padded passes within a
+  token budget, each prompt after the longest prefix the run's prefix cache holds of it, a
+  prefix several joiners share computed once). A finished row leaves at once and the next
+  records take its place (continuous refill); a refill's prefill passes run between steps.
 - On CUDA out-of-memory the batch is halved and the affected records restart from scratch
   (their outputs are a function of their seeds, so a restart changes nothing).
-- Rows that share a prompt (the n choices of one request) share its prefill: ``run``'s
-  ``prefill_key`` names them, the first row's prefilled cache (and features) is kept, and each
-  later row joins from a copy of it instead of running the prompt again (``_Prefill``).
+- Rows that share a prompt (the n choices of one request) share its prefill through the
+  prefix cache.
 - A row that asks for logprobs gets them from the step's own logits (marscli.engine.logprobs),
   brought to the host in the step's one transfer.
 
@@ -37,7 +39,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -58,6 +60,7 @@ from marscli.drafters.base import (
 from marscli.drafters.eagle3_head import FeatureTap
 from marscli.drafters.kinds import drafter_kind
 from marscli.engine.costs import reference_costs, static_costs
+from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.engine.prompts import PromptEncoder
 from marscli.engine.provenance import step_kinds
 from marscli.engine.sequence import (
@@ -77,9 +80,6 @@ from marscli.verification.spans import SpanRule
 from marscli.verification.tree import DraftTree, verify_tree
 
 Observer = Callable[[StepObservation], None]
-#: prefill_key(item) -> (key, last) or None: rows of the same key have the same prompt and
-#: share one prefill; `last` says no later row of that key will come (its copy is dropped).
-PrefillKey = Callable[[Any], "tuple[Hashable, bool] | None"]
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:
@@ -99,12 +99,13 @@ class _Row:
 
 
 @dataclass
-class _Prefill:
-    """A prompt's prefill kept for the other rows of its key: the cache's snapshot
-    (HoleCache.add_prefilled) and the prefill's target features ([1, S, F] or None)."""
+class _Joiner:
+    """A record about to join the batch: its prompt, sampling and fresh Sequence."""
 
-    snapshot: Any
-    features: torch.Tensor | None
+    item: Any
+    ids: list[int]
+    sampling: SamplingParams
+    seq: Sequence
 
 
 class Engine:
@@ -114,11 +115,12 @@ class Engine:
     drafters: the BatchedDrafter for the run (marscli.drafters.factory.build_drafters).
     costs: the measured step costs (marscli.engine.costs.StepCosts) the draft lengths are chosen
     by; None: the static curve for the target's device.
+    prefix_cache_mib: the bound of the run's prefix cache (0: none; marscli.models.prefill).
     """
 
     def __init__(self, target, drafters: BatchedDrafter, rule: Rule, draft_cfg: DraftConfig,
                  batch_size: int = 1, costs=None, guard: GuardConfig = GUARD_OFF,
-                 spans: SpanConfig | None = None):
+                 spans: SpanConfig | None = None, prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         self.target = target
@@ -174,10 +176,12 @@ class Engine:
             install_cpu_fastpath(self.model)
         self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
         self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
-        self.prefill_seconds = 0.0  # time spent prefilling new records (one at a time)
-        self.prefills_shared = 0  # rows that joined from another row's prefill (n > 1)
-        self._prefill_key: PrefillKey | None = None
-        self._prefills: dict[Hashable, _Prefill] = {}
+        self.prefill_seconds = 0.0  # time spent prefilling joining records
+        # Sliding-window layers keep state of their own beside keys/values: no prefix reuse.
+        plain = not sliding_layers(self.model)
+        self.prefix = PrefixCache(int(prefix_cache_mib * MIB) if plain else 0, features=self.tap is not None)
+        self.prefiller = Prefiller(self.model, self.device, self.prefix, self.pad_id,
+                                   features=lambda: self.last_features)
         self._reset()
 
     # ------------------------------------------------------------------ one record
@@ -198,7 +202,7 @@ class Engine:
     def run(self, items: Iterable[Any],
             prepare: Callable[[Any], tuple[list[int], SamplingParams]],
             observer_for: Callable[[Any], Observer | None] | None = None,
-            prefill_key: PrefillKey | None = None, *, continue_job: bool = False,
+            *, continue_job: bool = False,
             ) -> Iterator[tuple[Any, GenerationResult | Exception]]:
         """Generate every item; yield (item, result) as rows finish.
 
@@ -207,18 +211,13 @@ class Engine:
         out-of-memory is yielded for every row in the batch. observer_for(item) -> an observer
         of that record's steps ([1, k] slices); it is called again when an out-of-memory
         error restarts the record, so a fresh observer can drop the aborted steps.
-        prefill_key(item) -> (key, last) or None: items of one key share the prompt's prefill
-        (PrefillKey); they must come one after another.
-        A run is one job: the n-gram drafter's job corpus starts empty, unless continue_job.
+        A run is one job: the n-gram drafter's job corpus starts empty, unless continue_job;
+        the prefix cache lives as long as the engine (a prompt's keys/values depend on the
+        target alone).
         """
         if not continue_job:
             self.forget_earlier_records()
-        self._prefill_key = prefill_key
-        self._prefills.clear()
-        try:
-            yield from self._loop(items, prepare, observer_for)
-        finally:
-            self._prefills.clear()
+        yield from self._loop(items, prepare, observer_for)
 
     def _loop(self, items, prepare, observer_for) -> Iterator[tuple[Any, GenerationResult | Exception]]:
         source = iter(items)
@@ -228,42 +227,59 @@ class Engine:
         self._reset()
         with torch.inference_mode():
             while True:
-                # Refill: pending records take the free places (restarted ones first).
+                # Refill: pending records take the free places (restarted ones first), and
+                # join together.
                 while len(self.rows) < self.batch_size:
-                    if retry:
-                        item, ids, sampling = retry.popleft()
-                    else:
-                        if ahead:
-                            item = ahead.popleft()
+                    joiners: list[_Joiner] = []
+                    while len(self.rows) + len(joiners) < self.batch_size:
+                        if retry:
+                            item, ids, sampling = retry.popleft()
                         else:
+                            if ahead:
+                                item = ahead.popleft()
+                            else:
+                                try:
+                                    item = next(source)
+                                except StopIteration:
+                                    exhausted = True
+                                    break
                             try:
-                                item = next(source)
-                            except StopIteration:
-                                exhausted = True
-                                break
+                                ids, sampling = prepare(item)
+                            except Exception as e:  # noqa: BLE001 - a RecordFailure or a tokenizer fault: this record only
+                                yield item, e
+                                continue
                         try:
-                            ids, sampling = prepare(item)
-                        except Exception as e:  # noqa: BLE001 - a RecordFailure or a tokenizer fault: this record only
+                            seq = Sequence(self.settings, ids, sampling,
+                                           observer=observer_for(item) if observer_for else None)
+                        except Exception as e:  # noqa: BLE001 - this record only
                             yield item, e
                             continue
+                        if seq.done:  # no room for a single new token: it never joins
+                            yield item, self._result(seq, [] if sampling.logprobs else None)
+                            continue
+                        joiners.append(_Joiner(item, ids, sampling, seq))
+                    if not joiners:
+                        break
                     try:
-                        seq = self._start_row(item, ids, sampling,
-                                              observer_for(item) if observer_for else None)
+                        self._start_rows(joiners)
                     except oom_errors() as e:
+                        self._drop_unfinished_rows()
                         if self._halve():
-                            retry.appendleft((item, ids, sampling))
+                            for j in reversed(joiners):
+                                retry.appendleft((j.item, j.ids, j.sampling))
                             for r in reversed(self._evict_all()):
                                 retry.appendleft((r.item, r.ids, r.sampling))
                             continue
-                        self._drop_unfinished_row()
-                        yield item, e
-                        continue
-                    except Exception as e:  # noqa: BLE001 - one record's failure ends only it
-                        self._drop_unfinished_row()
-                        yield item, e
-                        continue
-                    if seq is not None:  # no room for a single new token
-                        yield item, self._result(seq, [] if sampling.logprobs else None)
+                        for j in joiners:
+                            yield j.item, e
+                    except Exception:  # noqa: BLE001 - alone, one record's failure ends only it
+                        self._drop_unfinished_rows()
+                        for j in joiners:
+                            try:
+                                self._start_rows([j])
+                            except Exception as e:  # noqa: BLE001
+                                self._drop_unfinished_rows()
+                                yield j.item, e
                 if not self.rows:
                     return
                 # A full batch looks one record ahead (never at batch size 1, where a caller
@@ -315,7 +331,9 @@ class Engine:
         self.drafters = drafters
         self.tap = FeatureTap(self.model, drafters.feature_layers) if drafters.feature_layers else None
         self.last_features = None
-        self._prefills.clear()  # their features were captured for the previous drafter
+        # its entries hold the features the previous drafter read
+        self.prefix = PrefixCache(self.prefix.capacity, features=self.tap is not None)
+        self.prefiller.cache = self.prefix
         self.drafters.reset()
 
     def forget_earlier_records(self) -> None:
@@ -332,8 +350,8 @@ class Engine:
         self.kv.keep_rows(keep)
         self.drafters.keep(keep)
 
-    def _drop_unfinished_row(self) -> None:
-        """A row whose start failed half-way leaves no trace in the cache or the drafter."""
+    def _drop_unfinished_rows(self) -> None:
+        """Rows whose start failed half-way leave no trace in the cache or the drafter."""
         n = len(self.rows)
         if n == 0:
             self.kv.reset()
@@ -350,7 +368,7 @@ class Engine:
 
     def _halve(self) -> bool:
         """Halve the batch after an out-of-memory error; False if it is already 1."""
-        self._prefills.clear()  # memory is short: a restarted row prefills again
+        self.prefix.clear()  # memory is short
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if self.batch_size <= 1:
@@ -366,37 +384,53 @@ class Engine:
             torch.cuda.empty_cache()
         return rows
 
-    def _start_row(self, item, ids: list[int], sampling: SamplingParams,
-                   observer: Observer | None) -> Sequence | None:
-        """Prefill a new record alone and add its row; returns its Sequence instead when it
-        has no room for a single new token (it never joins)."""
+    def _start_rows(self, joiners: list[_Joiner]) -> None:
+        """Prefill the joiners' prompts (but each one's pending last token) together and
+        append their rows, in order (marscli.models.prefill)."""
         t0 = time.perf_counter()
         try:
-            seq = Sequence(self.settings, ids, sampling, observer=observer)
-            if seq.done:
-                return seq
-            shared = self._prefill_key(item) if self._prefill_key is not None else None
-            kept = self._prefills.get(shared[0]) if shared is not None else None
-            if kept is not None:  # another choice of the same request: copy its prefill
-                self.kv.add_snapshot(kept.snapshot)
-                features = kept.features
-                self.prefills_shared += 1
-            else:
-                keep = shared is not None and not shared[1]
-                snapshot = self.kv.add_prefilled(list(ids[:-1]), run=self._captured, keep=keep)
-                features = self.last_features if len(ids) > 1 else None
-                if keep and snapshot is not None:
-                    self._prefills[shared[0]] = _Prefill(snapshot, features)
-            if shared is not None and shared[1]:
-                self._prefills.pop(shared[0], None)
-            self.drafters.add_row(list(ids), sampling, seq.draft_gen)
-            if features is not None:  # the prefill's target features, for a drafter that reads them
-                self.drafters.observe(len(self.rows), features[0])
-            self.rows.append(_Row(item, ids, sampling, seq, len(ids) - 1,
-                                  [] if sampling.logprobs else None))
-            return None
+            prompts = [list(j.ids[:-1]) for j in joiners]
+            if self.kv.masked:
+                done = self.prefiller.prefill(prompts, self._captured)
+                self.kv.add_rows([(p.kv, p.length) for p in done])
+                features = [p.features for p in done]
+            else:  # batch size 1: the plain single-sequence call, after the cached prefix
+                assert len(joiners) == 1, "a contiguous cache takes one row"
+                features = [self._prefill_alone(prompts[0])]
+            B = len(self.rows)
+            self.drafters.add_rows([list(j.ids) for j in joiners], [j.sampling for j in joiners],
+                                   [j.seq.draft_gen for j in joiners])
+            for b, (j, f) in enumerate(zip(joiners, features)):
+                if f is not None and f.shape[0]:  # the prompt's target features, for a drafter that reads them
+                    self.drafters.observe(B + b, f)
+                self.rows.append(_Row(j.item, j.ids, j.sampling, j.seq, len(j.ids) - 1,
+                                      [] if j.sampling.logprobs else None))
         finally:
             self.prefill_seconds += time.perf_counter() - t0
+
+    def _prefill_alone(self, prompt: list[int]) -> torch.Tensor | None:
+        """Prefill one prompt into the contiguous cache (batch size 1) after the longest
+        cached prefix; insert it into the prefix cache. Returns its features [L, F] (None
+        when none are read)."""
+        m, past, past_f = self.prefix.match(prompt)
+        rest = prompt[m:]
+        self.kv.add_prefilled(rest, run=self._captured, past=(m, past) if m else None)
+        p = self.prefiller
+        p.reused += m
+        features = None
+        if self.tap is not None:
+            new = self.last_features[0] if rest else None
+            features = new if not m else (past_f if new is None else torch.cat([past_f, new], 0))
+        if rest:
+            p.passes += 1
+            p.tokens += len(rest)
+            self.prefix.insert(prompt, self.kv.row_kv(len(prompt)), features if self.prefix.features else None)
+        return features
+
+    @property
+    def prefix_tokens_reused(self) -> int:
+        """Prompt tokens that joining rows took from the prefix cache instead of computing."""
+        return self.prefiller.reused
 
     # ------------------------------------------------------------------ steps
 

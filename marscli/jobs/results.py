@@ -8,8 +8,9 @@ shape), `provenance` (where each token came from: marscli.engine.provenance), `c
 (n > 1) and `warnings` (request keys marscli did not act on).
 
 n completions per request: choice i decodes with seed + i (choice 0 is exactly the n = 1
-result), as its own row of the engine's batch; the choices share the prompt's prefill (the
-engine copies it, see Engine.run's prefill_key). The line keeps the n = 1 fields, meaning:
+result), as its own row of the engine's batch; the choices share the prompt's prefill (they
+join together, and the engine's prefix cache computes a shared prompt once:
+marscli.models.prefill). The line keeps the n = 1 fields, meaning:
 `output` and `finish_reason` of choice 0, `usage.completion_tokens` summed over the choices
 (as OpenAI counts), `spec` with the counters summed and `timing.seconds` summed; `choices`
 holds every choice in order: index, output, finish_reason, completion_tokens, its own spec
@@ -236,9 +237,6 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
         ids, sp, dropped[item.index] = got
         return ids, (sp if choice.index == 0 else dataclasses.replace(sp, seed=sp.seed + choice.index))
 
-    def prefill_key(choice: Choice):
-        return (choice.item.index, choice.index == choice.n - 1) if choice.n > 1 else None
-
     def expand(requests: list) -> Iterator[Choice]:
         for item in requests:
             n = item.overrides.get("n", sampling.n)
@@ -255,7 +253,7 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
 
     def run(requests: list) -> Iterator[tuple[Any, dict, float]]:
         slots: dict[int, list] = {}
-        for choice, res in engine.run(expand(requests), prepare, prefill_key=prefill_key):
+        for choice, res in engine.run(expand(requests), prepare):
             got = slots.setdefault(choice.item.index, [None] * choice.n)
             got[choice.index] = res
             if all(r is not None for r in got):

@@ -581,7 +581,8 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
     prof = choose_profile(target, draft_loaded, setup.draft, profile=setup.profile,
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
-    engine = build_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans)
+    engine = build_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans,
+                          prefix_cache_mib=setup.prefix_cache)
     if setup.batch_size > 1:
         note(f"batch size {setup.batch_size}")
     if setup.spans.active and not verify.rule.relaxes:
@@ -610,5 +611,6 @@ def generation_setup(o: GenerationOptions, need_drafter: str | None = None) -> M
                        profile_pending=prof is None and o.auto_profile and dcfg.kind != NONE)
     spans = span_config(o.strict_in, o.strict_regex)
     return ModelSetup(tcfg, dcfg, dmcfg, request,
-                      str(prof.path) if prof is not None else None, o.auto_profile, o.batch_size, spans)
+                      str(prof.path) if prof is not None else None, o.auto_profile, o.batch_size, spans,
+                      o.prefix_cache)
 

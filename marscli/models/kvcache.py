@@ -77,6 +77,14 @@ class GrowingLayer(DynamicLayer):
         self._kbuf = self._vbuf = None
         super().reset()
 
+    def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
+        """Hold the first `length` positions of buffers kbuf, vbuf [B, H, cap, D] (the
+        rest is room to append into)."""
+        if not self.is_initialized:
+            self.lazy_initialization(kbuf[:, :, :length], vbuf[:, :, :length])
+        self._kbuf, self._vbuf = kbuf, vbuf
+        self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
+
 
 def _start_in(buf: torch.Tensor | None, cur: torch.Tensor) -> int | None:
     """The slot where view `cur` [B', H, T, D] begins inside `buf` [B, H, cap, D] (its first
@@ -276,95 +284,100 @@ class HoleCache:
 
     # ------------------------------------------------------------------ rows
 
-    def add_prefilled(self, ids: list[int], run=None, *, keep: bool = False):
+    def add_prefilled(self, ids: list[int], run=None, *, past=None) -> None:
         """Append a row for a record whose cached tokens are `ids` (a prompt but its pending
-        last token): prefilled alone, so no padding ever enters a prompt pass. run(forward)
-        wraps the model call (the engine captures target features there).
-
-        keep: return a snapshot of the prefilled row for `add_snapshot` (the other choices of
-        the same request join from it); None when not kept or the cache cannot be copied
-        (layers with state of their own, such as sliding windows)."""
+        last token), prefilled alone, so no padding ever enters the pass (batched joins go
+        through marscli.models.prefill and ``add_rows``). past: (m, keys/values per layer
+        [1, H, m, D]) already computed for the m tokens before ids (a cached prefix; copied).
+        run(forward) wraps the model call (the engine captures target features there)."""
         run = run or (lambda f: f())
+        m = 0
         if not self.masked:
             assert self.rows == 0, "a contiguous cache holds one row"
+            if past is not None and past[0]:
+                m, kv = past
+                self.cache = new_cache(self.model)
+                for layer, pair in zip(self.cache.layers, kv):
+                    if pair is not None:
+                        _hold_copy(layer, pair, len(ids))
             if ids:
                 x = torch.tensor([ids], dtype=torch.long, device=self.device)
                 run(lambda: self.model(input_ids=x, **cache_kw(self.model, self.cache), use_cache=True,
                                        logits_to_keep=1))
-            self.mask = torch.ones(1, len(ids), dtype=torch.long, device=self.device)
-            if not keep or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in self.cache.layers):
-                return None
-            # A copy: the row's own cache grows, is rolled back and compacted in place.
-            return len(ids), [(layer.keys.clone(), layer.values.clone()) if layer.is_initialized
-                              and layer.keys is not None else None for layer in self.cache.layers]
+            self.mask = torch.ones(1, m + len(ids), dtype=torch.long, device=self.device)
+            return
+        assert past is None, "a masked cache takes cached prefixes through add_rows"
         kv = None
         if ids:
             c = new_cache(self.model)
             x = torch.tensor([ids], dtype=torch.long, device=self.device)
             run(lambda: self.model(input_ids=x, **cache_kw(self.model, c), use_cache=True, logits_to_keep=1))
             kv = [(layer.keys, layer.values) for layer in c.layers]
-        self.add_row(kv, len(ids))
-        # add_row copies kv into the batch (concatenation) or, into an empty batch, takes the
-        # tensors themselves, which the cache never writes in place (it appends into new
-        # buffers, trims with views, compacts with gathers): the snapshot can be kv itself.
-        return (len(ids), kv) if keep else None
+        self.add_rows([(kv, len(ids))])
 
-    def add_snapshot(self, snapshot) -> None:
-        """Append a row from `add_prefilled`'s snapshot: the same cache as prefilling the same
-        tokens again, without running the model."""
-        L, kv = snapshot
-        if self.masked:
-            self.add_row(kv, L)
-            return
-        assert self.rows == 0, "a contiguous cache holds one row"
-        self.cache = new_cache(self.model)
-        for layer, pair in zip(self.cache.layers, kv):
-            if pair is not None:
-                k, v = pair
-                layer.lazy_initialization(k, v)
-                layer.keys, layer.values = k.clone(), v.clone()
-        self.mask = torch.ones(1, L, dtype=torch.long, device=self.device)
+    def row_kv(self, length: int) -> list:
+        """The one row's first `length` positions per layer ([1, H, length, D] views; None
+        for a layer that holds nothing) of a contiguous cache."""
+        assert not self.masked and self.rows == 1
+        return [(layer.keys[:, :, :length], layer.values[:, :, :length])
+                if layer.is_initialized and layer.keys is not None and layer.keys.numel() else None
+                for layer in self.cache.layers]
 
     def add_row(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None, L: int) -> None:
-        """Append a row whose L cached slots are kv (per layer [1, H, L, D]; None if L == 0),
-        left-padding it or the batch to a common cache length."""
+        """Append a row whose L cached slots are kv (per layer [1, H, L, D]; None if L == 0)."""
+        self.add_rows([(kv, L)])
+
+    def add_rows(self, rows: list[tuple[list | None, int]]) -> None:
+        """Append rows, each (kv, L): its L cached slots per layer ([1, H, L, D], None for a
+        layer that holds nothing; kv None when L == 0), right-aligned at the batch's cache
+        length (left padding, masked out; the batch is left-padded instead when a row is
+        longer). Rows are written into the layer's buffer when it has room for them (a
+        growing layer's buffer holds the batch's capacity), else one new buffer for the
+        batch's capacity is made: the batch is copied at most once per join."""
         assert self.masked, "only a masked cache takes rows of other lengths"
-        T = self.mask.shape[1]
-        new_t = max(T, L)
-        B = self.mask.shape[0]
-        batch_layers = self.layers()
-        have_batch_kv = bool(batch_layers) and B > 0
-        if new_t > T and have_batch_kv:
-            for layer in batch_layers:
-                layer.keys = left_pad(layer.keys, new_t)
-                layer.values = left_pad(layer.values, new_t)
-        mask = _left_pad_mask(self.mask, new_t)
-        row_mask = torch.zeros(1, new_t, dtype=torch.long, device=self.device)
-        if L:
-            row_mask[0, new_t - L:] = 1
-        self.mask = torch.cat([mask, row_mask], 0)
+        n = len(rows)
+        B, T = self.mask.shape
+        new_t = max([T] + [L for _, L in rows])
+        added = torch.zeros(n, new_t, dtype=torch.long, device=self.device)
+        for j, (_, L) in enumerate(rows):
+            if L:
+                added[j, new_t - L:] = 1
+        self.mask = torch.cat([_left_pad_mask(self.mask, new_t), added], 0)
         if new_t == 0:
             return
-        if kv is None:  # the row has no cached tokens: zeros, masked out
-            for layer in batch_layers:
-                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros((1,) + layer.keys.shape[1:])], 0)
-                layer.values = torch.cat([layer.values, layer.values.new_zeros((1,) + layer.values.shape[1:])], 0)
-            return
-        if not have_batch_kv:
-            # Empty batch (or rows without cached tokens): the new row's cache is the start.
-            for layer, (k, v) in zip(self.cache.layers, kv):
-                k, v = left_pad(k, new_t), left_pad(v, new_t)
-                if B:  # the rows before it had nothing cached: zeros, masked out
-                    k = torch.cat([k.new_zeros((B,) + k.shape[1:]), k], 0)
-                    v = torch.cat([v.new_zeros((B,) + v.shape[1:]), v], 0)
-                if not layer.is_initialized:
-                    layer.lazy_initialization(k, v)
-                layer.keys, layer.values = k, v
-        else:
-            for layer, (k, v) in zip(self.cache.layers, kv):
-                if not _join_in_place(layer, k, v, B):
-                    layer.keys = torch.cat([layer.keys, left_pad(k, new_t)], 0)
-                    layer.values = torch.cat([layer.values, left_pad(v, new_t)], 0)
+        ref = next((kv for kv, L in rows if L), None)
+        for li, layer in enumerate(self.cache.layers):
+            cur = None
+            if B and T and layer.is_initialized and layer.keys is not None and layer.keys.numel():
+                cur = (layer.keys, layer.values)
+            proto = cur if cur is not None else (ref[li] if ref is not None else None)
+            if proto is None:
+                continue  # nothing cached in this layer (KV sharing), or nowhere yet
+            pk, pv = proto
+            got = layer.views() if isinstance(layer, GrowingLayer) and cur is not None and new_t == T else None
+            if got is not None and got[0].shape[0] >= B + n:
+                kbuf, vbuf, start = got
+            else:
+                cap = max(new_t + GROW_MIN, int(new_t * GROW))
+                rows_cap = max(B + n, self.batch_capacity)
+                kbuf = pk.new_empty(rows_cap, pk.shape[1], cap, pk.shape[3])
+                vbuf = pv.new_empty(rows_cap, pv.shape[1], cap, pv.shape[3])
+                start = 0
+                if B:
+                    old = T if cur is not None else 0
+                    for buf, x in ((kbuf, pk if cur is not None else None), (vbuf, pv if cur is not None else None)):
+                        buf[:B, :, : new_t - old] = 0  # padding: masked out, but 0 x NaN is NaN
+                        if x is not None:
+                            buf[:B, :, new_t - old: new_t] = x
+            for j, (kv, L) in enumerate(rows):
+                b = B + j
+                for buf, x in ((kbuf, kv[li][0] if L else None), (vbuf, kv[li][1] if L else None)):
+                    buf[b, :, start: start + new_t - L] = 0
+                    if x is not None:
+                        buf[b, :, start + new_t - L: start + new_t] = x[0]
+            if not layer.is_initialized:
+                layer.lazy_initialization(pk, pv)
+            _hold(layer, kbuf, vbuf, B + n, start, new_t)
 
     def keep_rows(self, keep: list[int]) -> None:
         """Keep only these rows (in this order)."""
@@ -439,36 +452,27 @@ def _keep_in_place(layer, keep: list[int]) -> bool:
     return True
 
 
-def _join_in_place(layer, k: torch.Tensor, v: torch.Tensor, B: int) -> bool:
-    """Write a new row (k, v: [1, H, L, D], L at most the batch's length) after the B rows
-    of a growing layer, inside its buffer, left-padded with zeros (a buffer for the layer's
-    batch capacity is made first when it has none with a spare row); False when the row
-    cannot join in place (a longer row, a layer without room for one more)."""
-    if not isinstance(layer, GrowingLayer) or layer.keys is None or layer.keys.shape[0] != B:
-        return False
-    T, L = layer.keys.shape[2], k.shape[2]
-    if L > T or k.shape[1] != layer.keys.shape[1] or k.shape[3] != layer.keys.shape[3] \
-            or k.dtype != layer.keys.dtype or k.device != layer.keys.device:
-        return False
-    got = layer.views()
-    if got is None or got[0].shape[0] <= B:
-        if layer.batch_capacity <= B:
-            return False
-        # No buffer with a spare row yet (the batch is filling up): one for the whole batch,
-        # so the rows after this one join without copying the others again.
-        cap = max(T + GROW_MIN, int(T * GROW))
-        kbuf = layer.keys.new_empty(layer.batch_capacity, layer.keys.shape[1], cap, layer.keys.shape[3])
-        vbuf = layer.values.new_empty(layer.batch_capacity, layer.values.shape[1], cap, layer.values.shape[3])
-        kbuf[:B, :, :T] = layer.keys
-        vbuf[:B, :, :T] = layer.values
-        layer._kbuf, layer._vbuf, start = kbuf, vbuf, 0
-    else:
-        kbuf, vbuf, start = got
-    for buf, x in ((kbuf, k), (vbuf, v)):
-        buf[B, :, start: start + T - L] = 0  # masked out, but never garbage (0 x NaN is NaN)
-        buf[B, :, start + T - L: start + T] = x[0]
-    layer.keys, layer.values = kbuf[:B + 1, :, start: start + T], vbuf[:B + 1, :, start: start + T]
-    return True
+def _hold(layer, kbuf: torch.Tensor, vbuf: torch.Tensor, rows: int, start: int, length: int) -> None:
+    """Make a layer's keys/values the first `rows` rows, slots [start, start + length), of
+    these buffers (a growing layer appends after them in place)."""
+    layer.keys, layer.values = kbuf[:rows, :, start: start + length], vbuf[:rows, :, start: start + length]
+    if isinstance(layer, GrowingLayer):
+        layer._kbuf, layer._vbuf = kbuf, vbuf
+
+
+def _hold_copy(layer, pair: tuple[torch.Tensor, torch.Tensor], room: int) -> None:
+    """Give an empty layer a copy of keys/values [1, H, m, D], with room for `room` more
+    positions (and the growing layer's spare capacity)."""
+    k, v = pair
+    m = k.shape[2]
+    cap = max(m + room + GROW_MIN, int((m + room) * GROW))
+    kbuf = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+    vbuf = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+    kbuf[:, :, :m] = k
+    vbuf[:, :, :m] = v
+    if not layer.is_initialized:
+        layer.lazy_initialization(k, v)
+    _hold(layer, kbuf, vbuf, k.shape[0], 0, m)
 
 
 def left_pad(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -204,6 +204,10 @@ class FeatureRecorder:
         self.rows.append(_RecordedRow(list(prompt_ids)))
         self.inner.add_row(prompt_ids, sampling, generator)
 
+    def add_rows(self, prompts, samplings, generators) -> None:
+        self.rows.extend(_RecordedRow(list(p)) for p in prompts)
+        self.inner.add_rows(prompts, samplings, generators)
+
     def keep(self, rows: list[int]) -> None:
         kept = set(rows)
         for b, row in enumerate(self.rows):

@@ -656,8 +656,8 @@ def test_cli_bench_compares_chain_and_tree(runner, target_dir, fitted_dir, tmp_p
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_logprobs_and_shared_prefills_with_eagle3(target, heads, tree):
     """Issue 18 with a drafter that reads the target's features: logprobs of greedy MARS output
-    are the target's own (trees included), and n choices that join from one prefill (its
-    features copied too) equal single runs with seeds seed + i."""
+    are the target's own (trees included), and n choices that join from the prefix cache (its
+    features copied too) equal single runs with seeds seed + i of an engine without one."""
     from tests.oracles import check_logprobs
 
     wide = dict(tree_depth=6, tree_top_k=4, tree_tokens=30) if tree else {}
@@ -668,7 +668,11 @@ def test_logprobs_and_shared_prefills_with_eagle3(target, heads, tree):
     check_logprobs(target.model, ids, res, 2)
 
     sp = [SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=3 + i) for i in range(3)]
-    shared = dict(eng.run(range(3), lambda i: (ids, sp[i]), prefill_key=lambda i: ("p", i == 2)))
-    assert eng.prefills_shared == 2
+    before = eng.prefix_tokens_reused
+    shared = dict(eng.run(range(3), lambda i: (ids, sp[i])))
+    assert eng.prefix_tokens_reused - before == 3 * (len(ids) - 1)
+    alone = make_engine(target, "eagle3", heads["fitted"], **wide, verify=VerifyConfig("mars", 0.05, "prob-ratio"),
+                        prefix_cache_mib=0)
     for i in range(3):
-        assert shared[i].token_ids == eng.generate_ids(ids, sp[i]).token_ids
+        assert shared[i].token_ids == alone.generate_ids(ids, sp[i]).token_ids
+    assert alone.prefix_tokens_reused == 0

@@ -408,16 +408,16 @@ def test_out_of_memory_in_a_prefill_halves_the_batch(target, monkeypatch):
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     samplings = [sampling_for(i) for i in range(len(PROMPTS))]
     ref = singles(target, factory, STRICT, dcfg, PROMPTS, samplings)
-    real = Engine._start_row
+    real = Engine._start_rows
     calls = {"n": 0}
 
     def flaky(self, *a, **kw):
         calls["n"] += 1
-        if calls["n"] == 3:  # the third record's prefill, with two rows already running
+        if calls["n"] == 2:  # the second refill's prefill, with rows already running
             raise torch.cuda.OutOfMemoryError("simulated")
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(Engine, "_start_row", flaky)
+    monkeypatch.setattr(Engine, "_start_rows", flaky)
     got, _, engine = batched(target, factory, STRICT, dcfg, PROMPTS, samplings, 4)
     assert engine.oom_retries == 1 and engine.batch_size == 2
     assert_same(ref, got)

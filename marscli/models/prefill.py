@@ -1,0 +1,370 @@
+"""Prefill: the prompts of records that join in one step, run together, over a cache of
+shared prefixes.
+
+- ``PrefixCache``: a radix tree keyed on token ids whose nodes hold the keys/values (and, for
+  a drafter that reads them, the target features) of their tokens. A new prompt reuses the
+  longest cached prefix and prefills only the rest; every prefilled prompt is inserted.
+  Bounded in bytes; the least recently used leaves go first.
+- ``Prefiller``: the joiners of one refill in as few forward passes as their token budget
+  allows (rows sorted by length so that padding stays small), each row over its own cached
+  prefix. A prefix that several joiners share and the cache lacks is prefilled once first
+  (the few-shot examples of a whole batch of questions; the n choices of one request).
+
+Joining alternates with decoding (vLLM's first scheduler, not chunked prefill): a refill runs
+its prefill passes, then the step runs. On a CPU a forward is compute-bound, so mixing a
+prefill into a decode pass would save no work; the token budget bounds how long one pass
+stalls the decoding rows. A row's logits do not depend on who it was prefilled with nor on
+whether its prefix came from the cache, up to float rounding of batched kernels
+(docs/verification.md, "The reproducibility contract").
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from marscli.config import DEFAULT_PREFIX_CACHE_MIB  # noqa: F401 - the engine's default, re-exported
+from marscli.models.kvcache import GrowingLayer, cache_kw, new_cache
+
+MIB = 1 << 20
+#: A draft model's own prefix cache (its keys/values are a fraction of the target's).
+DRAFT_PREFIX_CACHE_MIB = 128
+#: Most padded prompt tokens (rows x longest prompt) one prefill pass runs: a longer pass
+#: stalls the decoding rows longer and, on a CPU, runs no faster per token.
+PREFILL_TOKENS = {"cpu": 1024}
+PREFILL_TOKENS_ACCELERATOR = 8192
+#: Joiners that share at least this many tokens beyond the cache's match get that shared
+#: prefix prefilled once first (below it the second pass costs more than it saves).
+MIN_SHARED = 16
+
+#: A layer's keys and values ([1, H, n, D] each), or None for a layer that holds nothing
+#: (KV-sharing layers).
+LayerKV = "tuple[torch.Tensor, torch.Tensor] | None"
+
+
+def prefill_budget(device: torch.device) -> int:
+    return PREFILL_TOKENS.get(device.type, PREFILL_TOKENS_ACCELERATOR)
+
+
+def _common(a: tuple[int, ...], ids: list[int], start: int) -> int:
+    n = min(len(a), len(ids) - start)
+    i = 0
+    while i < n and a[i] == ids[start + i]:
+        i += 1
+    return i
+
+
+class _Node:
+    __slots__ = ("tokens", "kv", "features", "children", "parent", "last", "removed")
+
+    def __init__(self, tokens: tuple[int, ...], kv: list | None, features: torch.Tensor | None, parent):
+        self.tokens = tokens
+        self.kv = kv  # per layer LayerKV over these tokens
+        self.features = features  # [len(tokens), F] or None
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.last = 0
+        self.removed = False
+
+    def nbytes(self) -> int:
+        n = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in
+                (p for p in (self.kv or []) if p is not None))
+        if self.features is not None:
+            n += self.features.numel() * self.features.element_size()
+        return n
+
+
+def _slice(kv: list, lo: int, hi: int | None) -> list:
+    """Positions [lo, hi) of per-layer keys/values [1, H, n, D], as owned copies."""
+    return [None if p is None else (p[0][:, :, lo:hi].clone(), p[1][:, :, lo:hi].clone()) for p in kv]
+
+
+class PrefixCache:
+    """Recent prompts' keys/values as a radix tree over token ids, bounded to `capacity` bytes.
+
+    ``match(ids)`` gives the longest cached prefix of ids (its keys/values per layer
+    [1, H, m, D], concatenated from the nodes on its path, and its features [m, F] when the
+    cache holds them); ``insert(ids, kv, features)`` stores what is new of a prefilled prompt
+    (a node is split where prompts part). Eviction removes the least recently used leaf until
+    the cache fits again; a node whose children are all gone becomes a leaf itself.
+    """
+
+    def __init__(self, capacity_bytes: int, *, features: bool = False):
+        self.capacity = max(int(capacity_bytes), 0)
+        self.features = features
+        self.clear()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def clear(self) -> None:
+        self.root = _Node((), None, None, None)
+        self.nbytes = 0
+        self.nodes = 0
+        self._tick = itertools.count(1)
+        self._heap: list[tuple[int, int, _Node]] = []  # (last use, tie, leaf): lazily invalidated
+        self._tie = itertools.count()
+        self.evicted_tokens = 0
+
+    # ------------------------------------------------------------------ reading
+
+    def _walk(self, ids: list[int]) -> list[tuple[_Node, int]]:
+        """The nodes along ids, each with how many of its tokens ids follows."""
+        node, i, path = self.root, 0, []
+        while i < len(ids):
+            child = node.children.get(ids[i])
+            if child is None:
+                break
+            c = _common(child.tokens, ids, i)
+            path.append((child, c))
+            if c < len(child.tokens):
+                break
+            node, i = child, i + c
+        return path
+
+    def lookup(self, ids: list[int]) -> int:
+        """How many leading tokens of ids the cache holds (nothing is touched)."""
+        return sum(c for _, c in self._walk(ids)) if self.enabled else 0
+
+    def match(self, ids: list[int]) -> tuple[int, list | None, torch.Tensor | None]:
+        """(m, keys/values per layer [1, H, m, D], features [m, F] or None) of the longest
+        cached prefix of ids; (0, None, None) when none."""
+        if not self.enabled:
+            return 0, None, None
+        path = self._walk(ids)
+        m = sum(c for _, c in path)
+        if m == 0:
+            return 0, None, None
+        for node, _ in path:
+            self._touch(node)
+        layers = len(path[0][0].kv)
+        kv = []
+        for li in range(layers):
+            if path[0][0].kv[li] is None:
+                kv.append(None)
+                continue
+            ks = [n.kv[li][0][:, :, :c] for n, c in path]
+            vs = [n.kv[li][1][:, :, :c] for n, c in path]
+            kv.append((torch.cat(ks, 2), torch.cat(vs, 2)))
+        feats = torch.cat([n.features[:c] for n, c in path], 0) if self.features else None
+        return m, kv, feats
+
+    # ------------------------------------------------------------------ writing
+
+    def insert(self, ids: list[int], kv: list, features: torch.Tensor | None = None) -> None:
+        """Store prompt ids whose keys/values are kv (per layer [1, H, len(ids), D], views are
+        fine: what is stored is copied) and features [len(ids), F] (when the cache keeps them)."""
+        if not self.enabled or not ids:
+            return
+        assert (features is not None) == self.features, "features must come with every insert or none"
+        node, i = self.root, 0
+        for child, c in self._walk(ids):
+            if c < len(child.tokens):
+                if i + c == len(ids):  # ids end inside this node: nothing new to store
+                    self._touch(child)
+                    return
+                child = self._split(child, c)  # ids part from it here
+            node, i = child, i + c
+            self._touch(node)
+        if i < len(ids):
+            leaf = _Node(tuple(ids[i:]), _slice(kv, i, len(ids)),
+                         None if features is None else features[i:].clone(), node)
+            node.children[ids[i]] = leaf
+            self.nbytes += leaf.nbytes()
+            self.nodes += 1
+            self._touch(leaf)
+        self._evict()
+
+    def _split(self, node: _Node, c: int) -> _Node:
+        """Cut node after its first c tokens; returns the new upper part."""
+        before = node.nbytes()
+        upper = _Node(node.tokens[:c], _slice(node.kv, 0, c),
+                      None if node.features is None else node.features[:c].clone(), node.parent)
+        upper.last = node.last
+        node.parent.children[node.tokens[0]] = upper
+        node.tokens, node.kv = node.tokens[c:], _slice(node.kv, c, None)
+        if node.features is not None:
+            node.features = node.features[c:].clone()
+        node.parent = upper
+        upper.children[node.tokens[0]] = node
+        self.nbytes += upper.nbytes() + node.nbytes() - before
+        self.nodes += 1
+        return upper
+
+    def _touch(self, node: _Node) -> None:
+        node.last = next(self._tick)
+        if not node.children:
+            heapq.heappush(self._heap, (node.last, next(self._tie), node))
+
+    def _evict(self) -> None:
+        while self.nbytes > self.capacity and self._heap:
+            last, _, node = heapq.heappop(self._heap)
+            if node.removed or node.children or last != node.last:
+                continue  # stale: touched again since, no longer a leaf, or gone
+            node.removed = True
+            del node.parent.children[node.tokens[0]]
+            self.nbytes -= node.nbytes()
+            self.nodes -= 1
+            self.evicted_tokens += len(node.tokens)
+            parent = node.parent
+            if parent is not self.root and not parent.children:
+                heapq.heappush(self._heap, (parent.last, next(self._tie), parent))
+        if len(self._heap) > 4 * self.nodes + 64:  # drop stale entries now and then
+            self._heap = [e for e in self._heap if not e[2].removed and not e[2].children
+                          and e[0] == e[2].last]
+            heapq.heapify(self._heap)
+
+
+def shared_prefixes(prompts: list[list[int]], cache: PrefixCache, min_shared: int = MIN_SHARED) -> list[list[int]]:
+    """Prefixes that two or more prompts share, at least min_shared tokens longer than what
+    the cache holds of them: one per run of neighbours (in sorted order) sharing that much,
+    the run's common prefix."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    out: list[list[int]] = []
+    run_len = None  # the current run's common prefix length
+    for a, b in zip(order, order[1:]):
+        pa, pb = prompts[a], prompts[b]
+        c = _common(tuple(pa), pb, 0)
+        if c >= min_shared:
+            run_len = c if run_len is None else min(run_len, c)
+            continue
+        if run_len is not None:
+            out.append(pa[:run_len])
+        run_len = None
+    if run_len is not None:
+        out.append(prompts[order[-1]][:run_len])
+    return [p for p in out if len(p) - cache.lookup(p) >= min_shared]
+
+
+@dataclass
+class RowPrefill:
+    """One prefilled prompt: its keys/values (per layer LayerKV [1, H, length, D]; None when
+    length is 0), its target features [length, F] (None when nobody reads them) and how
+    many of its tokens came from the prefix cache."""
+
+    kv: list | None
+    length: int
+    features: torch.Tensor | None
+    reused: int
+
+
+class Prefiller:
+    """Prefills the prompts of joining rows for one model: batched, over the prefix cache.
+
+    run(forward) wraps each model call (the engine captures target features there) and
+    features() then gives that pass's features [n, S, F] (None when none are captured)."""
+
+    def __init__(self, model, device, cache: PrefixCache, pad_id: int = 0, *,
+                 features: Callable[[], torch.Tensor | None] = lambda: None, budget: int | None = None):
+        self.model = model
+        self.device = device
+        self.cache = cache
+        self.pad_id = pad_id
+        self.features = features
+        self.budget = budget or prefill_budget(torch.device(device))
+        self.passes = 0  # prefill forward passes run
+        self.tokens = 0  # prompt tokens those passes computed (padding not counted)
+        self.padded = 0  # padding positions they computed
+        self.reused = 0  # prompt tokens that came from the prefix cache
+
+    def prefill(self, prompts: list[list[int]], run: Callable[[Callable[[], Any]], Any] | None = None
+                ) -> list[RowPrefill]:
+        """Every prompt's keys/values (and features), in the prompts' order."""
+        run = run or (lambda f: f())
+        if self.cache.enabled and len(prompts) > 1:
+            shared = shared_prefixes(prompts, self.cache)
+            if shared:  # computed once, inserted, and matched below like any cached prefix
+                self._passes(shared, run, keep=False)
+        return self._passes(prompts, run, keep=True)
+
+    def _passes(self, prompts: list[list[int]], run, keep: bool) -> list[RowPrefill]:
+        done: list[RowPrefill | None] = [None] * len(prompts)
+        reuse = [self.cache.lookup(p) for p in prompts]
+        todo = []
+        for i, (p, m) in enumerate(zip(prompts, reuse)):
+            if m == len(p):  # all cached (or empty): no forward
+                if keep:
+                    m, kv, feats = self.cache.match(p) if p else (0, None, None)
+                    done[i] = RowPrefill(kv, len(p), feats, m)
+                    self.reused += m
+            else:
+                todo.append(i)
+        todo.sort(key=lambda i: len(prompts[i]) - reuse[i])
+        group: list[int] = []
+        for i in todo:
+            width = len(prompts[i]) - reuse[i]
+            if group and (len(group) + 1) * width > self.budget:
+                self._pass([prompts[j] for j in group], group, run, done, keep)
+                group = []
+            group.append(i)
+        if group:
+            self._pass([prompts[j] for j in group], group, run, done, keep)
+        return done if keep else []
+
+    def _pass(self, prompts: list[list[int]], where: list[int], run, done: list, keep: bool) -> None:
+        """One forward over these prompts, each after its cached prefix; results into done."""
+        n = len(prompts)
+        pasts = [self.cache.match(p) for p in prompts]
+        ms = [m for m, _, _ in pasts]
+        M = max(ms)
+        rests = [p[m:] for p, m in zip(prompts, ms)]
+        S = max(len(r) for r in rests)
+        cache = new_cache(self.model)
+        mask = torch.zeros(n, M + S, dtype=torch.long)
+        if M:
+            self._seed(cache, pasts, M, S)
+        ids = torch.full((n, S), self.pad_id, dtype=torch.long)
+        for b, (m, r) in enumerate(zip(ms, rests)):
+            mask[b, M - m: M + len(r)] = 1
+            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        pos = torch.tensor(ms, dtype=torch.long)[:, None] + torch.arange(S)[None, :]
+        dev = self.device
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        run(lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                               **cache_kw(self.model, cache), use_cache=True, logits_to_keep=1))
+        feats = self.features()  # [n, S, F] or None
+        self.passes += 1
+        real = sum(len(r) for r in rests)
+        self.tokens += real
+        self.padded += n * S - real
+        for b, (p, (m, _, past_f), r) in enumerate(zip(prompts, pasts, rests)):
+            L = len(p)
+            kv = [None if not layer.is_initialized or layer.keys is None else
+                  (layer.keys[b: b + 1, :, M - m: M + len(r)], layer.values[b: b + 1, :, M - m: M + len(r)])
+                  for layer in cache.layers]
+            f = None
+            if feats is not None:
+                f = feats[b, : len(r)]
+                if m:
+                    f = torch.cat([past_f, f], 0)
+            self.cache.insert(p, kv, f if self.cache.features else None)
+            if keep:
+                done[where[b]] = RowPrefill(kv, L, f, m)
+                self.reused += m
+
+    @staticmethod
+    def _seed(cache, pasts: list, M: int, S: int) -> None:
+        """Put each row's cached prefix right-aligned in [0, M) of buffers with room for S more
+        positions (padding zeros: masked out, but 0 x NaN would be NaN)."""
+        n = len(pasts)
+        ref = next(kv for m, kv, _ in pasts if m)
+        for li, layer in enumerate(cache.layers):
+            if ref[li] is None:
+                continue
+            k0, v0 = ref[li]
+            kbuf = k0.new_zeros(n, k0.shape[1], M + S, k0.shape[3])
+            vbuf = v0.new_zeros(n, v0.shape[1], M + S, v0.shape[3])
+            for b, (m, kv, _) in enumerate(pasts):
+                if m:
+                    kbuf[b, :, M - m: M] = kv[li][0][0]
+                    vbuf[b, :, M - m: M] = kv[li][1][0]
+            if isinstance(layer, GrowingLayer):  # the pass appends into the room after M
+                layer.adopt(kbuf, vbuf, M)
+            else:
+                layer.lazy_initialization(kbuf[:, :, :M], vbuf[:, :, :M])
+                layer.keys, layer.values = kbuf[:, :, :M], vbuf[:, :, :M]
