@@ -27,6 +27,8 @@ from rich.console import Console
 
 from marscli._version import __version__
 from marscli.config import (
+    DEFAULT_PREFIX_CACHE_MIB,
+    PANEL_MODEL,
     PANEL_OUTPUT,
     PANEL_POLICY,
     PANEL_SAMPLING,
@@ -421,6 +423,7 @@ def bench(
     max_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens per prompt, for every method.", rich_help_panel=PANEL_SAMPLING)] = 128,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first N records.", rich_help_panel=PANEL_OUTPUT)] = None,
     batch_size: Annotated[Optional[str], typer.Option("--batch-size", help="Also measure batched throughput at these batch sizes, comma-separated (e.g. 1,4,8,16): hf-generate, ar, strict and mars each decode all prompts at each size.", rich_help_panel=PANEL_SAMPLING)] = None,
+    prefix_cache: Annotated[float, typer.Option("--prefix-cache", min=0.0, help=f"MiB of prompt keys/values each engine keeps so that a prompt prefix shared by several records is computed once (0 = off). Default {DEFAULT_PREFIX_CACHE_MIB}. Same outputs either way.", rich_help_panel=PANEL_MODEL)] = DEFAULT_PREFIX_CACHE_MIB,
     report: Annotated[Optional[str], typer.Option(help="Write the full JSON report here ('-': stdout).", rich_help_panel=PANEL_OUTPUT)] = None,
     plot: Annotated[Optional[str], typer.Option(help="Write a PNG of speedup against quality per method and theta (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr (correctness failures still show).", rich_help_panel=PANEL_OUTPUT)] = False,
@@ -449,7 +452,7 @@ def bench(
                            seeds=seeds, max_tokens=max_tokens, limit=limit, batch_size=batch_size,
                            report=report, plot=plot, task=task, match_relax_rate=match_relax_rate,
                            calibrate_on=calibrate_on, calibration_records=calibration_records,
-                           note=log.info)
+                           prefix_cache=prefix_cache, note=log.info)
         return run_bench(cfg, log)
 
     _run(job)

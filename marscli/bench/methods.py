@@ -48,6 +48,7 @@ from typing import Any
 
 from marscli.bench import metrics
 from marscli.config import (
+    DEFAULT_PREFIX_CACHE_MIB,
     MODEL_TREE_DEFAULTS,
     SPANS_OFF,
     DraftConfig,
@@ -114,6 +115,9 @@ REFERENCE_METHODS = (HF_GENERATE, AR)
 DEFAULT_BENCH_MAX_TOKENS = 128
 DEFAULT_THETAS = (PAPER_THETA,)
 WARMUP_MAX_TOKENS = 16
+#: Tokens of the warm-up run before each throughput row: enough to run the prefill and a
+#: decoding step, few enough to cost nothing beside the timed run.
+THROUGHPUT_WARMUP_MAX_TOKENS = 2
 FORWARD_TIMING_REPEATS = 5
 REPORT_FORMAT = 1
 EXIT_CORRECTNESS = EXIT_RUNTIME
@@ -177,6 +181,8 @@ class BenchConfig:
     report: str | None = None  # path, "-" for stdout, None: no report file
     plot: str | None = None
     batch_sizes: tuple[int, ...] = ()  # non-empty: also measure batched throughput at these sizes
+    #: MiB of every engine's prefix cache (0: off; marscli.models.prefill): same outputs at any size.
+    prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB
     #: The loop guard of the `mars` and `mars-tree` methods (`mars-noguard` has none).
     guard: GuardConfig = GuardConfig()
     #: Strict spans of every method (marscli.verification.spans; they change only relaxed ones).
@@ -190,6 +196,11 @@ class BenchConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def throughput_warmup_tokens(self) -> int:
+        """New tokens of the warm-up run before each throughput row."""
+        return min(THROUGHPUT_WARMUP_MAX_TOKENS, self.max_tokens)
 
     def sampling(self, seed: int, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens, seed=seed)
@@ -319,6 +330,8 @@ def check_config(cfg: BenchConfig) -> None:
         raise UsageError(f"--batch-size takes integers >= 1, got {','.join(map(str, cfg.batch_sizes))}")
     if cfg.batch_sizes and not any(m.kind in BATCHED_METHODS for m in cfg.methods):
         raise UsageError("--batch-size measures " + ", ".join(BATCHED_METHODS) + "; none is in --methods")
+    if cfg.prefix_cache < 0:
+        raise UsageError(f"--prefix-cache takes MiB >= 0, got {cfg.prefix_cache:g}")
 
     check_ready(cfg.task, [m.kind for m in cfg.methods])
     if cfg.plot == "-":

@@ -146,22 +146,27 @@ def time_verdicts(methods: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def render_tables(report: dict[str, Any], console) -> None:
-    from rich.table import Table
-
+def run_title(report: dict[str, Any]) -> str:
+    """What was run: prompts, max tokens, greedy or sampled, drafter, target and device."""
     s = report["settings"]
     mode = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']:g}, seeds {s['seeds']}"
     d = s["drafter"]
     drafter = d["kind"] if d["kind"] != MODEL else ("ngram+" if d.get("hybrid") else "") + str(d["model"])
-    title = (f"marscli bench: {report['prompts']['used']} prompts, max {s['max_tokens']} tokens, {mode}, "
-             f"drafter {drafter} (K<={d['num_draft_tokens']}"
-             f"{', prompt window ' + str(d['context']) if d.get('context') else ''}), "
-             f"target {report['target'].get('name')} on {report['environment']['device']}")
+    return (f"marscli bench: {report['prompts']['used']} prompts, max {s['max_tokens']} tokens, {mode}, "
+            f"drafter {drafter} (K<={d['num_draft_tokens']}"
+            f"{', prompt window ' + str(d['context']) if d.get('context') else ''}), "
+            f"target {report['target'].get('name')} on {report['environment']['device']}")
+
+
+def render_tables(report: dict[str, Any], console) -> None:
+    """The tables on stderr."""
+    from rich.table import Table
+
     methods = report["methods"]
     cols = [c for c in TABLE_COLUMNS if any(a.get(c[1]) is not None for a in methods.values())]
     if any(f == "task_speedup_vs_ar" for _, f, _ in cols):  # one task speed-up: vs ar, else vs hf-generate
         cols = [c for c in cols if c[1] != "task_speedup_vs_hf_generate"]
-    table = Table(title=title, title_justify="left")
+    table = Table(title=run_title(report), title_justify="left")
     table.add_column("method")
     for header, _, _ in cols:
         table.add_column(header, justify="right")
@@ -181,20 +186,8 @@ def render_tables(report: dict[str, Any], console) -> None:
         for name, a in spec_methods.items():
             pos.add_row(name, *[_fmt(v, ".2f") for v in a["per_position_acceptance_rate"]])
         console.print(pos)
-    tp = report.get("throughput") or []
-    if tp:
-        t = Table(title="batched throughput (all prompts; tokens/s include prefill)", title_justify="left")
-        for header in ("method", "batch", "tokens", "seconds", "tokens/s", "vs first batch", "tau",
-                       "same output", "prefill s", "peak KV MiB", "peak RSS MiB"):
-            t.add_column(header, justify="left" if header == "method" else "right")
-        for r in tp:
-            t.add_row(r["method"], str(r["batch_size"]), str(r["completion_tokens"]), _fmt(r["seconds"], ".1f"),
-                      _fmt(r["tokens_per_s"], ".1f"),
-                      _fmt(r["speedup_vs_first_batch_size"], ".2f") + ("x" if r["speedup_vs_first_batch_size"] else ""),
-                      _fmt(r["acceptance_length"], ".2f"), f"{r['outputs_equal_first_batch_size']}/{r['prompts']}",
-                      _fmt(r.get("prefill_seconds"), ".1f"), _fmt(r.get("peak_kv_cache_mib"), ".1f"),
-                      _fmt(r["peak_rss_mib"], ".0f"))
-        console.print(t)
+    if report.get("throughput"):
+        render_throughput(report, console, "batched throughput (all prompts; tokens/s include prefill)")
     p = report["physical_limit"]
     console.print(f"target forward over a {p['context_tokens']}-token context: 1 token {1e3 * p['t_1_s']:.1f} ms, "
                   f"K+1 = {len(p['target_forward_s'])} tokens {1e3 * p['t_k_plus_1_s']:.1f} ms"
@@ -208,6 +201,53 @@ def render_tables(report: dict[str, Any], console) -> None:
                       markup=False, soft_wrap=True)
     if report.get("task"):
         render_task_table(report["task"], console)
+    _print_notes(report, console)
+
+
+#: The batched throughput table: (header, row field, format); "x" formats end in "x".
+THROUGHPUT_COLUMNS = (
+    ("batch", "batch_size", "d"),
+    ("tokens", "completion_tokens", "d"),
+    ("seconds", "seconds", ".1f"),
+    ("tokens/s", "tokens_per_s", ".1f"),
+    ("records/s", "records_per_s", ".2f"),
+    ("x hf-gen", "speedup_vs_hf_generate", ".2fx"),
+    ("vs first batch", "speedup_vs_first_batch_size", ".2fx"),
+    ("tau", "acceptance_length", ".2f"),
+    ("same output", "outputs_equal_first_batch_size", "/prompts"),
+    ("prefill s", "prefill_seconds", ".1f"),
+    ("prefix reused", "prefix_tokens_reused", "d"),
+    ("peak KV MiB", "peak_kv_cache_mib", ".1f"),
+    ("peak RSS MiB", "peak_rss_mib", ".0f"),
+)
+
+
+def _throughput_cell(r: dict[str, Any], field_: str, spec: str) -> str:
+    if spec == "/prompts":
+        return f"{r[field_]}/{r['prompts']}"
+    if spec.endswith("x"):
+        v = r.get(field_)
+        return "-" if v is None else f"{v:{spec[:-1]}}x"
+    return _fmt(r.get(field_), spec)
+
+
+def render_throughput(report: dict[str, Any], console, title: str) -> None:
+    """One row per (method, batch size): speed (tokens/s and records/s, against hf-generate
+    at the same size and the method at the first size), equal outputs, the prefill's cost and
+    the prompt tokens the prefix cache saved, memory."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    t.add_column("method", justify="left")
+    for header, _, _ in THROUGHPUT_COLUMNS:
+        t.add_column(header, justify="right")
+    for r in report["throughput"]:
+        t.add_row(r["method"], *[_throughput_cell(r, f, spec) for _, f, spec in THROUGHPUT_COLUMNS])
+    console.print(t)
+
+
+def _print_notes(report: dict[str, Any], console) -> None:
+    """The notes that change how the figures read (the report holds them all)."""
     for note in report["notes"]:
         if "no ROUGE-L" in note or "ignores them" in note or "generation_config" in note:
             console.print(f"note: {note}", markup=False, soft_wrap=True)

@@ -103,7 +103,8 @@ class Bench:
             else:
                 dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
                 verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
-                engine = build_engine(target, draft, verify, dcfg, note=log, spans=cfg.spans)
+                engine = build_engine(target, draft, verify, dcfg, note=log, spans=cfg.spans,
+                                      prefix_cache_mib=cfg.prefix_cache)
                 self.engines[m.name] = engine
                 self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != NONE)
         self._check_generation_config()
@@ -291,8 +292,11 @@ class Bench:
 
         marscli's methods run through the engine's scheduler (continuous refill); hf-generate runs
         transformers' generate() on consecutive left-padded batches (static batching, what
-        its users get). Each row: tokens/s over the whole set, and whether the outputs equal
-        the method's outputs at the first batch size.
+        its users get). Each (method, batch size) first warms up on the first prompt
+        (`_warm_up_row`), then decodes the whole set timed. Each row: tokens/s and records/s
+        over the whole set, records/s against hf-generate's at the same batch size, the
+        engine's prefill counters, and whether the outputs equal the method's outputs at the
+        first batch size.
         """
 
         import torch
@@ -307,17 +311,18 @@ class Bench:
         first_tps: dict[str, float | None] = {}
         for m in methods:
             for bs in cfg.batch_sizes:
-                if cuda:  # pragma: no cover - needs a GPU
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                extra: dict[str, Any] = {}
                 engine = None
                 if m.kind != HF_GENERATE:  # built untimed: the first build measures step costs
                     dcfg = DraftConfig(kind=NONE) if m.kind == AR else cfg.draft
                     verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
-                    engine = build_engine(self.target, self.draft, verify, dcfg, bs, self.log, spans=cfg.spans)
+                    engine = build_engine(self.target, self.draft, verify, dcfg, bs, self.log, spans=cfg.spans,
+                                          prefix_cache_mib=cfg.prefix_cache)
+                self._warm_up_row(engine, prompts[0], bs)
+                if cuda:  # pragma: no cover - needs a GPU
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                if m.kind == HF_GENERATE:
+                if engine is None:
                     outputs = self._hf_batched(prompts, sampling, bs)
                     stats = None
                 else:
@@ -328,7 +333,6 @@ class Bench:
                         results[i] = res
                     outputs = [results[i].token_ids for i in range(len(prompts))]
                     stats = [results[i].stats for i in range(len(prompts))]
-                    extra = batch_counters(engine)
                 if cuda:  # pragma: no cover
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
@@ -338,22 +342,49 @@ class Bench:
                     "method": m.name, "kind": m.kind, "batch_size": bs, "prompts": len(prompts),
                     "completion_tokens": tokens, "seconds": seconds,
                     "tokens_per_s": metrics.rate(tokens, seconds),
+                    "records_per_s": metrics.rate(len(prompts), seconds),
                     "speedup_vs_first_batch_size": None,  # below, once tokens/s is known
+                    "speedup_vs_hf_generate": None,  # once every row is in: hf-generate may come later
                     "acceptance_length": (metrics.ratio(sum(s.emitted for s in stats), sum(s.steps for s in stats))
                                           if stats and self.cfg.draft.kind != NONE and m.kind != AR else None),
                     "outputs_equal_first_batch_size": sum(a == b for a, b in zip(outputs, ref)),
                     "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16],
                     "peak_rss_mib": round_or_none(peak_rss_mib(), 1),
                     "cuda_peak_mib": round_or_none(torch.cuda.max_memory_allocated() / MIB, 1) if cuda else None,
-                    **extra,
+                    **batch_counters(engine),
                 }
                 base_tps = first_tps.setdefault(m.name, row["tokens_per_s"])
                 row["speedup_vs_first_batch_size"] = metrics.ratio(row["tokens_per_s"], base_tps)
                 rows.append(row)
-                self.log(f"throughput: {m.name} batch {bs}: {row['tokens_per_s']:.1f} tokens/s")
+                self.log(f"throughput: {m.name} batch {bs}: {row['tokens_per_s']:.1f} tokens/s, "
+                         f"{row['records_per_s'] or 0.0:.2f} records/s")
                 if progress is not None:
                     progress(len(rows), total)
+        hf_rps = {r["batch_size"]: r["records_per_s"] for r in rows if r["kind"] == HF_GENERATE}
+        for r in rows:
+            if r["batch_size"] in hf_rps:
+                r["speedup_vs_hf_generate"] = metrics.ratio(r["records_per_s"], hf_rps[r["batch_size"]])
         return rows
+
+    def _warm_up_row(self, engine, prompt: BenchPrompt, bs: int) -> None:
+        """The first prompt once, a few tokens, through the row's own engine (or hf generate)
+        before it is timed: kernels, allocator and lazy initialisation are warm, but the
+        engine's prefix cache is emptied and its prefill counters zeroed, so that the timed
+        run starts cold for prefixes (the first prompt is not cached yet) and counts only its
+        own prefills."""
+        sampling = self.cfg.sampling(self.cfg.seeds[0], self.cfg.throughput_warmup_tokens)
+        if engine is None:
+            self._hf_batched([prompt], sampling, bs)
+            return
+        for _, res in engine.run([0], lambda _: (prompt.ids, sampling)):
+            if isinstance(res, BaseException):
+                raise res
+        engine.forget_earlier_records()  # the n-gram job corpus: no drafting from the warm-up's output
+        engine.prefix.clear()
+        engine.prefill_seconds = 0.0
+        engine.peak_cache_bytes = 0  # the timed run's peak only
+        p = engine.prefiller
+        p.passes = p.tokens = p.padded = p.reused = 0
 
     def _hf_batched(self, prompts: Sequence[BenchPrompt], sampling: SamplingParams, bs: int) -> list[list[int]]:
         """transformers' generate() on consecutive batches of `bs` left-padded prompts; each
@@ -428,10 +459,20 @@ class Bench:
         return fails
 
 
-
 def batch_counters(engine) -> dict[str, Any]:
-    """The throughput row's engine counters (every batch size keeps them)."""
+    """The throughput row's engine counters (every batch size keeps them); all None without
+    an engine (hf-generate's rows), so that every row has the same fields."""
+    if engine is None:
+        return dict.fromkeys(BATCH_COUNTER_FIELDS)
     return {"prefill_seconds": engine.prefill_seconds,
             "peak_kv_cache_mib": engine.peak_cache_bytes / MIB,
-            "oom_halvings": engine.oom_retries}
+            "oom_halvings": engine.oom_retries,
+            "prefix_tokens_reused": engine.prefix_tokens_reused,
+            "prefill_passes": engine.prefiller.passes,
+            "prefill_tokens": engine.prefiller.tokens,
+            "prefill_padding": engine.prefiller.padded}
 
+
+#: batch_counters' fields, in order.
+BATCH_COUNTER_FIELDS = ("prefill_seconds", "peak_kv_cache_mib", "oom_halvings", "prefix_tokens_reused",
+                        "prefill_passes", "prefill_tokens", "prefill_padding")

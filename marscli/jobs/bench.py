@@ -26,6 +26,7 @@ from marscli.bench.methods import (
     TREE_METHODS,
     WARMUP_MAX_TOKENS,
     BenchConfig,
+    BenchPrompt,
     Run,
     chain_or_tree,
     check_config,
@@ -38,6 +39,7 @@ from marscli.bench.methods import (
 from marscli.bench.report import REPORT_WIDTH, json_safe, render_tables, write_outputs
 from marscli.bench.runner import Bench, batch_counters  # noqa: F401 (batch_counters: scripts/bench_batch.py)
 from marscli.config import (
+    DEFAULT_PREFIX_CACHE_MIB,
     GenerationOptions,
 )
 from marscli.drafters.kinds import EAGLE3
@@ -117,16 +119,11 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
     log(f"{len(prompts)} prompts x {len(cfg.seeds)} seed(s) x {len(cfg.methods)} methods: {names}")
 
     memory = bench.warm_up(prompts[0])
-    lengths = sorted(len(p.ids) for p in prompts)
     context = sorted(prompts, key=lambda p: len(p.ids))[len(prompts) // 2].ids
     limit_info = bench.measure_forwards(context)
     with Progress(narration, label="bench", unit=UNIT_RUNS) as progress:
         runs = bench.run(prompts, progress.update)
-    throughput: list[dict[str, Any]] = []
-    if cfg.batch_sizes:
-        log(f"throughput: batch sizes {', '.join(map(str, cfg.batch_sizes))} over all {len(prompts)} prompts")
-        with Progress(narration, label="bench", unit=UNIT_RUNS) as progress:
-            throughput = bench.throughput(prompts, progress.update)
+    throughput = _throughput_rows(bench, prompts, narration) if cfg.batch_sizes else []
     per_method = summarize(cfg, runs, limit_info)
     task = _task_section(bench, runs) if cfg.task else None
     cuda_peak = getattr(bench, "cuda_peak_mib", {})
@@ -161,44 +158,18 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
          "measured_over_ideal = speedup_vs_ar / ideal_speedup_vs_ar"),
     ]
     if cfg.batch_sizes:
-        notes.append("throughput: each method decodes all prompts at each --batch-size, sizes in the given "
-                     "order; marscli methods refill a finished row's place at once (continuous batching), "
-                     "hf-generate runs consecutive left-padded batches (static batching); tokens_per_s "
-                     "includes prompt prefill; outputs_equal_first_batch_size counts prompts whose output "
-                     "equals the method's at the first batch size; peak_rss_mib only grows through the run"
-                     + ("" if cfg.greedy else "; sampling: the first seed only"))
+        notes.append(throughput_note(cfg))
     if not cfg.greedy:
         notes.append("sampling: exact match and prefix share compare samples of different methods "
                      "with the same seed (different random streams), so they measure agreement, not "
                      "correctness; figures are means over seeds, 'spread' holds their std")
     report: dict[str, Any] = {
-        "marscli_bench": REPORT_FORMAT,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "input": cfg.input,
-        "settings": {
-            "methods": [m.name for m in cfg.methods],
-            "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seeds": list(cfg.seeds),
-            "limit": cfg.limit, "margin": cfg.margin,
-            "thetas": sorted({m.theta for m in cfg.methods if m.kind in MARS_METHODS}),
-            "guard": cfg.guard.to_dict(),
-            **({"spans": cfg.spans.to_dict()} if cfg.spans.active else {}),
-            "drafter": {"kind": cfg.draft.kind, "model": cfg.draft.model,
-                        "num_draft_tokens": cfg.draft.num_draft_tokens, "adaptive": cfg.draft.adaptive,
-                        "ngram_max": cfg.draft.ngram_max, "ngram_min": cfg.draft.ngram_min,
-                        **({"hybrid": True} if cfg.draft.hybrid else {}),
-                        **({"context": cfg.draft.context} if cfg.draft.context else {}), **_tree_settings(cfg)},
-            "hf_assisted": bench.hf_assisted,
-            "warmup_max_tokens": min(WARMUP_MAX_TOKENS, cfg.max_tokens),
-            "batch_sizes": list(cfg.batch_sizes),
-        },
+        **_header(cfg),
+        "settings": _settings(bench),
         "environment": _environment(bench),
         "target": bench.target.identity,
         "draft": bench.draft.identity if bench.draft is not None else None,
-        "prompts": {
-            "used": len(prompts), "skipped": skipped,
-            "prompt_tokens": {"min": lengths[0], "median": metrics.median(lengths), "max": lengths[-1]},
-            "with_reference": sum(p.reference is not None for p in prompts),
-        },
+        "prompts": _prompts_section(prompts, skipped),
         "reference_method": ref,
         "methods": per_method,
         "physical_limit": physical,
@@ -211,6 +182,65 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
         "notes": notes,
     }
     return json_safe(report)
+
+
+def _throughput_rows(bench: Bench, prompts: Sequence[BenchPrompt], narration: Narration) -> list[dict[str, Any]]:
+    sizes = ", ".join(map(str, bench.cfg.batch_sizes))
+    bench.log(f"throughput: batch sizes {sizes} over all {len(prompts)} prompts")
+    with Progress(narration, label="bench", unit=UNIT_RUNS) as progress:
+        return bench.throughput(prompts, progress.update)
+
+
+def throughput_note(cfg: BenchConfig) -> str:
+    """The report's note on the throughput rows: how they were measured."""
+    return ("throughput: each method decodes all prompts at each --batch-size, sizes in the given "
+            f"order; before each row the method warms up on the first prompt ({cfg.throughput_warmup_tokens} "
+            "new tokens, same engine or generate()), then the engine's prefix cache is emptied and its "
+            "prefill counters zeroed, so "
+            "the timed run starts warm for kernels but cold for prefixes; marscli methods refill a "
+            "finished row's place at once (continuous batching), hf-generate runs consecutive left-padded "
+            "batches (static batching); tokens_per_s and records_per_s include prompt prefill; "
+            "speedup_vs_hf_generate is records/s over hf-generate's at the same batch size; "
+            "prefix_tokens_reused counts prompt tokens taken from the prefix cache "
+            f"(--prefix-cache {cfg.prefix_cache:g} MiB); outputs_equal_first_batch_size counts prompts "
+            "whose output equals the method's at the first batch size; peak_rss_mib only grows through "
+            "the run" + ("" if cfg.greedy else "; sampling: the first seed only"))
+
+
+def _header(cfg: BenchConfig) -> dict[str, Any]:
+    return {"marscli_bench": REPORT_FORMAT, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "input": cfg.input}
+
+
+def _prompts_section(prompts: Sequence[BenchPrompt], skipped: list[dict]) -> dict[str, Any]:
+    lengths = sorted(len(p.ids) for p in prompts)
+    return {
+        "used": len(prompts), "skipped": skipped,
+        "prompt_tokens": {"min": lengths[0], "median": metrics.median(lengths), "max": lengths[-1]},
+        "with_reference": sum(p.reference is not None for p in prompts),
+    }
+
+
+def _settings(bench: Bench) -> dict[str, Any]:
+    cfg = bench.cfg
+    return {
+        "methods": [m.name for m in cfg.methods],
+        "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seeds": list(cfg.seeds),
+        "limit": cfg.limit, "margin": cfg.margin,
+        "thetas": sorted({m.theta for m in cfg.methods if m.kind in MARS_METHODS}),
+        "guard": cfg.guard.to_dict(),
+        **({"spans": cfg.spans.to_dict()} if cfg.spans.active else {}),
+        "drafter": {"kind": cfg.draft.kind, "model": cfg.draft.model,
+                    "num_draft_tokens": cfg.draft.num_draft_tokens, "adaptive": cfg.draft.adaptive,
+                    "ngram_max": cfg.draft.ngram_max, "ngram_min": cfg.draft.ngram_min,
+                    **({"hybrid": True} if cfg.draft.hybrid else {}),
+                    **({"context": cfg.draft.context} if cfg.draft.context else {}), **_tree_settings(cfg)},
+        "hf_assisted": bench.hf_assisted,
+        "warmup_max_tokens": min(WARMUP_MAX_TOKENS, cfg.max_tokens),
+        "batch_sizes": list(cfg.batch_sizes),
+        "throughput_warmup_max_tokens": cfg.throughput_warmup_tokens,
+        "prefix_cache_mib": cfg.prefix_cache,
+    }
 
 
 def _task_section(bench: Bench, runs: Sequence[Run]) -> dict[str, Any]:
@@ -255,11 +285,13 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
                  batch_size: str | None = None, report: str | None = None, plot: str | None = None,
                  task: str | None = None, match_relax_rate: float | None = None, calibrate_on: str | None = None,
                  calibration_records: int | None = None,
+                 prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB,
                  note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's, except under
     --match-relax-rate, which fits it). ``o``: generate's model, drafting, guard and spans
-    options (the others are bench's own: --theta takes a list, --batch-size too)."""
+    options (the others are bench's own: --theta takes a list, --batch-size too; --prefix-cache
+    is bench's as well, for every engine bench builds)."""
 
     if launch_from_env() is not None:
         raise UsageError("bench times methods against each other in one process: run it "
@@ -291,6 +323,7 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
         report=report,
         plot=plot,
         batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
+        prefix_cache=prefix_cache,
         guard=resolved.guard,
         task=task,
         spans=setup.spans,

@@ -241,16 +241,22 @@ def test_usage_errors_exit_2(runner, prompts_file, tiny_model_dir, args, fragmen
     assert fragment in r.stderr and r.stdout == ""
 
 
+MANY_TEXTS = ["hello world, hello marscli; the cat sat on the mat. hello world, hello",
+              "one two three four five six seven eight nine ten one two", "a margin",
+              "speculative decoding drafts tokens and the target verifies them in one pass. speculative",
+              "the quick brown fox"]
+
+
+def write_prompts(path, texts):
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
 def test_batched_throughput_rows_and_batch_invariance(runner, tiny_model_dir, tmp_path):
     """--batch-size: every batched method at every size over all prompts; marscli's strict
     greedy outputs do not depend on the batch size, and ar/strict equal hf-generate's batch-1
     ones."""
-    prompts = tmp_path / "many.jsonl"
-    texts = ["hello world, hello marscli; the cat sat on the mat. hello world, hello",
-             "one two three four five six seven eight nine ten one two", "a margin",
-             "speculative decoding drafts tokens and the target verifies them in one pass. speculative",
-             "the quick brown fox"]
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    prompts = write_prompts(tmp_path / "many.jsonl", MANY_TEXTS)
     out = tmp_path / "r.json"
     r = runner.invoke(app, bench_args(prompts, tiny_model_dir, "--methods", "hf-generate,ar,strict,mars",
                                       "--theta", "0.5", "--batch-size", "1,3", "--report", str(out)))
@@ -266,12 +272,46 @@ def test_batched_throughput_rows_and_batch_invariance(runner, tiny_model_dir, tm
             assert x["outputs_equal_first_batch_size"] == 5, x
         if x["kind"] != "hf-generate":
             assert x["prefill_seconds"] >= 0 and x["peak_kv_cache_mib"] > 0
+            assert x["prefill_passes"] >= 1 and x["prefill_tokens"] > 0 and x["prefill_padding"] >= 0
+        else:  # transformers' generate() has no engine counters
+            assert x["prefill_passes"] is x["prefix_tokens_reused"] is x["prefill_seconds"] is None
+        assert x["records_per_s"] == pytest.approx(5 / x["seconds"], rel=1e-3)
+        assert x["speedup_vs_hf_generate"] > 0  # hf-generate ran at every size
         assert (x["acceptance_length"] is not None) == (x["kind"] in ("strict", "mars"))
     sha = {(x["method"], x["batch_size"]): x["outputs_sha256"] for x in tp}
     assert sha[("ar", 3)] == sha[("strict", 3)] == sha[("hf-generate", 1)]
     # The per-prompt protocol ran too, and its exactness check agrees.
     assert rep["correctness"]["failures"] == 0
     assert "batched throughput" in r.stderr
+    assert any("warms up on the first prompt" in n for n in rep["notes"])
+
+
+def test_throughput_rows_reuse_a_shared_prefix_and_start_cold(runner, tiny_model_dir, tmp_path):
+    """Prompts sharing a long prefix: the engine computes it once per row (prefix cache);
+    --prefix-cache 0 turns that off; the warm-up leaves nothing cached or counted."""
+    shared = ("you are a careful assistant. answer the question below in one short sentence, "
+              "and say nothing else. the cat sat on the mat; the quick brown fox jumps. question: ")
+    prompts = write_prompts(tmp_path / "shared.jsonl",
+                            [shared + q for q in ("one two", "three four", "five six", "seven eight")])
+    runs = {}
+    for name, extra in (("cached", ["--batch-size", "1,4"]), ("off", ["--batch-size", "4", "--prefix-cache", "0"]),
+                        ("one", ["--batch-size", "1", "--limit", "1"])):
+        out = tmp_path / f"{name}.json"
+        r = runner.invoke(app, bench_args(prompts, tiny_model_dir, "--methods", "ar",
+                                          "--report", str(out), "-q", *extra))
+        assert r.exit_code == EXIT_OK, r.stderr
+        runs[name] = json.loads(out.read_text())
+    rows = {x["batch_size"]: x for x in runs["cached"]["throughput"]}
+    assert rows[4]["prefix_tokens_reused"] > 0 and rows[1]["prefix_tokens_reused"] > 0
+    assert rows[4]["speedup_vs_hf_generate"] is None  # no hf-generate in --methods
+    off = runs["off"]["throughput"][0]
+    assert runs["off"]["settings"]["prefix_cache_mib"] == 0
+    assert off["prefix_tokens_reused"] == 0 and off["outputs_sha256"] == rows[4]["outputs_sha256"]
+    assert off["prefill_tokens"] > rows[4]["prefill_tokens"]  # the shared prefix computed once per prompt
+    # One record: the warm-up ran it, yet the timed run finds nothing cached and counts one pass.
+    one = runs["one"]["throughput"][0]
+    assert one["prefix_tokens_reused"] == 0 and one["prefill_passes"] == 1
+    assert one["prefill_tokens"] == runs["one"]["prompts"]["prompt_tokens"]["max"] - 1  # the last token is pending
 
 
 def test_help_has_examples(runner):
