@@ -403,6 +403,8 @@ def profile_validate(files: Annotated[list[str], typer.Argument(help="Profile YA
         "  marscli bench prompts.jsonl --target ./Llama-3.1-8B-Instruct --draft ./Llama-3.2-1B-Instruct "
         "--temperature 1.0 --seeds 0,1,2\n\n"
         "  marscli bench prompts.jsonl --report - | jq .methods\n\n"
+        "  marscli bench examples/mt_bench.jsonl --throughput --batch-size 16,64 --methods hf-generate,ar,mars "
+        "--max-tokens 4\n\n"
         "  marscli bench examples/humaneval.jsonl --task humaneval "
         "--target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --methods strict,mars "
         "--max-tokens 384 --report he.json\n\n"
@@ -423,6 +425,7 @@ def bench(
     max_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens per prompt, for every method.", rich_help_panel=PANEL_SAMPLING)] = 128,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first N records.", rich_help_panel=PANEL_OUTPUT)] = None,
     batch_size: Annotated[Optional[str], typer.Option("--batch-size", help="Also measure batched throughput at these batch sizes, comma-separated (e.g. 1,4,8,16): hf-generate, ar, strict and mars each decode all prompts at each size.", rich_help_panel=PANEL_SAMPLING)] = None,
+    throughput: Annotated[bool, typer.Option("--throughput", help="Only the batched throughput rows (needs --batch-size): records/s and tokens/s of every batched method at each size, against hf-generate's at the same size; no per-record runs, quality scores or forward timings.", rich_help_panel=PANEL_SAMPLING)] = False,
     prefix_cache: Annotated[float, typer.Option("--prefix-cache", min=0.0, help=f"MiB of prompt keys/values each engine keeps so that a prompt prefix shared by several records is computed once (0 = off). Default {DEFAULT_PREFIX_CACHE_MIB}. Same outputs either way.", rich_help_panel=PANEL_MODEL)] = DEFAULT_PREFIX_CACHE_MIB,
     report: Annotated[Optional[str], typer.Option(help="Write the full JSON report here ('-': stdout).", rich_help_panel=PANEL_OUTPUT)] = None,
     plot: Annotated[Optional[str], typer.Option(help="Write a PNG of speedup against quality per method and theta (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
@@ -440,7 +443,9 @@ def bench(
     to stderr; --report writes the JSON report; stdout stays empty unless --report -.
     Speed is given in tokens/s and in seconds per record (time per task, prefill included),
     each against ar and hf-generate, with a line per method: a rule that writes longer answers
-    can win the first and lose the second. See docs/bench.md for every column.
+    can win the first and lose the second. With --throughput (and --batch-size) only batched
+    throughput is measured: records/s of every batched method against hf-generate's at the same
+    batch size, and the prompt tokens the prefix cache saved. See docs/bench.md for every column.
     """
     from marscli.io.console import Log
     from marscli.jobs.bench import bench_config, run_bench
@@ -452,7 +457,7 @@ def bench(
                            seeds=seeds, max_tokens=max_tokens, limit=limit, batch_size=batch_size,
                            report=report, plot=plot, task=task, match_relax_rate=match_relax_rate,
                            calibrate_on=calibrate_on, calibration_records=calibration_records,
-                           prefix_cache=prefix_cache, note=log.info)
+                           throughput=throughput, prefix_cache=prefix_cache, note=log.info)
         return run_bench(cfg, log)
 
     _run(job)

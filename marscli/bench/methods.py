@@ -181,6 +181,8 @@ class BenchConfig:
     report: str | None = None  # path, "-" for stdout, None: no report file
     plot: str | None = None
     batch_sizes: tuple[int, ...] = ()  # non-empty: also measure batched throughput at these sizes
+    #: --throughput: only the batched throughput rows (no per-record runs, scores or forwards).
+    throughput_only: bool = False
     #: MiB of every engine's prefix cache (0: off; marscli.models.prefill): same outputs at any size.
     prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB
     #: The loop guard of the `mars` and `mars-tree` methods (`mars-noguard` has none).
@@ -330,6 +332,13 @@ def check_config(cfg: BenchConfig) -> None:
         raise UsageError(f"--batch-size takes integers >= 1, got {','.join(map(str, cfg.batch_sizes))}")
     if cfg.batch_sizes and not any(m.kind in BATCHED_METHODS for m in cfg.methods):
         raise UsageError("--batch-size measures " + ", ".join(BATCHED_METHODS) + "; none is in --methods")
+    if cfg.throughput_only:
+        # --throughput runs no record alone: nothing for --task to score or --plot to draw.
+        if not cfg.batch_sizes:
+            raise UsageError("--throughput measures batched throughput: give --batch-size too, e.g. --batch-size 16,64")
+        for option, given in (("--task", cfg.task), ("--plot", cfg.plot)):
+            if given:
+                raise UsageError(f"{option} needs the per-record runs that --throughput skips: drop one of them")
     if cfg.prefix_cache < 0:
         raise UsageError(f"--prefix-cache takes MiB >= 0, got {cfg.prefix_cache:g}")
 

@@ -159,9 +159,14 @@ def run_title(report: dict[str, Any]) -> str:
 
 
 def render_tables(report: dict[str, Any], console) -> None:
-    """The tables on stderr."""
+    """The tables on stderr; a --throughput report (settings.throughput_only) has only the
+    batched throughput one."""
     from rich.table import Table
 
+    if report["settings"].get("throughput_only"):
+        render_throughput(report, console, f"{run_title(report)}: batched throughput only")
+        _print_notes(report, console, throughput=True)
+        return
     methods = report["methods"]
     cols = [c for c in TABLE_COLUMNS if any(a.get(c[1]) is not None for a in methods.values())]
     if any(f == "task_speedup_vs_ar" for _, f, _ in cols):  # one task speed-up: vs ar, else vs hf-generate
@@ -201,7 +206,7 @@ def render_tables(report: dict[str, Any], console) -> None:
                       markup=False, soft_wrap=True)
     if report.get("task"):
         render_task_table(report["task"], console)
-    _print_notes(report, console)
+    _print_notes(report, console, throughput=False)
 
 
 #: The batched throughput table: (header, row field, format); "x" formats end in "x".
@@ -246,10 +251,12 @@ def render_throughput(report: dict[str, Any], console, title: str) -> None:
     console.print(t)
 
 
-def _print_notes(report: dict[str, Any], console) -> None:
-    """The notes that change how the figures read (the report holds them all)."""
+def _print_notes(report: dict[str, Any], console, throughput: bool) -> None:
+    """The notes that change how the figures read (the report holds them all); a --throughput
+    run also prints how its rows were measured, having no other table to explain them."""
     for note in report["notes"]:
-        if "no ROUGE-L" in note or "ignores them" in note or "generation_config" in note:
+        if ("no ROUGE-L" in note or "ignores them" in note or "generation_config" in note
+                or (throughput and note.startswith(("throughput", "--throughput")))):
             console.print(f"note: {note}", markup=False, soft_wrap=True)
 
 # --------------------------------------------------------------------------------------------
@@ -275,7 +282,9 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    methods = report["methods"]
+    methods = report.get("methods")
+    if not methods:
+        raise UsageError("--plot: the report has no per-method figures (a --throughput run has none)")
     x_field = "speedup_vs_hf_generate" if any(a.get("speedup_vs_hf_generate") for a in methods.values()) \
         else "speedup_vs_ar"
     panels = [(f, label) for f, label in PLOT_PANELS if any(a.get(f) is not None for a in methods.values())]

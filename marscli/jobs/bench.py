@@ -16,6 +16,7 @@ from typing import Any
 from marscli._version import __version__
 from marscli.bench import metrics
 from marscli.bench.methods import (
+    BATCHED_METHODS,
     DEFAULT_EAGLE3_METHODS,
     DEFAULT_METHODS,
     EXACT_METHODS,
@@ -68,8 +69,9 @@ from marscli.verification.registry import MARS, PAPER_THETA, STRICT
 
 
 def run_bench(cfg: BenchConfig, log: Narration) -> int:
-    """Load models, run every method, print tables, write the report and plot; return the
-    exit code (1 after writing everything when a correctness check failed)."""
+    """Load models, run every method (--throughput: the batched rows only), print tables,
+    write the report and plot; return the exit code (1 after writing everything when a
+    correctness check failed)."""
     check_config(cfg)
     records, skipped, overridden = read_prompt_records(cfg.input, cfg.limit)
     if not records:
@@ -81,9 +83,9 @@ def run_bench(cfg: BenchConfig, log: Narration) -> int:
         cfg, match = fit_methods(cfg, calibration, records, target, draft, log.info)
     bench = Bench(cfg, target, draft, log=log.info)
     report = bench_report(bench, records, skipped, overridden, log=log)
-    if match is not None:
-        report["match_relax_rate"] = match_section(match, report["methods"], log.info)
-    failures = report["correctness_failures"]
+    if match is not None:  # a --throughput report has no per-method figures to set beside the fit
+        report["match_relax_rate"] = match_section(match, report.get("methods", {}), log.info)
+    failures = report.get("correctness_failures", [])  # none under --throughput: nothing is compared
     from rich.console import Console
 
     # Tables are wide: off a terminal, a fixed width keeps each row on one line.
@@ -111,6 +113,8 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
     if overridden:
         notes.append(f"{overridden} records carry their own sampling settings; bench ignores them so "
                      "that every method decodes alike")
+    if cfg.throughput_only:
+        return _throughput_report(bench, prompts, skipped, notes, narration)
     if not rouge.rouge_available():
         notes.append("rouge-score is not installed (pip install 'marscli[bench]'): no ROUGE-L")
     elif not any(p.reference for p in prompts):
@@ -141,9 +145,7 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
         for m in cfg.methods if m.kind in SPEC_METHODS
     }
     notes += [
-        ("transformers' generate() ran on the same target model object as marscli, with marscli's CPU "
-         "fast path (marscli/models/fastpath.py) installed on its linear layers")
-        if target_is_cpu(bench) else "the target runs on CUDA: no CPU fast path",
+        target_note(bench),
         ("tokens_per_s counts completion tokens (an EOS included) over generation time only: from the "
          "start of the prompt's prefill to the record's last token; prompt encoding and quality scoring "
          "are not timed"),
@@ -182,6 +184,31 @@ def bench_report(bench: Bench, records, skipped: list[dict], overridden: int = 0
         "notes": notes,
     }
     return json_safe(report)
+
+
+def _throughput_report(bench: Bench, prompts: Sequence[BenchPrompt], skipped: list[dict], notes: list[str],
+                       narration: Narration) -> dict[str, Any]:
+    """bench --throughput: the batched throughput rows alone (no per-record runs, task scores
+    or forward measurements), with the settings, environment, models and prompts behind them."""
+    cfg = bench.cfg
+    measured = [m.name for m in cfg.methods if m.kind in BATCHED_METHODS]
+    unbatched = [m.name for m in cfg.methods if m.kind not in BATCHED_METHODS]
+    if unbatched:  # e.g. the default methods' hf-assisted
+        notes.append(f"--throughput measures batched methods only: {', '.join(unbatched)} not run")
+    bench.log(f"{len(prompts)} prompts, throughput only: {', '.join(measured)}")
+    throughput = _throughput_rows(bench, prompts, narration)
+    notes.append(target_note(bench))
+    notes.append(throughput_note(cfg))
+    return json_safe({
+        **_header(cfg),
+        "settings": _settings(bench),
+        "environment": _environment(bench),
+        "target": bench.target.identity,
+        "draft": bench.draft.identity if bench.draft is not None else None,
+        "prompts": _prompts_section(prompts, skipped),
+        "throughput": throughput,
+        "notes": notes,
+    })
 
 
 def _throughput_rows(bench: Bench, prompts: Sequence[BenchPrompt], narration: Narration) -> list[dict[str, Any]]:
@@ -236,9 +263,11 @@ def _settings(bench: Bench) -> dict[str, Any]:
                     **({"hybrid": True} if cfg.draft.hybrid else {}),
                     **({"context": cfg.draft.context} if cfg.draft.context else {}), **_tree_settings(cfg)},
         "hf_assisted": bench.hf_assisted,
-        "warmup_max_tokens": min(WARMUP_MAX_TOKENS, cfg.max_tokens),
+        # the per-record protocol's warm-up (none under --throughput)
+        "warmup_max_tokens": None if cfg.throughput_only else min(WARMUP_MAX_TOKENS, cfg.max_tokens),
         "batch_sizes": list(cfg.batch_sizes),
         "throughput_warmup_max_tokens": cfg.throughput_warmup_tokens,
+        "throughput_only": cfg.throughput_only,
         "prefix_cache_mib": cfg.prefix_cache,
     }
 
@@ -264,6 +293,14 @@ def target_is_cpu(bench: Bench) -> bool:
     return bench.target.device.type == "cpu"
 
 
+def target_note(bench: Bench) -> str:
+    """The note on what hf-generate shares with marscli's methods."""
+    if not target_is_cpu(bench):
+        return "the target runs on CUDA: no CPU fast path"
+    return ("transformers' generate() ran on the same target model object as marscli, with marscli's CPU "
+            "fast path (marscli/models/fastpath.py) installed on its linear layers")
+
+
 def _environment(bench: Bench) -> dict[str, Any]:
     import torch
     import transformers
@@ -284,14 +321,14 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
                  seeds: str = "0", max_tokens: int = 128, limit: int | None = None,
                  batch_size: str | None = None, report: str | None = None, plot: str | None = None,
                  task: str | None = None, match_relax_rate: float | None = None, calibrate_on: str | None = None,
-                 calibration_records: int | None = None,
+                 calibration_records: int | None = None, throughput: bool = False,
                  prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB,
                  note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's, except under
     --match-relax-rate, which fits it). ``o``: generate's model, drafting, guard and spans
-    options (the others are bench's own: --theta takes a list, --batch-size too; --prefix-cache
-    is bench's as well, for every engine bench builds)."""
+    options (the others are bench's own: --theta takes a list, --batch-size too; --throughput
+    and --prefix-cache are bench's as well, the latter for every engine bench builds)."""
 
     if launch_from_env() is not None:
         raise UsageError("bench times methods against each other in one process: run it "
@@ -323,6 +360,7 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
         report=report,
         plot=plot,
         batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
+        throughput_only=throughput,
         prefix_cache=prefix_cache,
         guard=resolved.guard,
         task=task,

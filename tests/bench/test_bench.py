@@ -15,6 +15,7 @@ from marscli.bench.methods import (
     parse_methods,
 )
 from marscli.cli import app
+from marscli.config import DEFAULT_PREFIX_CACHE_MIB
 from marscli.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError
 from marscli.jobs import bench as bench_job
 
@@ -234,6 +235,9 @@ def test_a_strict_mismatch_is_a_loud_correctness_failure(runner, prompts_file, t
     (["--batch-size", "4,0"], "--batch-size takes integers >= 1"),
     (["--batch-size", "four"], "--batch-size takes comma-separated integers"),
     (["--batch-size", "4", "--methods", "hf-assisted"], "--batch-size measures hf-generate, ar, strict, mars"),
+    (["--throughput"], "--throughput measures batched throughput: give --batch-size too"),
+    (["--throughput", "--batch-size", "4", "--task", "sum"], "--task needs the per-record runs"),
+    (["--throughput", "--batch-size", "4", "--plot", "p.png"], "--plot needs the per-record runs"),
 ])
 def test_usage_errors_exit_2(runner, prompts_file, tiny_model_dir, args, fragment):
     r = runner.invoke(app, bench_args(prompts_file, tiny_model_dir, *args))
@@ -286,6 +290,38 @@ def test_batched_throughput_rows_and_batch_invariance(runner, tiny_model_dir, tm
     assert any("warms up on the first prompt" in n for n in rep["notes"])
 
 
+def test_throughput_mode_runs_only_the_batched_rows(runner, tiny_model_dir, tmp_path):
+    """--throughput: the batched rows alone, records/s against hf-generate's at the same size;
+    no per-record runs, scores or forward timings in the report."""
+    prompts = write_prompts(tmp_path / "many.jsonl", MANY_TEXTS)
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, bench_args(prompts, tiny_model_dir, "--throughput", "--methods", "hf-generate,ar",
+                                      "--batch-size", "1,4", "--report", str(out)))
+    assert r.exit_code == EXIT_OK, r.stderr
+    rep = json.loads(out.read_text())
+    assert set(rep) == {"marscli_bench", "created", "input", "settings", "environment", "target", "draft",
+                        "prompts", "throughput", "notes"}  # no "runs", "methods", "physical_limit", "task"
+    assert rep["settings"]["throughput_only"] is True and rep["settings"]["batch_sizes"] == [1, 4]
+    assert rep["settings"]["prefix_cache_mib"] == DEFAULT_PREFIX_CACHE_MIB
+    tp = rep["throughput"]
+    assert [(x["method"], x["batch_size"]) for x in tp] == [(m, b) for m in ("hf-generate", "ar") for b in (1, 4)]
+    for x in tp:
+        assert x["records_per_s"] > 0 and x["tokens_per_s"] > 0
+        assert x["outputs_equal_first_batch_size"] == x["prompts"] == 5, x
+        if x["kind"] == "ar":
+            assert x["speedup_vs_hf_generate"] > 0
+            assert x["prefix_tokens_reused"] >= 0 and x["prefill_passes"] >= 1
+        else:
+            assert x["speedup_vs_hf_generate"] == 1
+    sha = {(x["method"], x["batch_size"]): x["outputs_sha256"] for x in tp}
+    assert sha[("ar", 1)] == sha[("ar", 4)] == sha[("hf-generate", 1)]
+    assert any("warms up on the first prompt" in n and "cold for prefixes" in n for n in rep["notes"])
+    for header in ("batched throughput only", "records/s", "x hf-gen", "prefix reused"):
+        assert header in r.stderr, header
+    assert "exactness of" not in r.stderr and "target forward over" not in r.stderr
+    assert "note: throughput:" in r.stderr  # how the rows were measured, the run's only table
+
+
 def test_throughput_rows_reuse_a_shared_prefix_and_start_cold(runner, tiny_model_dir, tmp_path):
     """Prompts sharing a long prefix: the engine computes it once per row (prefix cache);
     --prefix-cache 0 turns that off; the warm-up leaves nothing cached or counted."""
@@ -297,7 +333,7 @@ def test_throughput_rows_reuse_a_shared_prefix_and_start_cold(runner, tiny_model
     for name, extra in (("cached", ["--batch-size", "1,4"]), ("off", ["--batch-size", "4", "--prefix-cache", "0"]),
                         ("one", ["--batch-size", "1", "--limit", "1"])):
         out = tmp_path / f"{name}.json"
-        r = runner.invoke(app, bench_args(prompts, tiny_model_dir, "--methods", "ar",
+        r = runner.invoke(app, bench_args(prompts, tiny_model_dir, "--throughput", "--methods", "ar",
                                           "--report", str(out), "-q", *extra))
         assert r.exit_code == EXIT_OK, r.stderr
         runs[name] = json.loads(out.read_text())
