@@ -149,6 +149,14 @@ def fail_fast_note(stop: dict) -> str:
             f"line {stop['line']}: {stop['type']}: {stop['message']}")
 
 
+def prefill_summary(engine) -> str:
+    """The run's prompt work: prefill passes, prompt tokens computed and taken from the
+    prefix cache (marscli.models.prefill)."""
+    p = engine.prefiller
+    return (f"prefill: {p.passes} passes, {p.tokens} prompt tokens computed"
+            f" (+{p.padded} padding), {p.reused} reused from the prefix cache, {engine.prefill_seconds:.1f} s")
+
+
 class GenerateRun:
     """One `marscli generate` run; holds what the cleanup paths need to report."""
 
@@ -271,6 +279,7 @@ class GenerateRun:
             totals.wall = time.perf_counter() - t_start
         earlier = f"; {self.done_before} more were done before resuming" if self.done_before else ""
         log.info(totals.summary(len(todo), failed - sum(done.values())) + earlier)
+        log.info(prefill_summary(gen.engine))
         return EXIT_RECORDS_FAILED if failed else EXIT_OK
 
     # ------------------------------------------------------------------ data parallel
