@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA paths on a GPU machine, in one short run (docs/gpu.md has the last run's figures):
 # the embedded SmolLM2-135M with its shipped EAGLE-3 head, bfloat16, greedy and temperature 1,
-# chains and trees; bitsandbytes 4-bit and 8-bit targets; batched throughput with n-gram.
+# chains and trees; bitsandbytes 4-bit and 8-bit targets; batched throughput with n-gram;
+# records/s of a short-output batch job against generate() (bench --throughput).
 # Each step has its own time limit, so one that fails or hangs leaves the others' figures.
 # The defaults fit one 10-minute device call: on the H200 lent on 2026-11-27 the engine ran
 # ~15 tokens/s on this model (a 21 ms forward, launch-bound, plus the engine's per-step
@@ -46,3 +47,8 @@ step nf4-head-t0 "$t" "${he[@]}" --quant 4bit --draft eagle3 --methods "hf-gener
 step int8-head-t0 "$t" "${he[@]}" --quant int8 --draft eagle3 --methods "hf-generate,ar,strict,mars@$theta"
 step bf16-ngram-batch "$t" "$prompts/mt32.jsonl" --limit 8 --max-tokens 32 --device "$dev" --dtype bfloat16 \
   --draft ngram --methods "ar,strict,mars@$theta" --batch-size 1,8
+# Batch jobs (issue 53): short-output labelling records, records/s against generate() at the
+# same batch size, batched prefill and the prefix cache included.
+"$py" scripts/throughput_records.py labelling 1024 > "$out/labelling.jsonl"
+step bf16-throughput "$t" "$out/labelling.jsonl" --throughput --batch-size 64,256 --device "$dev" \
+  --dtype bfloat16 --draft none --methods hf-generate,ar --max-tokens 4
