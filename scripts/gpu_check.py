@@ -10,6 +10,9 @@ synthetic prompts (random token blocks repeated, so prompt lookup finds matches)
     drafting: ar (no drafter) | ngram chain | eagle3 chain (a tiny random EAGLE-3 head)
               | eagle3 tree (batch size 1)
     batch:    1, 8, 32 (--batch-sizes)
+    jobs:     a short-output batch job (4 new tokens a record, --jobs 64,256): records/s of
+              marscli's engine (batched prefill, prefix cache, continuous refill) against
+              transformers' generate() in padded batches of the same size
 
 Per run it prints tokens/s, the per-step overhead outside the target's forward (wall time
 less the time inside the target's forward, per step: drafting, verification, bookkeeping),
@@ -60,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=4, help="most drafts per step")
     p.add_argument("--max-memory", default=None,
                    help="offload path: --max-memory for the map (default: a third of the weights on the GPU)")
+    p.add_argument("--jobs", default="64,256",
+                   help="batch sizes of the short-output job (records/s of marscli against generate(), "
+                        "4 new tokens a record; '' to skip)")
+    p.add_argument("--job-records", type=int, default=None, help="records of that job (default: 2 x the batch size)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--workdir", default=None, help="where the random model is saved (default: a temp dir)")
     return p.parse_args(argv)
@@ -215,6 +222,58 @@ def run_one(target, head, mode: str, bs: int, prompts: list[list[int]], max_toke
             "outputs": [r.token_ids for r in results]}
 
 
+def short_job(target, bs: int, prompts: list[list[int]], new_tokens: int = 4) -> dict:
+    """records/s of a short-output job: marscli's engine (plain decoding) against
+    transformers' generate() on consecutive left-padded batches of the same size."""
+    import torch
+
+    from marscli.config import DraftConfig, SamplingParams, VerifyConfig
+    from marscli.engine import build_engine
+
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    engine = build_engine(target, None, VerifyConfig(), DraftConfig(kind="none"), bs, note=log)
+    sampling = SamplingParams(max_tokens=new_tokens)
+    dict(engine.run(range(2), lambda i: (prompts[i], sampling)))  # warm-up
+    engine.prefix.clear()
+    engine.prefill_seconds = 0.0
+    sync()
+    t0 = time.perf_counter()
+    done = dict(engine.run(range(len(prompts)), lambda i: (prompts[i], sampling)))
+    sync()
+    ours = time.perf_counter() - t0
+    outs = [done[i].token_ids for i in range(len(prompts))]
+    model = target.model
+    pad = 0
+
+    def hf() -> list[list[int]]:
+        got = []
+        for start in range(0, len(prompts), bs):
+            chunk = prompts[start: start + bs]
+            width = max(map(len, chunk))
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for b, p in enumerate(chunk):
+                ids[b, width - len(p):] = torch.tensor(p)
+                mask[b, width - len(p):] = 1
+            with torch.inference_mode():
+                out = model.generate(ids.to(target.device), attention_mask=mask.to(target.device), do_sample=False,
+                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
+            got += out[:, width:].tolist()
+        return got
+
+    hf()  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    ref = hf()
+    sync()
+    theirs = time.perf_counter() - t0
+    n = len(prompts)
+    return {"batch": bs, "records": n, "records_per_s": n / ours, "hf_records_per_s": n / theirs,
+            "speedup_vs_hf_generate": theirs / ours, "prefill_s": engine.prefill_seconds,
+            "prefix_tokens_reused": engine.prefix_tokens_reused,
+            "same_as_hf": sum(a == b[: len(a)] for a, b in zip(outs, ref))}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -230,6 +289,7 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     rows = []
+    jobs: list[dict] = []  # the short-output job (records/s against generate())
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         folder = Path(tmp) / "random-llama"
         save_random_model(folder, shape, device)
@@ -273,6 +333,20 @@ def main(argv=None) -> int:
                             f"overhead {r['overhead_ms_per_step']:.2f} ms/step  fwd {r['fwd_ms_per_step']:.2f} ms"
                             + (f"  speed-up {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})"
                                f"  outputs {'=' if row['same_as_ar'] else '!='} ar" if "speedup" in row else ""))
+                for bs in [int(b) for b in args.jobs.split(",") if b]:
+                    if path != "bf16":
+                        continue
+                    prompts = prompts_for(args.job_records or 2 * bs, V, seed=1)
+                    try:
+                        r = short_job(target, bs, prompts)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"{path} short job batch {bs}: FAILED {type(e).__name__}: {e}")
+                        jobs.append({"path": path, "batch": bs, "error": f"{type(e).__name__}: {e}"})
+                        continue
+                    jobs.append({"path": path, **r})
+                    log(f"{path:8s} short job  B={bs:<3d} {r['records_per_s']:9.1f} records/s  generate() "
+                        f"{r['hf_records_per_s']:.1f}  x{r['speedup_vs_hf_generate']:.2f}  "
+                        f"same {r['same_as_hf']}/{r['records']}")
             finally:
                 timer.close()
                 del target, head
@@ -288,10 +362,11 @@ def main(argv=None) -> int:
               f"{r['overhead_ms_per_step']:7.2f} {r.get('speedup', 1.0):8.2f} {r.get('ideal_speedup', 1.0):6.2f} "
               f"{r.get('same_as_ar', '-')}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"shape": shape, "device": device, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"shape": shape, "device": device, "rows": rows, "jobs": jobs},
+                                              indent=1))
     # Outputs equal to ar are reported, not required: in bfloat16 a forward over k + 1 tokens
     # may round differently from k + 1 one-token forwards.
-    return 1 if any("error" in r for r in rows) else 0
+    return 1 if any("error" in r for r in rows + jobs) else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
     labelling N   short review-labelling prompts, 9-15 tokens on SmolLM2's tokenizer
                   ("Review: The battery broke after a week. Sentiment:")
+    instructed N  the labelling prompts after one shared instruction (~20 tokens)
     fewshot N     the same questions after one shared ~550-token instruction with 40 labelled
                   examples (a few-shot prompt: what a prefix cache is for)
 
@@ -27,6 +28,7 @@ VERDICTS = ["was great", "broke after a week", "is totally worth it", "was a was
             "arrived late and damaged", "works exactly as described", "made me smile", "is too loud",
             "exceeded my expectations", "was rude and slow", "feels cheap", "is my new favourite"]
 EXAMPLES = 40
+INSTRUCTION = "You label customer reviews. Answer with one word, positive or negative, for the review below.\n"
 
 
 def review(rng: random.Random) -> str:
@@ -37,6 +39,10 @@ def labelling(n: int, rng: random.Random) -> list[dict]:
     return [{"id": f"l{i}", "prompt": f"{review(rng)} Sentiment:"} for i in range(n)]
 
 
+def instructed(n: int, rng: random.Random) -> list[dict]:
+    return [{"id": f"i{i}", "prompt": f"{INSTRUCTION}{review(rng)} Sentiment:"} for i in range(n)]
+
+
 def fewshot(n: int, rng: random.Random) -> list[dict]:
     shots = "".join(f"{review(rng)} Sentiment: {rng.choice(['positive', 'negative'])}\n" for _ in range(EXAMPLES))
     prefix = "Label each review as positive or negative.\n" + shots
@@ -45,12 +51,12 @@ def fewshot(n: int, rng: random.Random) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=("labelling", "fewshot"))
+    p.add_argument("kind", choices=("labelling", "instructed", "fewshot"))
     p.add_argument("n", type=int)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
-    records = labelling(args.n, rng) if args.kind == "labelling" else fewshot(args.n, rng)
+    records = {"labelling": labelling, "instructed": instructed, "fewshot": fewshot}[args.kind](args.n, rng)
     for r in records:
         sys.stdout.write(json.dumps(r) + "\n")
     return 0

@@ -52,10 +52,12 @@ from marscli.config import (
     SpanConfig,
 )
 from marscli.drafters.base import (
+    MIN_GAIN,
     BatchedDrafter,
     DraftOffer,
     Proposal,
     choose_draft_lengths,
+    expected_tokens,
 )
 from marscli.drafters.eagle3_head import FeatureTap
 from marscli.drafters.kinds import drafter_kind
@@ -80,6 +82,8 @@ from marscli.verification.spans import SpanRule
 from marscli.verification.tree import DraftTree, verify_tree
 
 Observer = Callable[[StepObservation], None]
+#: A relaxed or sampled row sits out at most this many steps in a row (Engine.waiting_rows).
+MAX_WAIT = 4
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:
@@ -96,6 +100,7 @@ class _Row:
     seq: Sequence
     npos: int  # valid tokens in the cache (the whole committed sequence but the pending token)
     logprobs: list[lp.TokenLogprob] | None = None  # per emitted token, when the record asks
+    waited: int = 0  # steps this row has sat out in a row (Engine.waiting_rows)
 
 
 @dataclass
@@ -448,9 +453,47 @@ class Engine:
             proposals = [Proposal([])]  # nothing to draft (budget, or no features yet): a plain step
         else:
             seqs = [r.seq.seq for r in self.rows]
-            caps = self.draft_lengths(self.drafters.offers(seqs, caps), caps)
-            proposals = self.drafters.propose(seqs, caps)
+            offers = self.drafters.offers(seqs, caps)
+            caps = self.draft_lengths(offers, caps)
+            waiting = self.waiting_rows(offers, caps)
+            proposals = self.drafters.propose(seqs, [0 if w else c for w, c in zip(waiting, caps)])
+            return self._chain_step(proposals, caps, waiting)
         return self._chain_step(proposals, caps)
+
+    def waiting_rows(self, offers: list[DraftOffer], ks: list[int]) -> list[bool]:
+        """The rows that sit this step out: rows whose draft length is fixed by the reference
+        curve (relaxed and sampled rows) and longer than the step's best cap.
+
+        Every row of a step is padded to the step's longest draft, so one row drafting 8
+        makes the whole batch verify 9 positions a row; on a compute-bound device that costs
+        several plain steps. A strict greedy row's lengths already follow the batch's costs,
+        but a relaxed row's may not (its text depends on them: the reproducibility
+        contract). It may wait instead: a row that does not step keeps its state, so it
+        drafts the same k with the same text the next step, and only *when* it steps
+        follows the measured costs. The cap C maximises the expected tokens of the rows with
+        k_b <= C per measured second of a step capped at C; a row waits at most MAX_WAIT steps
+        in a row (then C covers it)."""
+        B = len(self.rows)
+        fixed = [self.solo_lengths or self.fixed_schedule(r.seq.sampling) for r in self.rows]
+        if B < 2 or not self.adaptive or not any(f and k > 0 for f, k in zip(fixed, ks)):
+            return [False] * B
+        floor = max([k for f, k in zip(fixed, ks) if not f] + [0])  # the strict rows' own choice
+        for r, f, k in zip(self.rows, fixed, ks):
+            if f and r.waited >= MAX_WAIT:
+                floor = max(floor, k)
+        gain = [expected_tokens(o.alpha, k) for o, k in zip(offers, ks)]
+        best_c, best = floor, -1.0
+        for c in sorted({floor} | {k for f, k in zip(fixed, ks) if f and k > floor}):
+            value = sum(g for g, f, k in zip(gain, fixed, ks) if not f or k <= c)
+            rate = value / self.costs.step(B, c)
+            if rate > best * (1.0 + MIN_GAIN):
+                best_c, best = c, rate
+        waiting = [f and k > best_c for f, k in zip(fixed, ks)]
+        for r, w in zip(self.rows, waiting):
+            r.waited = r.waited + 1 if w else 0
+        if all(waiting):  # cannot happen (C covers the floor's rows); never a step of nobody
+            return [False] * B
+        return waiting
 
     def draft_lengths(self, offers: list[DraftOffer], caps: list[int]) -> list[int]:
         """Every row's draft length this step (at most its cap).
@@ -487,17 +530,20 @@ class Engine:
         row's lengths follow the reference curve and its own history only (draft_lengths)."""
         return self.rule.relaxes or not sampling.greedy
 
-    def _chain_step(self, proposals: list[Proposal], caps: list[int]) -> list[int]:
+    def _chain_step(self, proposals: list[Proposal], caps: list[int], waiting: list[bool] | None = None) -> list[int]:
+        """One chain step for every row; rows `waiting` sit it out (fed padding only: their
+        state, random draws and drafter do not move)."""
         rows = self.rows
         B = len(rows)
-        drafts = [p.tokens[:max(cap, 0)] for p, cap in zip(proposals, caps)]
+        waiting = waiting or [False] * B
+        drafts = [[] if w else p.tokens[:max(cap, 0)] for p, cap, w in zip(proposals, caps, waiting)]
         ks = [len(d) for d in drafts]
         K = max(ks)
         ids = torch.full((B, K + 1), self.pad_id, dtype=torch.long)
         new_mask = torch.zeros(B, K + 1, dtype=torch.long)
         for b, (r, d) in enumerate(zip(rows, drafts)):
             ids[b, : 1 + len(d)] = torch.tensor([r.seq.seq[-1]] + d)
-            new_mask[b, : 1 + len(d)] = 1
+            new_mask[b, : 1 + len(d)] = 0 if waiting[b] else 1
         npos = torch.tensor([r.npos for r in rows], dtype=torch.long)
         pos = npos[:, None] + torch.arange(K + 1)[None, :]  # [B, K+1]
         ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
@@ -509,7 +555,7 @@ class Engine:
         dev = logits.device
         d_t = ids[:, 1:].clone()  # [B, K] the drafts (padding where k_b < K: never accepted)
         draft_len = torch.tensor(ks, dtype=torch.long, device=dev)  # [B]
-        u_acc, u_smp = self._uniforms(ks, K, dev)
+        u_acc, u_smp = self._uniforms(ks, K, dev, waiting)
         q = self._draft_probs(proposals, ks, K, logits)
         guard, relax_left, span = self._guards(drafts, K, dev, d_t, logits)
         res = verify_rows(d_t, logits, draft_len, self.rule, [r.seq.sampling for r in rows],
@@ -527,6 +573,8 @@ class Engine:
         verdicts = res.host_rows(with_stat, extra)  # the step's one device-to-host transfer
         finished = []
         for b, (r, d) in enumerate(zip(rows, drafts)):
+            if waiting[b]:
+                continue
             k = ks[b]
             v = verdicts[b]
             n, nxt = v.num_accepted, v.next_token
@@ -603,9 +651,11 @@ class Engine:
             return None
         return torch.tensor([r.seq.relax_left() for r in self.rows], dtype=torch.long).to(dev)
 
-    def _uniforms(self, ks: list[int], K: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Every sampling row's draws for this step ([B, K] and [B]; zeros for greedy rows)."""
-        draws = [r.seq.uniforms(k) for r, k in zip(self.rows, ks)]
+    def _uniforms(self, ks: list[int], K: int, dev, waiting: list[bool]
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every sampling row's draws for this step ([B, K] and [B]; zeros for greedy rows and
+        for rows that wait: they draw nothing)."""
+        draws = [(None, None) if w else r.seq.uniforms(k) for r, k, w in zip(self.rows, ks, waiting)]
         if all(u is None for u, _ in draws):
             return None, None
         B = len(self.rows)

@@ -469,3 +469,38 @@ def test_batch_size_one_never_reads_ahead(target):
         assert not isinstance(res, Exception), res
         done.append(i)
     assert done == [0, 1]
+
+
+def test_relaxed_rows_that_sit_a_step_out_keep_their_text(target):
+    """Adaptive draft lengths and a steep measured cost: a relaxed or sampled row whose
+    reference draft length is longer than the step's best cap sits the step out
+    (Engine.waiting_rows) instead of padding every row to its length; what it decodes stays
+    what it decodes alone (the reproducibility contract), only when it steps changes."""
+    from marscli.engine.costs import StepCosts
+
+    dcfg = ngram_cfg(8, adaptive=True)
+    factory = lambda: build_drafter(dcfg, target)  # noqa: E731
+    samplings = [sampling_for(i, temperature=0.8 * (i % 2)) for i in range(len(PROMPTS))]
+    ref = singles(target, factory, MARS, dcfg, PROMPTS, samplings)
+    engine = engine_of(target, factory, MARS, dcfg, 4)
+    bs, ns = (1, 2, 4), (1, 2, 3, 5, 9)
+    engine.costs = StepCosts(bs, ns, tuple(tuple(1.0 + 0.6 * (b * n - 1) for n in ns) for b in bs),
+                             (0.0, 0.0, 0.0), {"test": "steep"}, "test")
+    waits = []
+    real = engine.waiting_rows
+
+    def spy(offers, ks):
+        w = real(offers, ks)
+        waits.append(sum(w))
+        assert not all(w)
+        return w
+
+    engine.waiting_rows = spy
+    got = {}
+    for i, res in engine.run(range(len(PROMPTS)), lambda i: (target.tokenizer(PROMPTS[i]).input_ids, samplings[i])):
+        assert not isinstance(res, Exception), res
+        got[i] = res
+    assert sum(waits) > 0, "some row must have waited"
+    for i, r in enumerate(ref):
+        assert got[i].token_ids == r.token_ids and got[i].text == r.text, i
+        assert got[i].stats.to_dict() == r.stats.to_dict(), i  # waiting is no step
