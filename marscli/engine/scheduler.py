@@ -277,8 +277,11 @@ class Engine:
                             continue
                         for j in joiners:
                             yield j.item, e
-                    except Exception:  # noqa: BLE001 - alone, one record's failure ends only it
+                    except Exception as e:  # noqa: BLE001 - alone, one record's failure ends only it
                         self._drop_unfinished_rows()
+                        if len(joiners) == 1:
+                            yield joiners[0].item, e
+                            continue
                         for j in joiners:
                             try:
                                 self._start_rows([j])
@@ -656,8 +659,8 @@ class Engine:
         """Every sampling row's draws for this step ([B, K] and [B]; zeros for greedy rows and
         for rows that wait: they draw nothing)."""
         draws = [(None, None) if w else r.seq.uniforms(k) for r, k, w in zip(self.rows, ks, waiting)]
-        if all(u is None for u, _ in draws):
-            return None, None
+        if all(r.seq.sampling.greedy for r in self.rows):
+            return None, None  # (a waiting sampled row still needs its zeros: verify reads them)
         B = len(self.rows)
         u_acc = torch.zeros(B, K, dtype=torch.float32)
         u_smp = torch.zeros(B, dtype=torch.float32)

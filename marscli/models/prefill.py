@@ -286,13 +286,18 @@ class Prefiller:
         done: list[RowPrefill | None] = [None] * len(prompts)
         reuse = [self.cache.lookup(p) for p in prompts]
         todo = []
+        first: dict[tuple[int, ...], int] = {}
+        copies: list[tuple[int, int]] = []  # (row, the row with the same prompt that computes it)
         for i, (p, m) in enumerate(zip(prompts, reuse)):
             if m == len(p):  # all cached (or empty): no forward
                 if keep:
                     m, kv, feats = self.cache.match(p) if p else (0, None, None)
                     done[i] = RowPrefill(kv, len(p), feats, m)
                     self.reused += m
+            elif tuple(p) in first:  # the same prompt twice (the n choices of a request)
+                copies.append((i, first[tuple(p)]))
             else:
+                first[tuple(p)] = i
                 todo.append(i)
         todo.sort(key=lambda i: len(prompts[i]) - reuse[i])
         group: list[int] = []
@@ -304,6 +309,11 @@ class Prefiller:
             group.append(i)
         if group:
             self._pass([prompts[j] for j in group], group, run, done, keep)
+        if keep:
+            for i, j in copies:  # its keys/values are the other row's (add_rows copies them)
+                r = done[j]
+                done[i] = RowPrefill(r.kv, r.length, r.features, r.length)
+                self.reused += r.length
         return done if keep else []
 
     def _pass(self, prompts: list[list[int]], where: list[int], run, done: list, keep: bool) -> None:

@@ -248,21 +248,16 @@ def test_logprobs_do_not_change_the_output_and_cost_no_extra_transfer(target, mo
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_n_choices_equal_single_runs_with_seeds_seed_to_seed_plus_n(runner, tiny_model_dir, tmp_path,
                                                                     batch_size, monkeypatch):
-    from marscli.models.kvcache import HoleCache
+    from marscli.engine.scheduler import Engine
 
-    calls = {"prefill": 0, "snapshot": 0}
-    real_prefill, real_snapshot = HoleCache.add_prefilled, HoleCache.add_snapshot
+    engines = []
+    real_init = Engine.__init__
 
-    def prefill(self, *a, **kw):
-        calls["prefill"] += 1
-        return real_prefill(self, *a, **kw)
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        engines.append(self)
 
-    def snapshot(self, *a, **kw):
-        calls["snapshot"] += 1
-        return real_snapshot(self, *a, **kw)
-
-    monkeypatch.setattr(HoleCache, "add_prefilled", prefill)
-    monkeypatch.setattr(HoleCache, "add_snapshot", snapshot)
+    monkeypatch.setattr(Engine, "__init__", init)
     src = write(tmp_path / "in.jsonl", [{"id": "s", "prompt": PROMPTS[0], "n": 3, "seed": 11},
                                         {"id": "g", "prompt": PROMPTS[1], "n": 2, "temperature": 0}])
     common = ["--target", str(tiny_model_dir), "--max-tokens", "8", "--temperature", "0.9", "--no-timing",
@@ -271,7 +266,11 @@ def test_n_choices_equal_single_runs_with_seeds_seed_to_seed_plus_n(runner, tiny
     r = runner.invoke(app, ["generate", str(src), *common])
     assert r.exit_code == EXIT_OK, r.stderr
     sampled, greedy = lines(r.stdout)
-    assert calls == {"prefill": 2, "snapshot": 3}  # one prefill per request, copied for the others
+    # one prefill per request: the other choices take its prompt from the prefix cache
+    (engine,) = engines
+    cached = [len(engine.target.tokenizer(p).input_ids) - 1 for p in PROMPTS[:2]]
+    assert engine.prefiller.tokens <= sum(cached)
+    assert engine.prefix_tokens_reused >= 2 * cached[0] + cached[1]
     # temperature > 0: choice i is the single-sample run with seed 11 + i
     singles = write(tmp_path / "single.jsonl", [{"id": f"s{i}", "prompt": PROMPTS[0], "seed": 11 + i}
                                                 for i in range(3)])
@@ -338,20 +337,20 @@ def test_resume_after_sigterm_in_the_middle_of_a_requests_samples(runner, n_reco
     from marscli.engine.scheduler import Engine
 
     fmt, reference = n_reference
-    real = Engine._start_row
+    real = Engine._start_rows
 
-    def start_row(self, item, *a, **kw):
-        if item.item.id == "r2" and item.index == 1:
+    def start_row(self, joiners, *a, **kw):
+        if any(j.item.item.id == "r2" and j.item.index == 1 for j in joiners):
             os.kill(os.getpid(), signal.SIGTERM)
-        return real(self, item, *a, **kw)
+        return real(self, joiners, *a, **kw)
 
-    monkeypatch.setattr(Engine, "_start_row", start_row)
+    monkeypatch.setattr(Engine, "_start_rows", start_row)
     out = tmp_path / "out.jsonl"
     args = [str(n_records), "--target", str(tiny_model_dir), "-o", str(out), "--output-format", fmt, *RUN]
     r = runner.invoke(app, ["generate", *args])
     assert r.exit_code == EXIT_TERMINATED, r.stderr
     assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[:2])
-    monkeypatch.setattr(Engine, "_start_row", real)
+    monkeypatch.setattr(Engine, "_start_rows", real)
     r = runner.invoke(app, ["generate", *args, "--resume"])
     assert r.exit_code == EXIT_OK, r.stderr
     assert out.read_bytes() == reference

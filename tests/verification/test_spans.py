@@ -350,9 +350,9 @@ def test_spans_cost_nothing_for_strict_rules(target):
     seen = []
     orig = engine._chain_step
 
-    def spy(proposals, caps):
+    def spy(*args):
         seen.extend(r.seq.spans for r in engine.rows)
-        return orig(proposals, caps)
+        return orig(*args)
 
     engine._chain_step = spy
     engine.generate_ids(encode(target, PROMPTS[0]), SamplingParams(max_tokens=6))
