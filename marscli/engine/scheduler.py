@@ -62,7 +62,6 @@ from marscli.drafters.base import (
 from marscli.drafters.eagle3_head import FeatureTap
 from marscli.drafters.kinds import drafter_kind
 from marscli.engine.costs import reference_costs, static_costs
-from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.engine.prompts import PromptEncoder
 from marscli.engine.provenance import step_kinds
 from marscli.engine.sequence import (
@@ -75,6 +74,7 @@ from marscli.engine.tree_forward import check_tree_support, tree_forward
 from marscli.errors import UsageError
 from marscli.models.fastpath import install_cpu_fastpath
 from marscli.models.kvcache import HoleCache, compact_cache, sliding_layers
+from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.verification.chain import verify_rows
 from marscli.verification.registry import Rule
 from marscli.verification.rules import stop_positions

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from marscli.config import DraftConfig, SamplingParams, VerifyConfig
-from marscli.models.prefill import MIN_SHARED, PrefixCache, Prefiller, shared_prefixes
+from marscli.models.prefill import MIN_SHARED, Prefiller, PrefixCache, shared_prefixes
 from tests.engines import RunnerUpDrafter, make_engine
 from tests.oracles import hf_greedy
 
