@@ -227,6 +227,7 @@ def short_job(target, bs: int, prompts: list[list[int]], new_tokens: int = 4) ->
     transformers' generate() on consecutive left-padded batches of the same size."""
     import torch
 
+    from marscli.bench.runner import generate_padded
     from marscli.config import DraftConfig, SamplingParams, VerifyConfig
     from marscli.engine import build_engine
 
@@ -234,31 +235,18 @@ def short_job(target, bs: int, prompts: list[list[int]], new_tokens: int = 4) ->
     engine = build_engine(target, None, VerifyConfig(), DraftConfig(kind="none"), bs, note=log)
     sampling = SamplingParams(max_tokens=new_tokens)
     dict(engine.run(range(2), lambda i: (prompts[i], sampling)))  # warm-up
-    engine.prefix.clear()
-    engine.prefill_seconds = 0.0
+    engine.reset_measurements()
     sync()
     t0 = time.perf_counter()
     done = dict(engine.run(range(len(prompts)), lambda i: (prompts[i], sampling)))
     sync()
     ours = time.perf_counter() - t0
     outs = [done[i].token_ids for i in range(len(prompts))]
-    model = target.model
-    pad = 0
-
     def hf() -> list[list[int]]:
         got = []
         for start in range(0, len(prompts), bs):
-            chunk = prompts[start: start + bs]
-            width = max(map(len, chunk))
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for b, p in enumerate(chunk):
-                ids[b, width - len(p):] = torch.tensor(p)
-                mask[b, width - len(p):] = 1
-            with torch.inference_mode():
-                out = model.generate(ids.to(target.device), attention_mask=mask.to(target.device), do_sample=False,
-                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
-            got += out[:, width:].tolist()
+            got += generate_padded(target, prompts[start: start + bs], do_sample=False, max_new_tokens=new_tokens,
+                                   min_new_tokens=new_tokens, pad_token_id=0)
         return got
 
     hf()  # warm-up

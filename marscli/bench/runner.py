@@ -380,12 +380,7 @@ class Bench:
         for _, res in engine.run([0], lambda _: (prompt.ids, sampling)):
             if isinstance(res, BaseException):
                 raise res
-        engine.forget_earlier_records()  # the n-gram job corpus: no drafting from the warm-up's output
-        engine.prefix.clear()
-        engine.prefill_seconds = 0.0
-        engine.peak_cache_bytes = 0  # the timed run's peak only
-        p = engine.prefiller
-        p.passes = p.tokens = p.padded = p.reused = 0
+        engine.reset_measurements()
 
     def _hf_batched(self, prompts: Sequence[BenchPrompt], sampling: SamplingParams, bs: int) -> list[list[int]]:
         """transformers' generate() on consecutive batches of `bs` left-padded prompts; each
@@ -400,16 +395,9 @@ class Bench:
         for start in range(0, len(prompts), bs):
             chunk = prompts[start: start + bs]
             kw = self._hf_generate_kwargs(sampling, min(self._max_new(p.ids, sampling) for p in chunk))
-            width = max(len(p.ids) for p in chunk)
-            ids = torch.full((len(chunk), width), kw["pad_token_id"], dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for b, p in enumerate(chunk):
-                ids[b, width - len(p.ids):] = torch.tensor(p.ids)
-                mask[b, width - len(p.ids):] = 1
             with quiet_transformers():
-                out = target.model.generate(ids.to(target.device), attention_mask=mask.to(target.device),
-                                            **kw)  # [b, width + new]
-            for row in out[:, width:].tolist():
+                new = generate_padded(target, [p.ids for p in chunk], **kw)
+            for row in new:
                 cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
                 outputs.append(row[:cut])
         return outputs
@@ -458,6 +446,21 @@ class Bench:
                     "reference_token": base.tokens[r.first_mismatch] if r.first_mismatch < len(base.tokens) else None,
                 })
         return fails
+
+
+def generate_padded(target, prompts: list[list[int]], **kw: Any) -> list[list[int]]:
+    """transformers' generate() on one batch of prompts, left-padded with kw["pad_token_id"]
+    (what its users run): each row's new tokens, as generate() returns them."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), kw["pad_token_id"], dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    out = target.model.generate(ids.to(target.device), attention_mask=mask.to(target.device), **kw)
+    return out[:, width:].tolist()  # [b, new]
 
 
 def batch_counters(engine) -> dict[str, Any]:

@@ -171,8 +171,8 @@ class Engine:
         self.last_features: torch.Tensor | None = None  # [B, S, F] from the newest forward pass
         tok = target.tokenizer
         self.pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
+        sliding = sliding_layers(self.model)
         if batch_size > 1:
-            sliding = sliding_layers(self.model)
             if sliding:
                 raise ValueError(
                     "batched decoding does not support models with sliding-window attention "
@@ -183,8 +183,7 @@ class Engine:
         self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
         self.prefill_seconds = 0.0  # time spent prefilling joining records
         # Sliding-window layers keep state of their own beside keys/values: no prefix reuse.
-        plain = not sliding_layers(self.model)
-        self.prefix = PrefixCache(int(prefix_cache_mib * MIB) if plain else 0, features=self.tap is not None)
+        self.prefix = PrefixCache(0 if sliding else int(prefix_cache_mib * MIB), features=self.tap is not None)
         self.prefiller = Prefiller(self.model, self.device, self.prefix, self.pad_id,
                                    features=lambda: self.last_features)
         self._reset()
@@ -434,6 +433,16 @@ class Engine:
             p.tokens += len(rest)
             self.prefix.insert(prompt, self.kv.row_kv(len(prompt)), features if self.prefix.features else None)
         return features
+
+    def reset_measurements(self) -> None:
+        """Start a measured run cold for prompts but warm for kernels (after a warm-up run):
+        empty the prefix cache and the n-gram job corpus, zero the prefill counters and the
+        cache's peak."""
+        self.forget_earlier_records()
+        self.prefix.clear()
+        self.prefill_seconds = 0.0
+        self.peak_cache_bytes = 0
+        self.prefiller.reset_counters()
 
     @property
     def prefix_tokens_reused(self) -> int:

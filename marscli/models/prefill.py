@@ -267,6 +267,9 @@ class Prefiller:
         self.pad_id = pad_id
         self.features = features
         self.budget = budget or prefill_budget(torch.device(device))
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         self.passes = 0  # prefill forward passes run
         self.tokens = 0  # prompt tokens those passes computed (padding not counted)
         self.padded = 0  # padding positions they computed
