@@ -11,6 +11,7 @@ from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Pr
 from marscli.drafters.kinds import MODEL
 from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback
 from marscli.models.prefill import DRAFT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
+from marscli.models.slots import SlotCache, supports
 from marscli.verification.chain import sample_from, sampling_probs
 
 
@@ -232,6 +233,8 @@ class BatchedModelDrafter(DraftModelSettings):
 
     feature_layers: tuple[int, ...] = ()
     tree = None
+    slot_cache = True
+    step_kind = "eager"  # the engine's (Engine.step_kind): "graphs", "static" or "eager"
 
     def __init__(self, model, k_max: int, **kw):
         super().__init__(model, k_max, **kw)
@@ -240,7 +243,16 @@ class BatchedModelDrafter(DraftModelSettings):
         self.reset()
 
     def reset(self) -> None:
-        self.kv = HoleCache(self.model, self.device, masked=True)
+        # Its rows in slots (marscli.models.slots) where the model allows, else with holes;
+        # its steps captured as the engine's are (step_kind, set by the engine).
+        if self.slot_cache and supports(self.model):
+            kind = self.step_kind
+            if kind == "graphs" and self.device.type != "cuda":  # the draft model elsewhere
+                kind = "eager"
+            self.kv = SlotCache(self.model, self.device, pad_id=self.pad_id, static=kind == "static",
+                                graphs=kind == "graphs")
+        else:
+            self.kv = HoleCache(self.model, self.device, masked=True)
         self.rows: list[_Row] = []
         if not hasattr(self, "prefiller"):  # the prefix cache outlives the rows and jobs
             self.prefiller = Prefiller(self.model, self.device, PrefixCache(DRAFT_PREFIX_CACHE_MIB * MIB),

@@ -23,7 +23,8 @@ from marscli.verification.registry import STRICT
 
 def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: DraftConfig,
                  batch_size: int = 1, note=None, solo_lengths: bool = False, spans=None,
-                 job_corpus: bool | None = None, prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB):
+                 job_corpus: bool | None = None, prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB,
+                 compile_mode: str = "auto"):
     """An Engine for target with the drafter draft_cfg asks for (draft_model: the loaded draft
     model or EAGLE-3 head; None for ngram/none), verify_cfg's rule and batch_size rows.
     Its draft lengths follow the target's measured step costs (marscli.engine.costs.step_costs:
@@ -38,6 +39,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     rule; False turns it off (calibration collects margins under strict verification with
     the drafts the relaxed rule will get), True turns it on whatever the rule.
     prefix_cache_mib: the bound of the run's prefix cache (0: off; marscli.models.prefill).
+    compile_mode: --compile (auto, on, off; marscli.models.slots, Engine.step_kind).
     Raises UsageError for what the engine cannot run (trees or sliding-window models at
     batch size > 1)."""
 
@@ -46,7 +48,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
                               if job_corpus is None else job_corpus)
     try:
         engine = Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size, guard=verify_cfg.guard,
-                        spans=spans, prefix_cache_mib=prefix_cache_mib)
+                        spans=spans, prefix_cache_mib=prefix_cache_mib, compile_mode=compile_mode)
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine.solo_lengths = solo_lengths
@@ -55,7 +57,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     if drafter_kind(draft_cfg.kind).drafts and draft_cfg.adaptive and (not draft_cfg.tree or draft_cfg.sibling_tree):
         try:  # after the engine installed its CPU kernels: the costs of the forwards it runs
             engine.costs = step_costs(target, draft_model, draft_cfg.kind, batch_size,
-                                      note=note or (lambda _: None))
+                                      note=note or (lambda _: None), step=engine.step_kind)
         except ValueError as e:  # a $MARSCLI_COSTS file that does not read
             raise UsageError(str(e)) from None
     return engine

@@ -38,6 +38,7 @@ from marscli.models.fastpath import signature as fastpath_signature
 from marscli.models.int8_decoder import SIGNATURE as INT8_DECODER
 from marscli.models.kvcache import HoleCache, rollback
 from marscli.models.quant import CPU_INT8, weight_bytes
+from marscli.models.slots import SlotCache, supports
 from marscli.models.sources import cache_root
 
 COSTS_ENV = "MARSCLI_COSTS"
@@ -45,7 +46,7 @@ COSTS_MEASURE = "measure"
 COSTS_REMEASURE = "remeasure"
 COSTS_STATIC = "static"
 COSTS_REFERENCE = "reference"
-COSTS_FORMAT = 1
+COSTS_FORMAT = 2  # 2: batched rows timed over the slot cache
 #: Context length (tokens already cached per row) the forwards are timed at.
 MEASURE_CONTEXT = 256
 #: New tokens per row the forwards are timed at (others are interpolated).
@@ -185,11 +186,12 @@ def _sync(device) -> None:
 
 def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple[int, ...],
                   context: int = MEASURE_CONTEXT, repeats: int = MEASURE_REPEATS,
-                  vocab: int | None = None) -> list[list[float]]:
+                  vocab: int | None = None, step: str = "eager") -> list[list[float]]:
     """Seconds [len(batch_sizes)][len(new_tokens)] of one forward of `model` over B rows of n
     new tokens after `context` cached tokens, through the engine's own cache (the plain call
-    at B = 1, masked rows with explicit positions above). The fastest of `repeats` rounds
-    after a warm-up round: the shape's cost, not the machine's load."""
+    at B = 1, rows in slots above; step "graphs" or "static": the captured step's slot cache
+    at every B, its graphs captured in the warm-up round; Engine.step_kind). The fastest of
+    `repeats` rounds after a warm-up round: the shape's cost, not the machine's load."""
     import torch
 
     vocab = vocab or model.get_input_embeddings().weight.shape[0]
@@ -201,12 +203,14 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
         one.add_prefilled(prompt)
         kv = [(layer.keys, layer.values) for layer in one.layers()]
         for B in batch_sizes:
-            if B == 1:
+            if step != "eager":
+                kvc = SlotCache(model, device, slots=B, static=True, graphs=step == "graphs")
+                kvc.add_rows([(kv, context)] * B)
+            elif B == 1:
                 kvc = one
-            else:
-                kvc = HoleCache(model, device, masked=True)
-                for _ in range(B):
-                    kvc.add_row(kv, context)
+            else:  # the batched engine's cache: slots where the model allows (marscli.models.slots)
+                kvc = SlotCache(model, device, slots=B) if supports(model) else HoleCache(model, device, masked=True)
+                kvc.add_rows([(kv, context)] * B)
             inputs = []
             for n in new_tokens:
                 ids = torch.randint(0, vocab, (B, n), generator=gen).to(device)
@@ -223,7 +227,8 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
                     kvc.forward(ids, new_mask, pos)
                     _sync(device)
                     dt = time.perf_counter() - t0
-                    rollback(kvc.cache, context)
+                    if not isinstance(kvc, SlotCache):  # a slot cache only counts what commit() keeps
+                        rollback(kvc.cache, context)
                     if rnd:
                         row[j] = min(row[j], dt)
             out.append(row)
@@ -231,7 +236,7 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
 
 
 def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identity: dict | None,
-             context: int = MEASURE_CONTEXT) -> dict[str, Any]:
+             context: int = MEASURE_CONTEXT, step: str = "eager") -> dict[str, Any]:
     """What a measurement depends on: the weights, device, dtype, software and threads."""
     import torch
 
@@ -250,6 +255,7 @@ def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identi
         "int8_decoder": INT8_DECODER if CPU_INT8 in (ident.get("quantization"),
                                                      (draft_identity or {}).get("quantization")) else None,
         "context": context,
+        "step": step,  # eager, or the captured step (Engine.step_kind)
         "batch_sizes": list(batch_sizes),
         "new_tokens": list(MEASURE_NEW_TOKENS),
         "drafter": draft_kind,
@@ -268,7 +274,7 @@ def costs_path(key: dict[str, Any]) -> Path:
 
 
 def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int, ...],
-                   target_s: list[list[float]], context: int) -> list[float]:
+                   target_s: list[list[float]], context: int, step: str = "eager") -> list[float]:
     """One draft position's seconds per batch size: a draft model is timed like the target
     (one new token); an EAGLE-3 head is reckoned from the target's one-token forward by its
     share of the weights (a decoder layer and a head against the whole target); prompt
@@ -276,7 +282,9 @@ def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int,
     if draft_kind == MODEL and draft_model is not None:
         model = getattr(draft_model, "model", draft_model)
         device = model.get_input_embeddings().weight.device
-        return [r[0] for r in time_forwards(model, device, batch_sizes, (1,), context)]
+        if step == "graphs" and device.type != "cuda":
+            step = "eager"
+        return [r[0] for r in time_forwards(model, device, batch_sizes, (1,), context, step=step)]
     if draft_kind == EAGLE3 and draft_model is not None:
         head = getattr(draft_model, "head", draft_model)
         t_params = sum(p.numel() for p in target.model.parameters())
@@ -287,16 +295,16 @@ def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int,
 
 
 def measure_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size: int = 1,
-                  context: int = MEASURE_CONTEXT) -> StepCosts:
+                  context: int = MEASURE_CONTEXT, step: str = "eager") -> StepCosts:
     """Time the target (and the drafter) now; no cache."""
     ctx = context
     if target.context_length:
         ctx = max(8, min(context, int(target.context_length) // 2))
     bs = measure_batch_sizes(batch_size)
     draft_ident = getattr(draft_model, "identity", None)
-    key = cost_key(target, bs, draft_kind, draft_ident, ctx)
-    t = time_forwards(target.model, target.device, bs, MEASURE_NEW_TOKENS, ctx)
-    d = _draft_seconds(target, draft_model, draft_kind, bs, t, ctx)
+    key = cost_key(target, bs, draft_kind, draft_ident, ctx, step)
+    t = time_forwards(target.model, target.device, bs, MEASURE_NEW_TOKENS, ctx, step=step)
+    d = _draft_seconds(target, draft_model, draft_kind, bs, t, ctx, step)
     return StepCosts(bs, MEASURE_NEW_TOKENS, tuple(tuple(r) for r in t), tuple(d), key, "measured")
 
 
@@ -321,8 +329,9 @@ def read_costs(path: Path, key: dict[str, Any] | None = None) -> StepCosts:
 
 
 def step_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size: int = 1,
-               note: Note = _silent, mode: str | None = None) -> StepCosts:
-    """The costs an engine's draft-length policy uses ($MARSCLI_COSTS, see the module)."""
+               note: Note = _silent, mode: str | None = None, step: str = "eager") -> StepCosts:
+    """The costs an engine's draft-length policy uses ($MARSCLI_COSTS, see the module), of the
+    steps it runs (step: Engine.step_kind; a captured step is timed captured)."""
     mode = mode or os.environ.get(COSTS_ENV) or COSTS_MEASURE
     if mode == COSTS_STATIC:
         return static_costs(target.device.type)
@@ -334,7 +343,7 @@ def step_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size: in
     if target.context_length:
         ctx = max(8, min(ctx, int(target.context_length) // 2))
     key = cost_key(target, measure_batch_sizes(batch_size), draft_kind,
-                   getattr(draft_model, "identity", None), ctx)
+                   getattr(draft_model, "identity", None), ctx, step)
     path = costs_path(key)
     if mode == COSTS_MEASURE and path.exists():
         try:
@@ -342,7 +351,7 @@ def step_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size: in
         except ValueError as e:
             note(f"{e}: measuring again")
     t0 = time.perf_counter()
-    costs = measure_costs(target, draft_model, draft_kind, batch_size, ctx)
+    costs = measure_costs(target, draft_model, draft_kind, batch_size, ctx, step)
     costs = StepCosts(costs.batch_sizes, costs.new_tokens, costs.target_s, costs.draft_s, costs.key, str(path))
     try:
         _write_atomic(path, costs.to_dict() | {"measured_in_seconds": round(time.perf_counter() - t0, 3)})

@@ -75,6 +75,8 @@ from marscli.errors import UsageError
 from marscli.models.fastpath import install_cpu_fastpath
 from marscli.models.kvcache import HoleCache, compact_cache, sliding_layers
 from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
+from marscli.models.slots import SlotCache
+from marscli.models.slots import supports as supports_slots
 from marscli.verification.chain import verify_rows
 from marscli.verification.registry import Rule
 from marscli.verification.rules import stop_positions
@@ -113,6 +115,31 @@ class _Joiner:
     seq: Sequence
 
 
+def step_kind(mode: str, device, model, tree: bool, features: bool) -> str:
+    """How an engine's steps run for --compile `mode` (config.COMPILE_MODES): "graphs" (static
+    shapes replayed as CUDA graphs) on CUDA for auto and on, else "eager". "static" (an
+    internal mode) runs the captured step's shapes eagerly: what tests check on a CPU. Draft
+    trees (their step compacts a contiguous cache), EAGLE-3 heads (their features are hooked
+    out of the forward) and models a slot cache cannot hold (sliding windows) stay eager.
+    On a CPU `on` is refused (check_compile): torch.compile measured no faster there and
+    cannot compile marscli's own CPU kernels (docs/engine.md, "The captured step")."""
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return "eager"
+    if tree or features or not supports_slots(model):
+        return "eager"
+    if mode == "static":
+        return "static"
+    if device.type != "cuda":
+        raise ValueError(COMPILE_CPU_MESSAGE)
+    return "graphs"
+
+
+#: Why --compile on is refused off CUDA.
+COMPILE_CPU_MESSAGE = (
+    "--compile on needs a CUDA device: on a CPU torch.compile measured no faster than marscli's "
+    "eager kernels and cannot compile them (docs/engine.md, 'The captured step'); use --compile auto or off")
+
+
 class Engine:
     """Speculative generation for one target, one drafter and one verification rule.
 
@@ -125,7 +152,8 @@ class Engine:
 
     def __init__(self, target, drafters: BatchedDrafter, rule: Rule, draft_cfg: DraftConfig,
                  batch_size: int = 1, costs=None, guard: GuardConfig = GUARD_OFF,
-                 spans: SpanConfig | None = None, prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB):
+                 spans: SpanConfig | None = None, prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB,
+                 slot_cache: bool = True, compile_mode: str = "auto"):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         self.target = target
@@ -179,6 +207,17 @@ class Engine:
                     f"layers (layers {sliding[:4]}...); use --batch-size 1")
         if self.device.type == "cpu":
             install_cpu_fastpath(self.model)
+        #: Batched rows keep their keys and values in a slot cache (marscli.models.slots);
+        #: False: the hole cache (marscli.models.kvcache.HoleCache), as before it.
+        self.slot_cache = slot_cache
+        #: How a step's forward runs: "eager"; "graphs" (static shapes replayed as CUDA
+        #: graphs); "static" (those shapes, eagerly: tests). step_kind() says when.
+        self.compile_mode = compile_mode
+        self.step_kind = step_kind(compile_mode, self.device, self.model, self.tree is not None,
+                                   self.tap is not None)
+        if self.step_kind != "eager" and not slot_cache:
+            raise ValueError("captured steps run on the slot cache")
+        self._drafters_step_kind()
         self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
         self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
         self.prefill_seconds = 0.0  # time spent prefilling joining records
@@ -324,8 +363,14 @@ class Engine:
         self.rows: list[_Row] = []
         # The target's cache, one row per record: masked with holes when rows share it,
         # rolled back in place at batch size 1.
-        self.kv = HoleCache(self.model, self.device, masked=self.batch_size > 1,
-                            batch_capacity=self.batch_size)
+        if self.step_kind != "eager":  # at every batch size, batch size 1 included
+            self.kv = SlotCache(self.model, self.device, slots=self.batch_size, pad_id=self.pad_id,
+                                static=True, graphs=self.step_kind == "graphs")
+        elif self.batch_size > 1 and self.slot_cache:
+            self.kv = SlotCache(self.model, self.device, slots=self.batch_size)
+        else:
+            self.kv = HoleCache(self.model, self.device, masked=self.batch_size > 1,
+                                batch_capacity=self.batch_size)
         self.drafters.reset()
 
     def use_drafters(self, drafters: BatchedDrafter) -> None:
@@ -337,11 +382,19 @@ class Engine:
             raise ValueError("use_drafters: the new drafter must draft the same tree shape")
         self.drafters = drafters
         self.tap = FeatureTap(self.model, drafters.feature_layers) if drafters.feature_layers else None
+        self.step_kind = step_kind(self.compile_mode, self.device, self.model, self.tree is not None,
+                                   self.tap is not None)
+        self._drafters_step_kind()
         self.last_features = None
         # its entries hold the features the previous drafter read
         self.prefix = PrefixCache(self.prefix.capacity, features=self.tap is not None)
         self.prefiller.cache = self.prefix
         self.drafters.reset()
+
+    def _drafters_step_kind(self) -> None:
+        """A batched draft model's steps run as the target's do (BatchedModelDrafter)."""
+        if hasattr(self.drafters, "step_kind"):
+            self.drafters.step_kind = self.step_kind
 
     def forget_earlier_records(self) -> None:
         """Empty the job corpus the n-gram drafter falls back on (drafters.ngram.JobCorpus),

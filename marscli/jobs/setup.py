@@ -25,6 +25,7 @@ from marscli.calibration.profiles import (
 )
 from marscli.calibration.speed import strict_reason
 from marscli.config import (
+    COMPILE_MODES,
     DEFAULT_NUM_DRAFT_TOKENS,
     MODEL_TREE_DEFAULTS,
     OUTPUT_FORMATS,
@@ -220,6 +221,14 @@ def tree_settings(kind: str, given: tuple, prof_tree: dict) -> tuple[int | None,
         raise UsageError(f"--tree-top-k {top_k}: a draft model's tree needs at least 2 (its "
                          "first choice is the chain; the others are the siblings)")
     return None, top_k, tokens
+
+
+def compile_mode(value: str) -> str:
+    """--compile's value, checked before anything is loaded."""
+    mode = str(value).strip().lower()
+    if mode not in COMPILE_MODES:
+        raise UsageError(f"--compile takes {', '.join(COMPILE_MODES)}; got {value!r}")
+    return mode
 
 
 def check_batch(draft: DraftConfig, batch_size: int) -> None:
@@ -554,7 +563,8 @@ class Generator:
                 **({"guard": v.guard.to_dict()} if rule.relaxes else {}),
                 **({"spans": self.spans.to_dict()} if self.spans.active and rule.relaxes else {}),
                 "profile": self.profile.reference() if self.profile is not None else None,
-                **({"quantization": quant} if any((quant := self.quantization).values()) else {})}
+                **({"quantization": quant} if any((quant := self.quantization).values()) else {}),
+                **({"compile": kind} if (kind := self.engine.step_kind) != "eager" else {})}
 
     @property
     def quantization(self) -> dict[str, str | None]:
@@ -582,7 +592,7 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
     engine = build_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans,
-                          prefix_cache_mib=setup.prefix_cache)
+                          prefix_cache_mib=setup.prefix_cache, compile_mode=setup.compile)
     if setup.batch_size > 1:
         note(f"batch size {setup.batch_size}")
     if setup.spans.active and not verify.rule.relaxes:
@@ -612,5 +622,5 @@ def generation_setup(o: GenerationOptions, need_drafter: str | None = None) -> M
     spans = span_config(o.strict_in, o.strict_regex)
     return ModelSetup(tcfg, dcfg, dmcfg, request,
                       str(prof.path) if prof is not None else None, o.auto_profile, o.batch_size, spans,
-                      o.prefix_cache)
+                      o.prefix_cache, compile_mode(o.compile))
 

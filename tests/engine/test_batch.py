@@ -44,9 +44,9 @@ def sampling_for(i: int, temperature: float = 0.0, **kw) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=24 + 9 * (i % 4), seed=100 + i, **kw)
 
 
-def engine_of(target, factory, vcfg, dcfg, batch_size, eos=None) -> Engine:
+def engine_of(target, factory, vcfg, dcfg, batch_size, eos=None, slot_cache=True) -> Engine:
     """An engine whose rows each run their own drafter from factory."""
-    engine = Engine(target, RowDrafters(factory), vcfg.rule, dcfg, batch_size)
+    engine = Engine(target, RowDrafters(factory), vcfg.rule, dcfg, batch_size, slot_cache=slot_cache)
     if eos is not None:
         engine.settings = dataclasses.replace(engine.settings, eos=frozenset(eos))
     return engine
@@ -57,8 +57,9 @@ def singles(target, factory, vcfg, dcfg, prompts, samplings, eos=None):
     return [engine.generate_ids(target.tokenizer(p).input_ids, s) for p, s in zip(prompts, samplings)]
 
 
-def batched(target, factory, vcfg, dcfg, prompts, samplings, batch_size, eos=None, order=None):
-    engine = engine_of(target, factory, vcfg, dcfg, batch_size, eos)
+def batched(target, factory, vcfg, dcfg, prompts, samplings, batch_size, eos=None, order=None,
+            slot_cache=True):
+    engine = engine_of(target, factory, vcfg, dcfg, batch_size, eos, slot_cache)
     order = list(range(len(prompts))) if order is None else order
     got = {}
     arrival = []
@@ -146,7 +147,8 @@ def test_refill_order_never_changes_results(target):
 
 
 def test_compaction_keeps_results(target, monkeypatch):
-    # Compact at every chance: every step's holes are squeezed out.
+    # The hole cache (the slot cache has no holes), compacting at every chance: every step's
+    # holes are squeezed out.
     monkeypatch.setattr(kv_mod, "COMPACT_RATIO", 1.0)
     monkeypatch.setattr(kv_mod, "COMPACT_SLACK", 0)
     calls = []
@@ -156,9 +158,64 @@ def test_compaction_keeps_results(target, monkeypatch):
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     samplings = [sampling_for(i) for i in range(len(PROMPTS))]
     ref = singles(target, factory, MARS, dcfg, PROMPTS, samplings)
-    got, _, _ = batched(target, factory, MARS, dcfg, PROMPTS, samplings, 3)
+    got, _, _ = batched(target, factory, MARS, dcfg, PROMPTS, samplings, 3, slot_cache=False)
     assert calls, "the test must compact"
     assert_same(ref, got)
+
+
+@pytest.mark.parametrize("vcfg,temperature", [(STRICT, 0.0), (MARS, 0.0), (MARS, 1.0)],
+                         ids=["strict", "mars", "mars-sampled"])
+def test_slot_and_hole_caches_give_the_same_records(target, vcfg, temperature):
+    """A record's text does not depend on the cache kind: rows joining and leaving a batch of
+    3 (slot cache, marscli.models.slots) decode what they decode over the hole cache, and
+    what each decodes alone."""
+    dcfg = ngram_cfg(k=4, adaptive=False)
+    factory = lambda: build_drafter(dcfg, target)  # noqa: E731
+    samplings = [sampling_for(i, temperature=temperature) for i in range(len(PROMPTS))]
+    ref = singles(target, factory, vcfg, dcfg, PROMPTS, samplings)
+    slots, _, engine = batched(target, factory, vcfg, dcfg, PROMPTS, samplings, 3)
+    assert type(engine.kv).__name__ == "SlotCache"
+    holes, _, engine = batched(target, factory, vcfg, dcfg, PROMPTS, samplings, 3, slot_cache=False)
+    assert type(engine.kv).__name__ == "HoleCache"
+    assert_same(ref, slots)
+    assert_same(holes, slots)
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "model"])
+@pytest.mark.parametrize("vcfg", [STRICT, MARS], ids=["strict", "mars"])
+def test_captured_step_shapes_give_the_same_records(target, draft, kind, vcfg):
+    """The captured step's static shapes (rows, new tokens and span padded up to buckets, the
+    padding rows in free slots; marscli.models.slots.StaticSteps), run eagerly as a CPU can:
+    at batch 1 and 4 with rows joining and leaving, every record decodes what it decodes on
+    the eager engine alone, greedy and sampled (the draft model's steps static too)."""
+    from marscli.models.slots import SlotCache
+
+    dcfg = (DraftConfig(kind="none") if kind == "none" else ngram_cfg(k=4) if kind == "ngram"
+            else DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False))
+    factory = lambda: build_drafter(dcfg, target, draft)  # noqa: E731
+    prompts = PROMPTS[:5]
+    samplings = [sampling_for(i, temperature=float(i % 2)) for i in range(len(prompts))]
+    ref = singles(target, factory, vcfg, dcfg, prompts, samplings)
+    for bs in (1, 4):
+        drafters = build_drafters(dcfg, target, draft, batch_size=bs)
+        engine = Engine(target, drafters, vcfg.rule, dcfg, bs, compile_mode="static")
+        assert engine.step_kind == "static"
+        got = dict(engine.run(range(len(prompts)), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
+        assert_same(ref, [got[i] for i in range(len(prompts))])
+        assert isinstance(engine.kv, SlotCache) and engine.kv.steps.shapes
+        if kind == "model" and bs > 1:
+            assert drafters.kv.steps is not None and drafters.kv.steps.shapes
+
+
+def test_compile_on_is_refused_on_a_cpu(target):
+    """--compile on off CUDA: a clear error, before any record runs; auto and off run eagerly."""
+    dcfg = ngram_cfg(k=3)
+    with pytest.raises(ValueError, match="--compile on needs a CUDA device"):
+        Engine(target, build_drafters(dcfg, target, None, batch_size=2), STRICT.rule, dcfg, 2, compile_mode="on")
+    for mode in ("auto", "off"):
+        engine = Engine(target, build_drafters(dcfg, target, None, batch_size=2), STRICT.rule, dcfg, 2,
+                        compile_mode=mode)
+        assert engine.step_kind == "eager"
 
 
 def test_model_drafter_rows(target, draft):

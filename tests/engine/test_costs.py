@@ -35,9 +35,10 @@ def counted(monkeypatch):
     calls = []
     real = costs_mod.time_forwards
 
-    def timed(model, device, batch_sizes, new_tokens, context=costs_mod.MEASURE_CONTEXT, repeats=1, vocab=None):
+    def timed(model, device, batch_sizes, new_tokens, context=costs_mod.MEASURE_CONTEXT, repeats=1, vocab=None,
+              step="eager"):
         calls.append((tuple(batch_sizes), tuple(new_tokens), context))
-        return real(model, device, batch_sizes, new_tokens, min(context, 16), 1, vocab)
+        return real(model, device, batch_sizes, new_tokens, min(context, 16), 1, vocab, step)
 
     monkeypatch.setattr(costs_mod, "time_forwards", timed)
     monkeypatch.setenv(COSTS_ENV, "measure")
@@ -147,3 +148,15 @@ def test_a_changed_fast_path_is_measured_again(target, monkeypatch):
     before = costs_path(cost_key(target, (1,), "ngram", None))
     monkeypatch.setattr(fastpath, "BODY_ROWS", (2, 3))
     assert costs_path(cost_key(target, (1,), "ngram", None)) != before
+
+
+def test_a_captured_step_is_timed_as_it_runs(target):
+    """Engines whose steps run captured are timed on the captured step's slot cache, at every
+    batch size (the eager B = 1 call is not what they run), and their key says so: a
+    measurement of the eager step never serves them."""
+    got = costs_mod.time_forwards(target.model, target.device, (1, 2), (1, 3), context=8, repeats=1,
+                                  step="static")
+    assert len(got) == 2 and all(len(r) == 2 and all(t > 0 for t in r) for r in got)
+    eager = costs_mod.cost_key(target, (1, 2), "ngram", None)
+    captured = costs_mod.cost_key(target, (1, 2), "ngram", None, step="graphs")
+    assert eager["step"] == "eager" and captured["step"] == "graphs" and eager != captured

@@ -1,0 +1,348 @@
+"""The slot cache: one preallocated key/value buffer per layer, a row per slot, per-row
+lengths.
+
+Every layer holds keys and values in buffers ``[slots, kv heads, capacity, head dim]``. A batch
+row lives in a slot, and its tokens sit at positions ``0 .. length - 1`` of that slot: no left
+padding, no holes. A forward writes each row's new tokens at that row's own positions
+(``scatter_`` along the time axis) and attends over the first ``span`` positions of the first
+B slots through a mask that lets query j of row b see positions ``<= length_b + j``. So:
+
+- rolling back rejected drafts is a length change, never a copy (``commit``, ``truncate_row``);
+- a joining row's keys and values are written once into its slot (``add_rows``);
+- a leaving row frees its slot; rows are kept in the first slots (``keep_rows`` moves only the
+  rows whose place changes);
+- shapes depend only on (rows, new tokens, span), so a step can be captured once per bucket
+  (``span`` rounds up to ``bucket`` positions; at bucket 1 it is exactly what the rows need).
+
+It has the masked HoleCache's interface (forward / commit / truncate_row / add_rows /
+keep_rows / trim / nbytes), so the engine and the draft model take either. What it does not
+take, HoleCache keeps: batch size 1 (the contiguous, unmasked path, and the tree step that
+compacts it), and models with sliding-window layers (their cache layers keep a window of their
+own; `supports` says which).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from marscli.models.kvcache import cache_kw, new_cache, sliding_layers
+
+#: Room a slot's time axis grows by when a row outgrows it: GROW x what is needed, rounded up
+#: to the bucket.
+GROW = 1.25
+#: Static steps: rows and new tokens per row are padded up to one of these (a graph each).
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)
+#: Static steps on a GPU attend over a span rounded up to this many positions.
+SPAN_BUCKET = 256
+#: At most this many captured graphs are kept (the least recently used goes).
+MAX_GRAPHS = 64
+
+
+def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n (n itself past the largest)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return n
+
+
+def supports(model) -> bool:
+    """Whether a slot cache can hold `model`'s keys and values (no sliding-window layer)."""
+    return not sliding_layers(model)
+
+
+def _round_up(n: int, bucket: int) -> int:
+    return -(-n // bucket) * bucket
+
+
+class SlotLayer(DynamicLayer):
+    """One layer of a SlotCache: writes the forward's new keys and values at each row's own
+    positions and hands attention the first rows x span of its buffers."""
+
+    def __init__(self, owner: SlotCache):
+        super().__init__()
+        self.owner = owner
+        self.kbuf: torch.Tensor | None = None
+        self.vbuf: torch.Tensor | None = None
+
+    def allocate(self, like: torch.Tensor) -> None:
+        """Buffers for the owner's slots and capacity, shaped like `like` ([B, H, T, D])."""
+        o = self.owner
+        shape = (o.slots, like.shape[1], o.capacity, like.shape[3])
+        # zeros, not empty: positions past a row's length are masked out, but 0 x NaN is NaN
+        self.kbuf = like.new_zeros(shape)
+        self.vbuf = like.new_zeros(shape)
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+
+    def resize(self, slots: int, capacity: int) -> None:
+        """New buffers for `slots` x `capacity`, the old contents copied over."""
+        for name in ("kbuf", "vbuf"):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
+            s, c = min(slots, old.shape[0]), min(capacity, old.shape[2])
+            new[:s, :, :c] = old[:s, :, :c]
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.kbuf is None:
+            self.allocate(key_states)
+        o = self.owner
+        B, H, S, D = key_states.shape
+        index = o.write_index.expand(B, H, S, D)
+        self.kbuf[:B].scatter_(2, index, key_states)
+        self.vbuf[:B].scatter_(2, index, value_states.to(self.vbuf.dtype))
+        self.keys = self.kbuf[:B, :, : o.span]
+        self.values = self.vbuf[:B, :, : o.span]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return max(self.owner.lengths, default=0)
+
+    def reset(self) -> None:
+        self.kbuf = self.vbuf = None
+        super().reset()
+
+
+class SlotCache:
+    """A model's KV cache for a batch of records, a slot each (see the module's docstring)."""
+
+    masked = True
+
+    def __init__(self, model, device, *, slots: int = 1, bucket: int = 1, static: bool = False,
+                 graphs: bool = False, pad_id: int = 0):
+        self.model = model
+        self.device = device
+        #: static: every forward runs at bucketed shapes (rows, new tokens, span) on buffers
+        #: that outlive it (StaticSteps); graphs: and is captured as a CUDA graph per shape.
+        self.static = static or graphs
+        self.graphs = graphs
+        self.bucket = max(1, bucket if not self.static or bucket > 1 else
+                          (SPAN_BUCKET if graphs else 1))
+        self.initial_slots = max(1, bucket_of(slots, ROW_BUCKETS) if self.static else slots)
+        self.pad_id = pad_id
+        self.steps = StaticSteps(self) if self.static else None
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        if not getattr(self.cache, "layers", None):  # a config whose cache builds layers lazily
+            self.cache = new_cache(self.model)
+        self.cache.layers[:] = [SlotLayer(self) for _ in self.cache.layers]
+        self.slots = self.initial_slots
+        self.capacity = 0
+        if self.steps is not None:
+            self.steps.clear()
+        self.lengths: list[int] = []  # per row (= slot), host side
+        self.span = 0
+        self.write_index: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def layers(self) -> list[SlotLayer]:
+        return [layer for layer in self.cache.layers if layer.kbuf is not None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers() for t in (layer.kbuf, layer.vbuf))
+
+    def _room(self, rows: int, length: int) -> None:
+        """Make the buffers hold at least `rows` slots of `length` positions."""
+        slots, capacity = self.slots, self.capacity
+        if rows > slots:
+            slots = max(rows, 2 * slots)
+        if length > capacity:
+            capacity = _round_up(max(length, int(capacity * GROW)), self.bucket)
+        if (slots, capacity) != (self.slots, self.capacity):
+            self.slots, self.capacity = slots, capacity
+            for layer in self.layers():
+                layer.resize(slots, capacity)
+            if self.steps is not None:  # graphs read the old buffers
+                self.steps.clear()
+
+    # ------------------------------------------------------------------ forward and commit
+
+    def forward(self, ids: torch.Tensor, new_mask: torch.Tensor, pos: torch.Tensor, **kw):
+        """Run the model on ids [B, S] over the cache, row b's tokens at positions length_b ..
+        length_b + S - 1 (pos [B, S], the same positions, are its position ids; new_mask is
+        kept for commit: padding at the end of a row is written past its length and never
+        seen). The new positions count once commit() says which stay."""
+        B, S = ids.shape
+        assert B == self.rows, (B, self.rows)
+        if self.steps is not None and not kw:
+            return self.steps.run(ids, pos)
+        need = max(self.lengths, default=0) + S
+        self._room(B, need)
+        self.span = min(self.capacity, _round_up(need, self.bucket))
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=ids.device)
+        at = lengths[:, None] + torch.arange(S, device=ids.device)[None, :]  # [B, S]
+        self.write_index = at[:, None, :, None]
+        visible = torch.arange(self.span, device=ids.device)[None, None, None, :] <= at[:, None, :, None]
+        return self.model(input_ids=ids, attention_mask=visible, position_ids=pos,
+                              **cache_kw(self.model, self.cache), use_cache=True, **kw)
+
+    def commit(self, new_mask: torch.Tensor) -> None:
+        """Each row keeps the first new_mask[b].sum() of the last forward's new positions
+        (what a row keeps is always a prefix of what it fed)."""
+        kept = new_mask.sum(1).tolist()
+        self.lengths = [n + int(k) for n, k in zip(self.lengths, kept)]
+
+    def truncate_row(self, b: int, keep: int) -> None:
+        """Row b keeps its first `keep` positions (a rollback: a length change)."""
+        self.lengths[b] = min(self.lengths[b], keep)
+
+    def trim(self) -> None:
+        """Nothing to trim: a row has no holes."""
+
+    # ------------------------------------------------------------------ rows
+
+    def add_rows(self, rows: list[tuple[list | None, int]]) -> None:
+        """Append rows, each (kv, L): its L cached positions per layer ([1, H, L, D], None for
+        a layer that holds nothing; kv None when L == 0), written into the next free slots."""
+        B = self.rows
+        self._room(B + len(rows), max([L for _, L in rows], default=0))
+        for j, (kv, L) in enumerate(rows):
+            if L:
+                for layer, pair in zip(self.cache.layers, kv):
+                    if pair is None:
+                        continue
+                    k, v = pair
+                    if layer.kbuf is None:
+                        layer.allocate(k)
+                    layer.kbuf[B + j, :, :L] = k[0]
+                    layer.vbuf[B + j, :, :L] = v[0]
+            self.lengths.append(L)
+
+    def add_prefilled(self, ids: list[int], run=None, *, past=None) -> None:
+        """Append a row for a record whose cached tokens are `ids`, prefilled alone."""
+        assert past is None, "a slot cache takes cached prefixes through add_rows"
+        run = run or (lambda f: f())
+        kv = None
+        if ids:
+            c = new_cache(self.model)
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            run(lambda: self.model(input_ids=x, **cache_kw(self.model, c), use_cache=True, logits_to_keep=1))
+            kv = [(layer.keys, layer.values) if layer.is_initialized and layer.keys is not None
+                  and layer.keys.numel() else None for layer in c.layers]
+        self.add_rows([(kv, len(ids))])
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only these rows, in this order, in the first slots: only the rows whose slot
+        changes move (their valid positions, gathered first, so no source is overwritten
+        before it is read)."""
+        if not keep:
+            self.lengths = []
+            return
+        moves = [(i, src) for i, src in enumerate(keep) if src != i]
+        if moves:
+            span = max(self.lengths[src] for _, src in moves)
+            if span:
+                dst = torch.tensor([i for i, _ in moves], dtype=torch.long, device=self.device)
+                src = torch.tensor([s for _, s in moves], dtype=torch.long, device=self.device)
+                for layer in self.layers():
+                    for buf in (layer.kbuf, layer.vbuf):
+                        buf[:, :, :span].index_copy_(0, dst, buf[:, :, :span].index_select(0, src))
+        self.lengths = [self.lengths[src] for src in keep]
+
+
+class StepOutput:
+    """What a static step returns: the logits of the real rows and tokens."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+
+class StaticSteps:
+    """A SlotCache's forwards at fixed shapes: rows padded up to a ROW_BUCKETS size, new
+    tokens per row to a TOKEN_BUCKETS size, the attended span to the cache's bucket. Each shape
+    has input buffers (ids, position ids, write positions, mask) that outlive the forward; on
+    CUDA with graphs the forward is captured once per shape (torch.cuda.CUDAGraph: the eager
+    kernels, replayed without Python or launches) and replayed after the inputs are copied in.
+
+    Padding rows are free slots past the batch's rows (there are always enough: the cache
+    keeps a ROW_BUCKETS number of slots); their tokens are the pad id, at position 0, seeing
+    position 0 only. Padding tokens of a real row are written past its length and seen by no
+    real token. So every real row's logits are what the eager step gives it.
+    """
+
+    def __init__(self, cache: SlotCache):
+        self.cache = cache
+        self.shapes: dict[tuple[int, int, int], dict] = {}
+        self.captures = 0  # graphs captured (for reports and tests)
+        self.capture_seconds = 0.0
+        self.pool = None
+
+    def clear(self) -> None:
+        self.shapes.clear()
+        self.pool = None
+
+    def _inputs(self, Bb: int, Sb: int, L: int, device) -> dict:
+        return {
+            "ids": torch.full((Bb, Sb), self.cache.pad_id, dtype=torch.long, device=device),
+            "pos": torch.zeros(Bb, Sb, dtype=torch.long, device=device),
+            "at": torch.zeros(Bb, 1, Sb, 1, dtype=torch.long, device=device),
+            "mask": torch.zeros(Bb, 1, Sb, L, dtype=torch.bool, device=device),
+        }
+
+    def _forward(self, st: dict, L: int):
+        c = self.cache
+        c.write_index = st["at"]
+        c.span = L
+        return c.model(input_ids=st["ids"], attention_mask=st["mask"], position_ids=st["pos"],
+                           **cache_kw(c.model, c.cache), use_cache=True)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor) -> StepOutput:
+        import time
+
+        c = self.cache
+        B, S = ids.shape
+        Bb, Sb = bucket_of(B, ROW_BUCKETS), bucket_of(S, TOKEN_BUCKETS)
+        need = max(c.lengths, default=0) + Sb
+        c._room(Bb, need)  # may drop every shape: the buffers changed
+        L = min(c.capacity, _round_up(need, c.bucket))
+        key = (Bb, Sb, L)
+        st = self.shapes.pop(key, None)
+        fresh = st is None
+        if fresh:
+            st = self._inputs(Bb, Sb, L, ids.device)
+        self.shapes[key] = st  # most recently used last
+        # This step's inputs into the shape's buffers: rows past B and tokens past S are padding.
+        lengths = torch.tensor(c.lengths + [0] * (Bb - B), dtype=torch.long, device=ids.device)
+        at = lengths[:, None] + torch.arange(Sb, device=ids.device)[None, :]  # [Bb, Sb]
+        real = torch.arange(Bb, device=ids.device)[:, None] < B  # [Bb, 1]
+        at = torch.where(real, at, torch.zeros_like(at))
+        st["ids"].fill_(c.pad_id)
+        st["ids"][:B, :S] = ids
+        st["pos"].copy_(at)
+        st["pos"][:B, :S] = pos
+        st["at"].copy_(at[:, None, :, None])
+        st["mask"].copy_(torch.arange(L, device=ids.device)[None, None, None, :] <= at[:, None, :, None])
+        if not c.graphs:
+            out = self._forward(st, L)
+            return StepOutput(out.logits[:B, :S])
+        if fresh or "graph" not in st:
+            t0 = time.perf_counter()
+            # Warm up on a side stream (allocator and kernels settle), then capture.
+            side = torch.cuda.Stream(ids.device)
+            side.wait_stream(torch.cuda.current_stream(ids.device))
+            with torch.cuda.stream(side):
+                self._forward(st, L)
+            torch.cuda.current_stream(ids.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                st["out"] = self._forward(st, L).logits
+            self.pool = graph.pool()
+            st["graph"] = graph
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - t0
+            while len(self.shapes) > MAX_GRAPHS:
+                self.shapes.pop(next(iter(self.shapes)))
+            # the capture itself ran nothing: replay it for this step
+        st["graph"].replay()
+        return StepOutput(st["out"][:B, :S])
