@@ -41,6 +41,19 @@ SPAN_BUCKET = 256
 MAX_GRAPHS = 64
 
 
+def span_bucket(need: int, bucket: int) -> int:
+    """The span a static step attends over: `bucket` times the next power of two that holds
+    `need` (few shapes over a run: each doubling of the longest row adds one)."""
+    blocks = -(-need // bucket)
+    return bucket * (1 << (blocks - 1).bit_length())
+
+
+#: Causal LMs whose logits are exactly lm_head(decoder output): their static step captures
+#: the decoder, and the head runs on the real rows only (a graph's output is then hidden
+#: states, not a vocabulary's logits for every padded position).
+SPLIT_HEAD = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
+
+
 def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket >= n (n itself past the largest)."""
     for b in buckets:
@@ -157,8 +170,8 @@ class SlotCache:
         slots, capacity = self.slots, self.capacity
         if rows > slots:
             slots = max(rows, 2 * slots)
-        if length > capacity:
-            capacity = _round_up(max(length, int(capacity * GROW)), self.bucket)
+        if length > capacity:  # static steps double it: each growth drops every captured shape
+            capacity = _round_up(max(length, 2 * capacity if self.static else int(capacity * GROW)), self.bucket)
         if (slots, capacity) != (self.slots, self.capacity):
             self.slots, self.capacity = slots, capacity
             for layer in self.layers():
@@ -185,7 +198,7 @@ class SlotCache:
         self.write_index = at[:, None, :, None]
         visible = torch.arange(self.span, device=ids.device)[None, None, None, :] <= at[:, None, :, None]
         return self.model(input_ids=ids, attention_mask=visible, position_ids=pos,
-                              **cache_kw(self.model, self.cache), use_cache=True, **kw)
+                          **cache_kw(self.model, self.cache), use_cache=True, **kw)
 
     def commit(self, new_mask: torch.Tensor) -> None:
         """Each row keeps the first new_mask[b].sum() of the last forward's new positions
@@ -277,6 +290,9 @@ class StaticSteps:
         self.captures = 0  # graphs captured (for reports and tests)
         self.capture_seconds = 0.0
         self.pool = None
+        model = cache.model
+        self.head = model.get_output_embeddings() if type(model).__name__ in SPLIT_HEAD else None
+        self.split = self.head is not None and hasattr(model, "get_decoder")
 
     def clear(self) -> None:
         self.shapes.clear()
@@ -290,12 +306,20 @@ class StaticSteps:
             "mask": torch.zeros(Bb, 1, Sb, L, dtype=torch.bool, device=device),
         }
 
-    def _forward(self, st: dict, L: int):
+    def _forward(self, st: dict, L: int) -> torch.Tensor:
+        """The shape's forward on its buffers: hidden states [Bb, Sb, H] (split head) or
+        logits [Bb, Sb, V]."""
         c = self.cache
         c.write_index = st["at"]
         c.span = L
-        return c.model(input_ids=st["ids"], attention_mask=st["mask"], position_ids=st["pos"],
-                           **cache_kw(c.model, c.cache), use_cache=True)
+        model = c.model.get_decoder() if self.split else c.model
+        out = model(input_ids=st["ids"], attention_mask=st["mask"], position_ids=st["pos"],
+                    **cache_kw(model, c.cache), use_cache=True)
+        return out.last_hidden_state if self.split else out.logits
+
+    def _logits(self, out: torch.Tensor, B: int, S: int) -> StepOutput:
+        out = out[:B, :S]
+        return StepOutput(self.head(out) if self.split else out)
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor) -> StepOutput:
         import time
@@ -305,7 +329,7 @@ class StaticSteps:
         Bb, Sb = bucket_of(B, ROW_BUCKETS), bucket_of(S, TOKEN_BUCKETS)
         need = max(c.lengths, default=0) + Sb
         c._room(Bb, need)  # may drop every shape: the buffers changed
-        L = min(c.capacity, _round_up(need, c.bucket))
+        L = min(c.capacity, span_bucket(need, c.bucket))
         key = (Bb, Sb, L)
         st = self.shapes.pop(key, None)
         fresh = st is None
@@ -324,8 +348,7 @@ class StaticSteps:
         st["at"].copy_(at[:, None, :, None])
         st["mask"].copy_(torch.arange(L, device=ids.device)[None, None, None, :] <= at[:, None, :, None])
         if not c.graphs:
-            out = self._forward(st, L)
-            return StepOutput(out.logits[:B, :S])
+            return self._logits(self._forward(st, L), B, S)
         if fresh or "graph" not in st:
             t0 = time.perf_counter()
             # Warm up on a side stream (allocator and kernels settle), then capture.
@@ -336,7 +359,7 @@ class StaticSteps:
             torch.cuda.current_stream(ids.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                st["out"] = self._forward(st, L).logits
+                st["out"] = self._forward(st, L)
             self.pool = graph.pool()
             st["graph"] = graph
             self.captures += 1
@@ -345,4 +368,4 @@ class StaticSteps:
                 self.shapes.pop(next(iter(self.shapes)))
             # the capture itself ran nothing: replay it for this step
         st["graph"].replay()
-        return StepOutput(st["out"][:B, :S])
+        return self._logits(st["out"], B, S)
