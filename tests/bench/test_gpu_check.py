@@ -18,15 +18,31 @@ def load_script():
 
 
 def test_gpu_check_runs_on_a_cpu_with_a_tiny_model(tmp_path):
+    """Every section of the GPU script, eager and at the captured step's static shapes (run
+    eagerly: a CPU has no graphs): the drafters' rows, the t(B, n) table with its bandwidth
+    fraction, and the short-output job against generate()."""
     out = tmp_path / "gpu.json"
-    rc = load_script().main(["--device", "cpu", "--tiny", "--paths", "bf16", "--modes", "ar,ngram",
-                             "--batch-sizes", "1,2", "--max-tokens", "6", "--jobs", "4", "--json", str(out),
-                             "--workdir", str(tmp_path)])
+    rc = load_script().main(["--device", "cpu", "--tiny", "--paths", "bf16", "--modes", "ar,ngram,model",
+                             "--batch-sizes", "1,2", "--max-tokens", "6", "--jobs", "4", "--compile", "off,static",
+                             "--steps", "1,3", "--step-batch-sizes", "1,2", "--step-context", "16",
+                             "--json", str(out), "--workdir", str(tmp_path)])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert {(r["mode"], r["batch"]) for r in report["rows"]} == {("ar", 1), ("ngram", 1), ("ar", 2), ("ngram", 2)}
+    assert report["copy_bandwidth_bytes_per_s"] > 0
+    assert {(r["mode"], r["batch"], r["compile"]) for r in report["rows"]} == {
+        (m, b, c) for m in ("ar", "ngram", "model") for b in (1, 2) for c in ("off", "static")}
     assert all(r["tokens_per_s"] > 0 and "error" not in r for r in report["rows"])
     assert all(r["same_as_ar"] for r in report["rows"] if r["mode"] != "ar")  # float32: strict is exact
-    (job,) = report["jobs"]
-    assert job["batch"] == 4 and job["records"] == 8 and job["records_per_s"] > 0
-    assert job["same_as_hf"] == job["records"]  # greedy, float32: the engine's tokens are generate()'s
+    static = [r for r in report["rows"] if r["compile"] == "static"]
+    assert all(r["step_kind"] == "static" and r["same_as_eager"] for r in static)
+    assert all(r["step_kind"] == "eager" for r in report["rows"] if r["compile"] == "off")
+    kinds = {t["kind"]: t for t in report["steps"]}
+    assert set(kinds) == {"eager", "static"}
+    for t in kinds.values():
+        assert [r["batch"] for r in t["rows"]] == [1, 2]
+        assert all(set(r["t_ms"]) == {"1", "3"} and min(r["t_ms"].values()) > 0 and r["bandwidth_fraction"] > 0
+                   for r in t["rows"])
+    assert {j["compile"] for j in report["jobs"]} == {"off", "static"}
+    for job in report["jobs"]:
+        assert job["batch"] == 4 and job["records"] == 8 and job["records_per_s"] > 0
+        assert job["same_as_hf"] == job["records"]  # greedy, float32: the engine's tokens are generate()'s
