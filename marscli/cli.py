@@ -427,6 +427,7 @@ def bench(
     batch_size: Annotated[Optional[str], typer.Option("--batch-size", help="Also measure batched throughput at these batch sizes, comma-separated (e.g. 1,4,8,16): hf-generate, ar, strict and mars each decode all prompts at each size.", rich_help_panel=PANEL_SAMPLING)] = None,
     throughput: Annotated[bool, typer.Option("--throughput", help="Only the batched throughput rows (needs --batch-size): records/s and tokens/s of every batched method at each size, against hf-generate's at the same size; no per-record runs, quality scores or forward timings.", rich_help_panel=PANEL_SAMPLING)] = False,
     prefix_cache: Annotated[float, typer.Option("--prefix-cache", min=0.0, help=f"MiB of prompt keys/values each engine keeps so that a prompt prefix shared by several records is computed once (0 = off). Default {DEFAULT_PREFIX_CACHE_MIB}. Same outputs either way.", rich_help_panel=PANEL_MODEL)] = DEFAULT_PREFIX_CACHE_MIB,
+    compile: Annotated[str, typer.Option("--compile", help="Captured steps on CUDA (auto: on CUDA, off on a CPU; on: CUDA only; off: eager), for every method's engine. Same tokens in float32.", rich_help_panel=PANEL_MODEL)] = "auto",
     report: Annotated[Optional[str], typer.Option(help="Write the full JSON report here ('-': stdout).", rich_help_panel=PANEL_OUTPUT)] = None,
     plot: Annotated[Optional[str], typer.Option(help="Write a PNG of speedup against quality per method and theta (needs matplotlib).", rich_help_panel=PANEL_OUTPUT)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr (correctness failures still show).", rich_help_panel=PANEL_OUTPUT)] = False,
@@ -457,7 +458,8 @@ def bench(
                            seeds=seeds, max_tokens=max_tokens, limit=limit, batch_size=batch_size,
                            report=report, plot=plot, task=task, match_relax_rate=match_relax_rate,
                            calibrate_on=calibrate_on, calibration_records=calibration_records,
-                           throughput=throughput, prefix_cache=prefix_cache, note=log.info)
+                           throughput=throughput, prefix_cache=prefix_cache, compile=compile,
+                           note=log.info)
         return run_bench(cfg, log)
 
     _run(job)

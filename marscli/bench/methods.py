@@ -185,6 +185,8 @@ class BenchConfig:
     throughput_only: bool = False
     #: MiB of every engine's prefix cache (0: off; marscli.models.prefill): same outputs at any size.
     prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB
+    #: --compile of every engine (config.COMPILE_MODES; captured steps on CUDA).
+    compile: str = "auto"
     #: The loop guard of the `mars` and `mars-tree` methods (`mars-noguard` has none).
     guard: GuardConfig = GuardConfig()
     #: Strict spans of every method (marscli.verification.spans; they change only relaxed ones).

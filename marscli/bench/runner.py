@@ -105,7 +105,7 @@ class Bench:
                 dcfg = none_cfg if m.kind == AR else chain_or_tree(cfg.draft, m.kind in TREE_METHODS)
                 verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
                 engine = build_engine(target, draft, verify, dcfg, note=log, spans=cfg.spans,
-                                      prefix_cache_mib=cfg.prefix_cache)
+                                      prefix_cache_mib=cfg.prefix_cache, compile_mode=cfg.compile)
                 self.engines[m.name] = engine
                 self.runners[m.name] = self._engine_runner(engine, drafts=dcfg.kind != NONE)
         self._check_generation_config()
@@ -317,7 +317,7 @@ class Bench:
                     dcfg = DraftConfig(kind=NONE) if m.kind == AR else cfg.draft
                     verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)
                     engine = build_engine(self.target, self.draft, verify, dcfg, bs, self.log, spans=cfg.spans,
-                                          prefix_cache_mib=cfg.prefix_cache)
+                                          prefix_cache_mib=cfg.prefix_cache, compile_mode=cfg.compile)
                 self._warm_up_row(engine, prompts[0], bs)
                 if cuda:  # pragma: no cover - needs a GPU
                     torch.cuda.synchronize()
@@ -474,9 +474,11 @@ def batch_counters(engine) -> dict[str, Any]:
             "prefix_tokens_reused": engine.prefix_tokens_reused,
             "prefill_passes": engine.prefiller.passes,
             "prefill_tokens": engine.prefiller.tokens,
-            "prefill_padding": engine.prefiller.padded}
+            "prefill_padding": engine.prefiller.padded,
+            "step_kind": engine.step_kind,  # eager, or graphs: the steps were captured (--compile)
+            "graphs_captured": getattr(getattr(engine.kv, "steps", None), "captures", 0)}
 
 
 #: batch_counters' fields, in order.
 BATCH_COUNTER_FIELDS = ("prefill_seconds", "peak_kv_cache_mib", "oom_halvings", "prefix_tokens_reused",
-                        "prefill_passes", "prefill_tokens", "prefill_padding")
+                        "prefill_passes", "prefill_tokens", "prefill_padding", "step_kind", "graphs_captured")

@@ -55,6 +55,7 @@ from marscli.jobs.bench_match import (
     read_calibration,
 )
 from marscli.jobs.setup import (
+    compile_mode,
     generation_setup,
     load_models,
     named_profile,
@@ -269,6 +270,7 @@ def _settings(bench: Bench) -> dict[str, Any]:
         "throughput_warmup_max_tokens": cfg.throughput_warmup_tokens,
         "throughput_only": cfg.throughput_only,
         "prefix_cache_mib": cfg.prefix_cache,
+        "compile": cfg.compile,  # --compile; each row's step_kind says what ran
     }
 
 
@@ -322,7 +324,7 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
                  batch_size: str | None = None, report: str | None = None, plot: str | None = None,
                  task: str | None = None, match_relax_rate: float | None = None, calibrate_on: str | None = None,
                  calibration_records: int | None = None, throughput: bool = False,
-                 prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB,
+                 prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB, compile: str = "auto",
                  note: Callable[[str], None] = lambda _: None) -> BenchConfig:
     """`marscli bench`'s options -> BenchConfig, by generate's rule: command line > profile >
     defaults (target, drafter, margin; the profile's theta joins --theta's, except under
@@ -362,6 +364,7 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
         batch_sizes=parse_int_list(batch_size, "--batch-size") if batch_size is not None else (),
         throughput_only=throughput,
         prefix_cache=prefix_cache,
+        compile=compile_mode(compile),
         guard=resolved.guard,
         task=task,
         spans=setup.spans,

@@ -255,7 +255,8 @@ def calibration_engine(cfg: CalibrateConfig, target, draft_loaded, note=None):
     (at batch size 1). No job corpus: the n-gram drafter drafts what it will draft for the
     relaxed rule, which gets none."""
     return build_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.setup.draft, cfg.setup.batch_size,
-                       note or (lambda _: None), solo_lengths=True, job_corpus=False)
+                       note or (lambda _: None), solo_lengths=True, job_corpus=False,
+                       compile_mode=cfg.setup.compile)
 
 
 def collect_profile(cfg: CalibrateConfig, engine, items, target, draft_loaded, log: Log, *, input_name: str,
