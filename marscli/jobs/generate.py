@@ -1,6 +1,11 @@
 """The generate job: read, load, generate, write results in input order; resume, data
 parallel (marscli.io.distributed), signals, --fail-fast and a closed stdout.
 
+The input is read once up front into an index (marscli.io.records.index_input: ids, lines and
+where each line lies, not the records' text), so duplicate ids reject the run before the
+models load; records are parsed again one at a time as the engine pulls them, so memory does
+not grow with the prompts.
+
 Ctrl-C, SIGTERM and a closed stdout end the run cleanly: every finished result is on disk
 (or sent) before the exit, and with -o FILE the run can be finished with --resume. Under a
 launcher (WORLD_SIZE > 1) each process generates its shard into its own part file and the
@@ -37,7 +42,7 @@ from marscli.io.distributed import (
     solo_step,
 )
 from marscli.io.openai_format import render
-from marscli.io.records import read_input
+from marscli.io.records import index_input
 from marscli.io.results import held_path
 from marscli.io.resume import RunOutput, fingerprint_diff
 from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint, run_key
@@ -167,6 +172,7 @@ class GenerateRun:
         self.group = group  # marscli.io.distributed.Group under a launcher, else None
         self.output = None  # marscli.io.RunOutput
         self.writer = None  # marscli.io.ResultWriter, once the output is open
+        self.input = None  # marscli.io.records.InputIndex, once the input is read
         self.progress: Progress | None = None
         self.total = 0
         self.done_before = 0
@@ -181,8 +187,12 @@ class GenerateRun:
         with step("reading the input") as s:
             self.output = output = RunOutput(cfg.output, resume=cfg.resume, input_path=cfg.input,
                                              lock=group is None or group.is_main)
-            items, input_sha = read_input(cfg.input, limit=cfg.limit,
-                                          digest=output.path is not None or group is not None)
+            # Refs (RecordRef) to the good records and the bad ones (RecordError) whole: what
+            # resume, sharding and merging read (ids, lines, indexes); the engine gets each
+            # record parsed again from its line as it pulls it (self.input.requests).
+            self.input = index_input(cfg.input, limit=cfg.limit,
+                                     digest=output.path is not None or group is not None)
+            items, input_sha = self.input.items, self.input.sha256
             # "profile" is known once the target is loaded (a profile matches the loaded weights).
             extra = {"input": {"sha256": input_sha}, "profile": None}
             if items:
@@ -235,7 +245,7 @@ class GenerateRun:
         note = ignored_keys_note(todo)  # every record of the run, whatever the rank
         if note is not None:
             log.note(note)
-        results = gen.results(mine, cfg.sampling, options)
+        results = gen.results(self.input.requests(mine), cfg.sampling, options)
         pump = contextlib.nullcontext()
         if group is not None and group.is_main and not log.quiet:
             pump = ProgressPump(group, self.progress.set)
@@ -353,10 +363,13 @@ class GenerateRun:
         return EXIT_RECORDS_FAILED if report.failed else EXIT_OK
 
     def close(self) -> None:
-        """Stop the progress bar and flush and close the output; safe to call twice."""
+        """Stop the progress bar, flush and close the output, close the input; safe to call
+        twice."""
         if self.progress is not None:
             self.progress.close()
             self.progress = None
+        if self.input is not None:
+            self.input.close()
         if self.writer is not None:
             try:
                 self.writer.close()

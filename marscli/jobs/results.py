@@ -20,6 +20,7 @@ holds every choice in order: index, output, finish_reason, completion_tokens, it
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -209,9 +210,11 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
 
     Never raises for one record's sake: a record that cannot be parsed, fitted or generated
     becomes an error result and the run goes on. One at a time (batch size 1) records come
-    in input order, so --fail-fast stops where the input says; batched, the invalid records
-    come first and the others as they finish. A request's n choices run as n rows of the
-    batch (choice i with seed + i) sharing one prefill; its line comes when all are done.
+    in input order, so --fail-fast stops where the input says; batched, they come as they
+    finish, an invalid record as soon as the engine has read past it. `items` is read as the
+    engine pulls records (never ahead of it), so a stream of records is never held whole.
+    A request's n choices run as n rows of the batch (choice i with seed + i) sharing one
+    prefill; its line comes when all are done.
     """
     dropped: dict[int, int] = {}
     prepared: dict[int, Any] = {}  # per request: (ids, sampling, dropped) or the exception
@@ -237,7 +240,7 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
         ids, sp, dropped[item.index] = got
         return ids, (sp if choice.index == 0 else dataclasses.replace(sp, seed=sp.seed + choice.index))
 
-    def expand(requests: list) -> Iterator[Choice]:
+    def expand(requests: Iterable) -> Iterator[Choice]:
         for item in requests:
             n = item.overrides.get("n", sampling.n)
             for i in range(n):
@@ -251,7 +254,7 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
         line = request_result(item, results, dropped.pop(item.index, 0), options, spec_meta, decode)
         return item, line, sum(r.seconds for r in results)
 
-    def run(requests: list) -> Iterator[tuple[Any, dict, float]]:
+    def run(requests: Iterable) -> Iterator[tuple[Any, dict, float]]:
         slots: dict[int, list] = {}
         for choice, res in engine.run(expand(requests), prepare):
             got = slots.setdefault(choice.item.index, [None] * choice.n)
@@ -269,14 +272,24 @@ def generate_results(engine, items: Iterable, sampling: SamplingParams, options:
         return None
 
     if batch_size > 1:
-        valid = []
-        for item in items:
-            bad = invalid(item)
-            if bad is not None:
-                yield item, bad, 0.0
-            else:
-                valid.append(item)
-        yield from run(valid)
+        # The engine pulls the valid records; the invalid ones it reads past wait here (only
+        # those met since its last result) and come out before its next result.
+        early: deque[tuple[Any, dict, float]] = deque()
+
+        def valid() -> Iterator[Any]:
+            for item in items:
+                bad = invalid(item)
+                if bad is not None:
+                    early.append((item, bad, 0.0))
+                else:
+                    yield item
+
+        for out in run(valid()):
+            while early:
+                yield early.popleft()
+            yield out
+        while early:
+            yield early.popleft()
         return
     for item in items:
         bad = invalid(item)

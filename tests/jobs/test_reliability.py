@@ -623,3 +623,51 @@ def test_help_documents_exit_codes_and_resume(runner):
                      "130 interrupted (Ctrl-C)", "143 terminated (SIGTERM)", "--resume",
                      "--fail-fast", "--truncate-prompt"):
         assert fragment in text, fragment
+
+
+# ------------------------------------------------------------------------------ streamed input
+
+
+def test_streamed_input_gives_the_output_of_records_read_whole(runner, tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    """generate reads an index and parses each record again as the engine pulls it: the
+    output is byte for byte the one of a run handed every record parsed up front (as before
+    the index), from a file or from stdin, one at a time or batched."""
+    import marscli.jobs.generate as generate
+    from marscli.io.records import read_input
+
+    lines = [b"\xef\xbb\xbf" + json.dumps({"id": "a", "prompt": "hi"}).encode(), b"",
+             json.dumps({"prompt": "crlf", "max_tokens": 1}).encode() + b"\r", b"{oops", b"\xff",
+             json.dumps({"custom_id": "c", "body": {"messages": [{"role": "user", "content": "m"}],
+                                                    "tools": [{"x": 1}]}}).encode(),
+             json.dumps({"prompt": "two", "n": 2, "seed": 1, "temperature": 0.7}).encode(),
+             json.dumps({"id": "e", "prompt": ""}).encode()]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+
+    class WholeIndex:
+        """The records read whole, as generate read them before the index."""
+
+        def __init__(self, path, *, limit=None, digest=False):
+            self.items, self.sha256 = read_input(path, limit=limit, digest=digest)
+
+        def requests(self, items):
+            return iter(items)
+
+        def close(self):
+            pass
+
+    outs = {}
+    for whole in (True, False):
+        with monkeypatch.context() as m:
+            if whole:
+                m.setattr(generate, "index_input", WholeIndex)
+            for bs in (1, 3):
+                out = tmp_path / f"out-{whole}-{bs}.jsonl"
+                r = gen(runner, src, "--target", tiny_model_dir, "--batch-size", bs, "-o", out, *FAST)
+                assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
+                assert "body.tools (1)" in r.stderr
+                outs[whole, bs] = out.read_bytes()
+    r = runner.invoke(app, ["generate", "-", "--target", tiny_model_dir, *FAST], input=src.read_bytes())
+    assert r.exit_code == EXIT_RECORDS_FAILED, r.stderr
+    assert r.stdout_bytes == outs[True, 1] == outs[False, 1] == outs[False, 3] == outs[True, 3]
+    assert ids_of(results(r.stdout)) == ["a", "1", "2", "3", "c", "5", "e"]
