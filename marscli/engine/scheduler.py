@@ -115,17 +115,18 @@ class _Joiner:
     seq: Sequence
 
 
-def step_kind(mode: str, device, model, tree: bool, features: bool) -> str:
+def step_kind(mode: str, device, model, tree: bool) -> str:
     """How an engine's steps run for --compile `mode` (config.COMPILE_MODES): "graphs" (static
     shapes replayed as CUDA graphs) on CUDA for auto and on, else "eager". "static" (an
     internal mode) runs the captured step's shapes eagerly: what tests check on a CPU. Draft
-    trees (their step compacts a contiguous cache), EAGLE-3 heads (their features are hooked
-    out of the forward) and models a slot cache cannot hold (sliding windows) stay eager.
-    On a CPU `on` is refused (check_compile): torch.compile measured no faster there and
-    cannot compile marscli's own CPU kernels (docs/engine.md, "The captured step")."""
+    trees (their step compacts a contiguous cache) and models a slot cache cannot hold
+    (sliding windows) stay eager; an EAGLE-3 head's target features are outputs of the
+    captured step (the head's own forward stays eager). On a CPU `on` is refused:
+    torch.compile measured no faster there and cannot compile marscli's own CPU kernels
+    (docs/engine.md, "The captured step")."""
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return "eager"
-    if tree or features or not supports_slots(model):
+    if tree or not supports_slots(model):
         return "eager"
     if mode == "static":
         return "static"
@@ -213,8 +214,7 @@ class Engine:
         #: How a step's forward runs: "eager"; "graphs" (static shapes replayed as CUDA
         #: graphs); "static" (those shapes, eagerly: tests). step_kind() says when.
         self.compile_mode = compile_mode
-        self.step_kind = step_kind(compile_mode, self.device, self.model, self.tree is not None,
-                                   self.tap is not None)
+        self.step_kind = step_kind(compile_mode, self.device, self.model, self.tree is not None)
         if self.step_kind != "eager" and not slot_cache:
             raise ValueError("captured steps run on the slot cache")
         self._drafters_step_kind()
@@ -365,7 +365,7 @@ class Engine:
         # rolled back in place at batch size 1.
         if self.step_kind != "eager":  # at every batch size, batch size 1 included
             self.kv = SlotCache(self.model, self.device, slots=self.batch_size, pad_id=self.pad_id,
-                                static=True, graphs=self.step_kind == "graphs")
+                                static=True, graphs=self.step_kind == "graphs", tap=self.tap)
         elif self.batch_size > 1 and self.slot_cache:
             self.kv = SlotCache(self.model, self.device, slots=self.batch_size)
         else:
@@ -382,8 +382,7 @@ class Engine:
             raise ValueError("use_drafters: the new drafter must draft the same tree shape")
         self.drafters = drafters
         self.tap = FeatureTap(self.model, drafters.feature_layers) if drafters.feature_layers else None
-        self.step_kind = step_kind(self.compile_mode, self.device, self.model, self.tree is not None,
-                                   self.tap is not None)
+        self.step_kind = step_kind(self.compile_mode, self.device, self.model, self.tree is not None)
         self._drafters_step_kind()
         self.last_features = None
         # its entries hold the features the previous drafter read
@@ -612,7 +611,7 @@ class Engine:
         npos = torch.tensor([r.npos for r in rows], dtype=torch.long)
         pos = npos[:, None] + torch.arange(K + 1)[None, :]  # [B, K+1]
         ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
-        logits = self._captured(lambda: self.kv.forward(ids, new_mask, pos)).logits  # [B, K+1, V]
+        logits = self._step_forward(ids, new_mask, pos).logits  # [B, K+1, V]
         features = self.last_features  # [B, K+1, F] or None
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
         assert logits.shape[:2] == (B, K + 1), tuple(logits.shape)
@@ -844,6 +843,15 @@ class Engine:
         return [0] if seq.done else []
 
     # ------------------------------------------------------------------ target passes
+
+    def _step_forward(self, ids: torch.Tensor, new_mask: torch.Tensor, pos: torch.Tensor):
+        """A step's target forward over the cache; its features in last_features. A captured
+        step's cache hooks them out itself (a graph's replay runs no hook)."""
+        if self.step_kind != "eager" and self.tap is not None:
+            out = self.kv.forward(ids, new_mask, pos)
+            self.last_features = out.features
+            return out
+        return self._captured(lambda: self.kv.forward(ids, new_mask, pos))
 
     def _captured(self, forward: Callable[[], Any]) -> Any:
         """Run a target forward pass, leaving its features in last_features ([B, S, F]; None

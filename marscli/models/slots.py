@@ -128,9 +128,12 @@ class SlotCache:
     masked = True
 
     def __init__(self, model, device, *, slots: int = 1, bucket: int = 1, static: bool = False,
-                 graphs: bool = False, pad_id: int = 0):
+                 graphs: bool = False, pad_id: int = 0, tap=None):
         self.model = model
         self.device = device
+        #: A FeatureTap (EAGLE-3): static steps hook its features out of the forward (in a
+        #: graph, as outputs of the graph) and return them with the logits.
+        self.tap = tap
         #: static: every forward runs at bucketed shapes (rows, new tokens, span) on buffers
         #: that outlive it (StaticSteps); graphs: and is captured as a CUDA graph per shape.
         self.static = static or graphs
@@ -265,10 +268,12 @@ class SlotCache:
 
 
 class StepOutput:
-    """What a static step returns: the logits of the real rows and tokens."""
+    """What a static step returns: the logits of the real rows and tokens, and their target
+    features when the cache has a tap ([B, S, F]; else None)."""
 
-    def __init__(self, logits: torch.Tensor):
+    def __init__(self, logits: torch.Tensor, features: torch.Tensor | None = None):
         self.logits = logits
+        self.features = features
 
 
 class StaticSteps:
@@ -306,20 +311,29 @@ class StaticSteps:
             "mask": torch.zeros(Bb, 1, Sb, L, dtype=torch.bool, device=device),
         }
 
-    def _forward(self, st: dict, L: int) -> torch.Tensor:
-        """The shape's forward on its buffers: hidden states [Bb, Sb, H] (split head) or
-        logits [Bb, Sb, V]."""
+    def _forward(self, st: dict, L: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The shape's forward on its buffers: (hidden states [Bb, Sb, H] (split head) or
+        logits [Bb, Sb, V]; the tap's features [Bb, Sb, F] or None)."""
         c = self.cache
         c.write_index = st["at"]
         c.span = L
         model = c.model.get_decoder() if self.split else c.model
-        out = model(input_ids=st["ids"], attention_mask=st["mask"], position_ids=st["pos"],
-                    **cache_kw(model, c.cache), use_cache=True)
-        return out.last_hidden_state if self.split else out.logits
+        run = lambda: model(input_ids=st["ids"], attention_mask=st["mask"], position_ids=st["pos"],  # noqa: E731
+                            **cache_kw(model, c.cache), use_cache=True)
+        features = None
+        if c.tap is not None:
+            with c.tap.capture():
+                out = run()
+            features = c.tap.features
+        else:
+            out = run()
+        return (out.last_hidden_state if self.split else out.logits), features
 
-    def _logits(self, out: torch.Tensor, B: int, S: int) -> StepOutput:
-        out = out[:B, :S]
-        return StepOutput(self.head(out) if self.split else out)
+    def _logits(self, out: tuple[torch.Tensor, torch.Tensor | None], B: int, S: int) -> StepOutput:
+        hidden, features = out
+        hidden = hidden[:B, :S]
+        return StepOutput(self.head(hidden) if self.split else hidden,
+                          None if features is None else features[:B, :S])
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor) -> StepOutput:
         import time

@@ -406,6 +406,30 @@ def test_chain_adaptive_and_batched_equal_single(target, heads, references, head
     assert {p: r.token_ids for p, r in got.items()} == references
 
 
+def test_captured_step_shapes_feed_the_head_its_features(target, heads, references):
+    """The captured step's static shapes (marscli.models.slots, run eagerly as a CPU can) hook
+    the head's target features out of the forward themselves (on a GPU they are outputs of the
+    graph): at batch 1 and 3 with rows joining and leaving, strict greedy records equal
+    generate() and every record, greedy and sampled, equals the eager engine's alone."""
+    from marscli.models.slots import SlotCache
+
+    cfg = DraftConfig(kind="eagle3", model="x", num_draft_tokens=4, adaptive=False)
+    single = build_engine(target, heads["fitted"], VerifyConfig(), cfg)
+    for bs in (1, 3):
+        engine = Engine(target, build_drafters(cfg, target, heads["fitted"], batch_size=bs), VerifyConfig().rule,
+                        cfg, bs, compile_mode="static")
+        assert engine.step_kind == "static"
+        for s in (SamplingParams(max_tokens=MAX_NEW), SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=5)):
+            a = {p: single.generate_ids(target.tokenizer(p).input_ids, s) for p in PROMPTS}
+            b = dict(engine.run(PROMPTS, lambda p, s=s: (target.tokenizer(p).input_ids, s)))
+            assert {p: r.token_ids for p, r in b.items()} == {p: r.token_ids for p, r in a.items()}
+            assert all(a[p].stats.to_dict() == b[p].stats.to_dict() for p in PROMPTS)
+            if s.greedy:
+                assert {p: r.token_ids for p, r in b.items()} == references
+        assert isinstance(engine.kv, SlotCache) and engine.kv.tap is engine.tap and engine.kv.steps.shapes
+        assert sum(r.stats.accepted for r in b.values()) > 0  # the head drafted from real features
+
+
 def test_chain_mars_greedy_emits_only_top1_or_relaxable_top2(target, heads):
     theta = 0.3
     eng = make_engine(target, "eagle3", heads["fitted"], k=4, verify=VerifyConfig("mars", theta, "prob-ratio"))
