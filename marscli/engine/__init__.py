@@ -15,7 +15,7 @@ from marscli.config import DraftConfig, VerifyConfig
 from marscli.drafters.factory import build_drafters
 from marscli.drafters.kinds import drafter_kind
 from marscli.engine.costs import draft_ratio, reference_costs, step_costs
-from marscli.engine.scheduler import Engine
+from marscli.engine.scheduler import Engine, step_kind
 from marscli.errors import UsageError
 from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB
 from marscli.verification.registry import STRICT
@@ -43,9 +43,14 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     Raises UsageError for what the engine cannot run (trees or sliding-window models at
     batch size > 1)."""
 
+    try:
+        # A captured engine's draft model steps captured too, at batch size 1 as well.
+        captured = step_kind(compile_mode, target.device, target.model, bool(draft_cfg.tree)) == "graphs"
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,
                               job_corpus=(draft_cfg.job_corpus and verify_cfg.rule.name == STRICT)
-                              if job_corpus is None else job_corpus)
+                              if job_corpus is None else job_corpus, batched_model=captured)
     try:
         engine = Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size, guard=verify_cfg.guard,
                         spans=spans, prefix_cache_mib=prefix_cache_mib, compile_mode=compile_mode)
