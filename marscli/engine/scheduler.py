@@ -115,6 +115,21 @@ class _Joiner:
     seq: Sequence
 
 
+def fill_order(rows: int, gone: list[int]) -> list[int]:
+    """The rows that stay when rows `gone` leave, in the order that moves the fewest: a place
+    freed below the new end is taken by a staying row from past it; every other row keeps its
+    place. So one leaving row moves at most one row's keys and values (with the rows after it
+    shifting down, a leaving row near the front moved almost the whole batch)."""
+    out = set(gone)
+    n = rows - len(out)
+    order = list(range(n))
+    movers = iter(b for b in range(n, rows) if b not in out)
+    for b in range(n):
+        if b in out:
+            order[b] = next(movers)
+    return order
+
+
 def step_kind(mode: str, device, model, tree: bool) -> str:
     """How an engine's steps run for --compile `mode` (config.COMPILE_MODES): "graphs" (static
     shapes replayed as CUDA graphs) on CUDA for auto and on, else "eager". "static" (an
@@ -353,7 +368,7 @@ class Engine:
                     continue
                 if finished:
                     done_rows = [self.rows[b] for b in finished]
-                    self._keep([b for b in range(len(self.rows)) if b not in finished])
+                    self._keep(fill_order(len(self.rows), finished))
                     for r in done_rows:
                         yield r.item, self._result(r.seq, r.logprobs)
 
