@@ -14,11 +14,15 @@ B slots through a mask that lets query j of row b see positions ``<= length_b + 
 - shapes depend only on (rows, new tokens, span), so a step can be captured once per bucket
   (``span`` rounds up to ``bucket`` positions; at bucket 1 it is exactly what the rows need).
 
+With ``static`` every forward runs at bucketed shapes on input buffers that outlive it, and
+with ``graphs`` (CUDA) each shape is captured once as a CUDA graph and replayed
+(`StaticSteps`; the engine's `--compile`, docs/engine.md "The captured step").
+
 It has the masked HoleCache's interface (forward / commit / truncate_row / add_rows /
 keep_rows / trim / nbytes), so the engine and the draft model take either. What it does not
-take, HoleCache keeps: batch size 1 (the contiguous, unmasked path, and the tree step that
-compacts it), and models with sliding-window layers (their cache layers keep a window of their
-own; `supports` says which).
+take, HoleCache keeps: an eager engine at batch size 1 (the contiguous, unmasked path, and the
+tree step that compacts it), and models with sliding-window layers (their cache layers keep a
+window of their own; `supports` says which).
 """
 
 from __future__ import annotations
