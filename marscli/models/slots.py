@@ -297,6 +297,7 @@ class StaticSteps:
         self.cache = cache
         self.shapes: dict[tuple[int, int, int], dict] = {}
         self.captures = 0  # graphs captured (for reports and tests)
+        self.capture_error: str | None = None  # why capturing failed (then steps run eagerly)
         self.capture_seconds = 0.0
         self.pool = None
         model = cache.model
@@ -369,15 +370,19 @@ class StaticSteps:
             return self._logits(self._forward(st, L), B, S)
         if fresh or "graph" not in st:
             t0 = time.perf_counter()
-            # Warm up on a side stream (allocator and kernels settle), then capture.
-            side = torch.cuda.Stream(ids.device)
-            side.wait_stream(torch.cuda.current_stream(ids.device))
-            with torch.cuda.stream(side):
-                self._forward(st, L)
-            torch.cuda.current_stream(ids.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                st["out"] = self._forward(st, L)
+            try:
+                # Warm up on a side stream (allocator and kernels settle), then capture.
+                side = torch.cuda.Stream(ids.device)
+                side.wait_stream(torch.cuda.current_stream(ids.device))
+                with torch.cuda.stream(side):
+                    self._forward(st, L)
+                torch.cuda.current_stream(ids.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    st["out"] = self._forward(st, L)
+            except Exception as e:  # noqa: BLE001 - a forward that cannot be captured still runs
+                self.give_up(e)
+                return self._logits(self._forward(st, L), B, S)
             self.pool = graph.pool()
             st["graph"] = graph
             self.captures += 1
@@ -387,3 +392,14 @@ class StaticSteps:
             # the capture itself ran nothing: replay it for this step
         st["graph"].replay()
         return self._logits(st["out"], B, S)
+
+    def give_up(self, error: Exception) -> None:
+        """A capture failed: this cache's steps run eagerly from now on (at the same static
+        shapes), said once on stderr; the records go on."""
+        import sys
+
+        self.cache.graphs = False
+        self.capture_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        self.clear()
+        sys.stderr.write(f"marscli: capturing a step as a CUDA graph failed ({self.capture_error}); "
+                         "this run's steps run eagerly (--compile off skips capturing)\n")

@@ -112,3 +112,14 @@ def test_rollback_is_a_length_change_and_a_leaving_row_moves_nothing_else():
         torch.testing.assert_close(buf[0], before[0])
         torch.testing.assert_close(buf[1, :, :2], before[2, :, :2])
         assert kv.lengths == [4, 2]
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly(capsys):
+    """A capture that fails (here: no CUDA at all) is said once on stderr and the steps run
+    eagerly at the same shapes: every row's logits still equal its own plain forward."""
+    model = _model()
+    kv = SlotCache(model, "cpu", slots=4, graphs=True)
+    got = _walk(kv, model)  # checks every row against a plain forward as it goes
+    assert got and kv.graphs is False and kv.steps.captures == 0 and kv.steps.capture_error
+    err = capsys.readouterr().err
+    assert err.count("capturing a step as a CUDA graph failed") == 1
