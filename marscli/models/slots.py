@@ -58,6 +58,17 @@ def span_bucket(need: int, bucket: int) -> int:
 SPLIT_HEAD = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
 
 
+def write_positions(lengths: list[int], S: int, device) -> torch.Tensor:
+    """Where each row's S new tokens go: length_b + j, [B, S]."""
+    return torch.tensor(lengths, dtype=torch.long, device=device)[:, None] + torch.arange(S, device=device)[None, :]
+
+
+def visible(at: torch.Tensor, span: int) -> torch.Tensor:
+    """The 4D attention mask [B, 1, S, span] of a step writing at `at` [B, S]: query j of row b
+    sees the positions up to its own, at[b, j] (the row's cache, then its new tokens)."""
+    return torch.arange(span, device=at.device)[None, None, None, :] <= at[:, None, :, None]
+
+
 def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket >= n (n itself past the largest)."""
     for b in buckets:
@@ -200,11 +211,9 @@ class SlotCache:
         need = max(self.lengths, default=0) + S
         self._room(B, need)
         self.span = min(self.capacity, _round_up(need, self.bucket))
-        lengths = torch.tensor(self.lengths, dtype=torch.long, device=ids.device)
-        at = lengths[:, None] + torch.arange(S, device=ids.device)[None, :]  # [B, S]
+        at = write_positions(self.lengths, S, ids.device)
         self.write_index = at[:, None, :, None]
-        visible = torch.arange(self.span, device=ids.device)[None, None, None, :] <= at[:, None, :, None]
-        return self.model(input_ids=ids, attention_mask=visible, position_ids=pos,
+        return self.model(input_ids=ids, attention_mask=visible(at, self.span), position_ids=pos,
                           **cache_kw(self.model, self.cache), use_cache=True, **kw)
 
     def commit(self, new_mask: torch.Tensor) -> None:
@@ -356,8 +365,7 @@ class StaticSteps:
             st = self._inputs(Bb, Sb, L, ids.device)
         self.shapes[key] = st  # most recently used last
         # This step's inputs into the shape's buffers: rows past B and tokens past S are padding.
-        lengths = torch.tensor(c.lengths + [0] * (Bb - B), dtype=torch.long, device=ids.device)
-        at = lengths[:, None] + torch.arange(Sb, device=ids.device)[None, :]  # [Bb, Sb]
+        at = write_positions(c.lengths + [0] * (Bb - B), Sb, ids.device)
         real = torch.arange(Bb, device=ids.device)[:, None] < B  # [Bb, 1]
         at = torch.where(real, at, torch.zeros_like(at))
         st["ids"].fill_(c.pad_id)
@@ -365,7 +373,7 @@ class StaticSteps:
         st["pos"].copy_(at)
         st["pos"][:B, :S] = pos
         st["at"].copy_(at[:, None, :, None])
-        st["mask"].copy_(torch.arange(L, device=ids.device)[None, None, None, :] <= at[:, None, :, None])
+        st["mask"].copy_(visible(at, L))
         if not c.graphs:
             return self._logits(self._forward(st, L), B, S)
         if fresh or "graph" not in st:
