@@ -11,7 +11,7 @@ from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Pr
 from marscli.drafters.kinds import MODEL
 from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback
 from marscli.models.prefill import DRAFT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
-from marscli.models.slots import SlotCache, supports
+from marscli.models.slots import SlotCache, step_on, supports
 from marscli.verification.chain import sample_from, sampling_probs
 
 
@@ -246,9 +246,7 @@ class BatchedModelDrafter(DraftModelSettings):
         # Its rows in slots (marscli.models.slots) where the model allows, else with holes;
         # its steps captured as the engine's are (step_kind, set by the engine).
         if self.slot_cache and supports(self.model):
-            kind = self.step_kind
-            if kind == "graphs" and self.device.type != "cuda":  # the draft model elsewhere
-                kind = "eager"
+            kind = step_on(self.step_kind, self.device)
             self.kv = SlotCache(self.model, self.device, pad_id=self.pad_id, static=kind == "static",
                                 graphs=kind == "graphs")
         else:

@@ -38,7 +38,7 @@ from marscli.models.fastpath import signature as fastpath_signature
 from marscli.models.int8_decoder import SIGNATURE as INT8_DECODER
 from marscli.models.kvcache import HoleCache, rollback
 from marscli.models.quant import CPU_INT8, weight_bytes
-from marscli.models.slots import SlotCache, supports
+from marscli.models.slots import SlotCache, step_on, supports
 from marscli.models.sources import cache_root
 
 COSTS_ENV = "MARSCLI_COSTS"
@@ -282,9 +282,7 @@ def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int,
     if draft_kind == MODEL and draft_model is not None:
         model = getattr(draft_model, "model", draft_model)
         device = model.get_input_embeddings().weight.device
-        if step == "graphs" and device.type != "cuda":
-            step = "eager"
-        return [r[0] for r in time_forwards(model, device, batch_sizes, (1,), context, step=step)]
+        return [r[0] for r in time_forwards(model, device, batch_sizes, (1,), context, step=step_on(step, device))]
     if draft_kind == EAGLE3 and draft_model is not None:
         head = getattr(draft_model, "head", draft_model)
         t_params = sum(p.numel() for p in target.model.parameters())

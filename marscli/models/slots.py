@@ -82,6 +82,12 @@ def supports(model) -> bool:
     return not sliding_layers(model)
 
 
+def step_on(kind: str, device) -> str:
+    """The step kind (Engine.step_kind) a cache on `device` runs: CUDA graphs need CUDA (a
+    draft model placed elsewhere than its target runs eagerly)."""
+    return "eager" if kind == "graphs" and torch.device(device).type != "cuda" else kind
+
+
 def _round_up(n: int, bucket: int) -> int:
     return -(-n // bucket) * bucket
 
