@@ -240,12 +240,13 @@ class BatchedModelDrafter(DraftModelSettings):
         super().__init__(model, k_max, **kw)
         tok = getattr(model.config, "pad_token_id", None)
         self.pad_id = tok if isinstance(tok, int) else 0
+        self.slots_fit = supports(model)  # read once: no sliding-window layer
         self.reset()
 
     def reset(self) -> None:
         # Its rows in slots (marscli.models.slots) where the model allows, else with holes;
         # its steps captured as the engine's are (step_kind, set by the engine).
-        if self.slot_cache and supports(self.model):
+        if self.slot_cache and self.slots_fit:
             kind = step_on(self.step_kind, self.device)
             self.kv = SlotCache(self.model, self.device, pad_id=self.pad_id, static=kind == "static",
                                 graphs=kind == "graphs")
