@@ -372,6 +372,20 @@ def test_chain_strict_greedy_equals_generate(target, heads, references, which):
         assert st["tau"] > 1.5, st  # the fitted head really drafts what the target says
 
 
+def assert_runs_as_alone(target, single, engine, references):
+    """Every prompt, greedy and sampled, decodes in `engine`'s batch what it decodes alone in
+    `single` (tokens and statistics), and greedy output is the reference's; returns the last
+    (sampled) run's results."""
+    for s in (SamplingParams(max_tokens=MAX_NEW), SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=5)):
+        a = {p: single.generate_ids(target.tokenizer(p).input_ids, s) for p in PROMPTS}
+        b = dict(engine.run(PROMPTS, lambda p, s=s: (target.tokenizer(p).input_ids, s)))
+        assert {p: r.token_ids for p, r in a.items()} == {p: r.token_ids for p, r in b.items()}
+        assert all(a[p].stats.to_dict() == b[p].stats.to_dict() for p in PROMPTS)
+        if s.greedy:
+            assert {p: r.token_ids for p, r in a.items()} == references
+    return b
+
+
 @pytest.mark.parametrize("head_batched", [True, False])
 def test_chain_adaptive_and_batched_equal_single(target, heads, references, head_batched):
     """Batch decoding gives every record what it gets alone: with the head's passes batched
@@ -391,13 +405,7 @@ def test_chain_adaptive_and_batched_equal_single(target, heads, references, head
         bd = RowDrafters(lambda: build_drafter(cfg, target, heads["fitted"]),
                          feature_layers=heads["fitted"].head.feature_layers)
     batch = Engine(target, bd, VerifyConfig().rule, cfg, 3)
-    for s in (SamplingParams(max_tokens=MAX_NEW), SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=5)):
-        a = {p: single.generate_ids(target.tokenizer(p).input_ids, s) for p in PROMPTS}
-        b = dict(batch.run(PROMPTS, lambda p, s=s: (target.tokenizer(p).input_ids, s)))
-        assert {p: r.token_ids for p, r in a.items()} == {p: r.token_ids for p, r in b.items()}
-        assert all(a[p].stats.to_dict() == b[p].stats.to_dict() for p in PROMPTS)
-        if s.greedy:
-            assert {p: r.token_ids for p, r in a.items()} == references
+    assert_runs_as_alone(target, single, batch, references)
     adaptive = dataclasses.replace(cfg, adaptive=True)
     if head_batched:
         bd = build_drafters(adaptive, target, heads["fitted"], batch_size=3)
@@ -419,13 +427,7 @@ def test_captured_step_shapes_feed_the_head_its_features(target, heads, referenc
         engine = Engine(target, build_drafters(cfg, target, heads["fitted"], batch_size=bs), VerifyConfig().rule,
                         cfg, bs, compile_mode="static")
         assert engine.step_kind == "static"
-        for s in (SamplingParams(max_tokens=MAX_NEW), SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=5)):
-            a = {p: single.generate_ids(target.tokenizer(p).input_ids, s) for p in PROMPTS}
-            b = dict(engine.run(PROMPTS, lambda p, s=s: (target.tokenizer(p).input_ids, s)))
-            assert {p: r.token_ids for p, r in b.items()} == {p: r.token_ids for p, r in a.items()}
-            assert all(a[p].stats.to_dict() == b[p].stats.to_dict() for p in PROMPTS)
-            if s.greedy:
-                assert {p: r.token_ids for p, r in b.items()} == references
+        b = assert_runs_as_alone(target, single, engine, references)
         assert isinstance(engine.kv, SlotCache) and engine.kv.tap is engine.tap and engine.kv.steps.shapes
         assert sum(r.stats.accepted for r in b.values()) > 0  # the head drafted from real features
 
