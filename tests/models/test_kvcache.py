@@ -4,16 +4,14 @@ rollbacks and batch reshuffles, and appends really land in place."""
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from marscli.models.kvcache import GrowingLayer, new_cache, rollback
+from tests.models.cache_walks import cache_walk, tiny_llama
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(256)
 
 
 def test_new_cache_uses_growing_layers():
@@ -73,63 +71,15 @@ def test_replaced_keys_get_a_new_buffer_and_stay_right():
 
 
 def _hole_cache_walk(capacity: int):
-    """Rows join (prompts of different lengths), decode a few chunks with rejected drafts,
-    leave in several orders and are replaced: every row's logits at every step, and the
-    key buffers each step wrote into (the batched cache of marscli.models.kvcache.HoleCache)."""
+    """Rows join, decode, leave and are replaced (tests.models.cache_walks): every row's logits
+    at every step, and the key buffers each step wrote into (the batched cache of
+    marscli.models.kvcache.HoleCache)."""
     from marscli.models.kvcache import HoleCache
 
     model = _model()
-    gen = torch.Generator().manual_seed(3)
+    buffers = []
     kv = HoleCache(model, "cpu", masked=True, batch_capacity=capacity)
-    seqs: list[list[int]] = []
-    logits, buffers = [], []
-
-    def join(n):
-        ids = torch.randint(0, 50, (n,), generator=gen).tolist()
-        kv.add_prefilled(ids[:-1])
-        seqs.append(ids)
-
-    def step():
-        B = len(seqs)
-        chunks = [torch.randint(0, 50, (1 + (b + len(logits)) % 3,), generator=gen).tolist() for b in range(B)]
-        K = max(len(c) for c in chunks)
-        ids = torch.zeros(B, K, dtype=torch.long)
-        new_mask = torch.zeros(B, K, dtype=torch.long)
-        for b, c in enumerate(chunks):
-            ids[b, : len(c)] = torch.tensor([seqs[b][-1]] + c[1:])
-            new_mask[b, : len(c)] = 1
-        npos = kv.mask.sum(1)
-        pos = npos[:, None] + torch.arange(K)[None, :]
-        out = kv.forward(ids, new_mask, pos).logits
-        for b, c in enumerate(chunks):  # each row kept 1 + some of its new slots
-            fed = [seqs[b][-1]] + c[1:]
-            logits.append(out[b, : len(c)].clone())
-            ref = model(input_ids=torch.tensor([seqs[b][:-1] + fed])).logits[0, len(seqs[b]) - 1:]
-            torch.testing.assert_close(out[b, : len(c)], ref, rtol=1e-4, atol=1e-4)
-            keep = 1 + (b + len(logits)) % len(c)
-            new_mask[b, keep:] = 0
-            seqs[b] = seqs[b][:-1] + fed[:keep] + [int(out[b, keep - 1].argmax())]
-        kv.commit(new_mask)
-        kv.trim()
-        buffers.append(kv.cache.layers[0]._kbuf.data_ptr())
-
-    def keep(rows):
-        kv.keep_rows(rows)
-        seqs[:] = [seqs[b] for b in rows]
-
-    with torch.inference_mode():
-        for n in (7, 3, 9):
-            join(n)
-        for _ in range(3):
-            step()
-        keep([0, 2])  # the middle row leaves (order kept)
-        join(4)
-        step()
-        keep([2, 1])  # the first row leaves, the last takes its place
-        join(6)
-        join(2)
-        step()
-        step()
+    logits = cache_walk(kv, model, on_step=lambda kv: buffers.append(kv.cache.layers[0]._kbuf.data_ptr()))
     return logits, buffers
 
 
