@@ -54,15 +54,16 @@ class RunnerUpDrafter(DrafterBase):
 
 def make_engine(target, kind: str, draft=None, *, k: int = 4, adaptive: bool = False,
                 verify: VerifyConfig = VerifyConfig(), batch_size: int = 1, job_corpus: bool | None = None,
-                prefix_cache_mib: float = 64, **draft_fields) -> Engine:
+                prefix_cache_mib: float = 64, compile_mode: str = "auto", **draft_fields) -> Engine:
     """build_engine for `kind`'s drafter (draft: the loaded draft model or EAGLE-3 head) with k
     drafts a step, fixed unless adaptive; the kinds that name a model get a placeholder name.
     draft_fields: more DraftConfig fields (a tree's shape, hybrid, context). prefix_cache_mib:
-    0 turns the prefix cache off."""
+    0 turns the prefix cache off. compile_mode: --compile ("static": a captured step's shapes,
+    run eagerly)."""
     cfg = DraftConfig(kind=kind, num_draft_tokens=k, adaptive=adaptive,
                       model="x" if kind in ("model", "eagle3") else None, **draft_fields)
     return build_engine(target, draft, verify, cfg, batch_size=batch_size, job_corpus=job_corpus,
-                        prefix_cache_mib=prefix_cache_mib)
+                        prefix_cache_mib=prefix_cache_mib, compile_mode=compile_mode)
 
 
 class RankDrafter(DrafterBase):

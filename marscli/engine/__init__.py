@@ -45,7 +45,7 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
 
     try:
         # A captured engine's draft model steps captured too, at batch size 1 as well.
-        captured = step_kind(compile_mode, target.device, target.model, bool(draft_cfg.tree)) == "graphs"
+        captured = step_kind(compile_mode, target.device, target.model) == "graphs"
     except ValueError as e:
         raise UsageError(str(e)) from None
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,

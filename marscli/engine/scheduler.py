@@ -70,10 +70,10 @@ from marscli.engine.sequence import (
     Sequence,
     StepObservation,
 )
-from marscli.engine.tree_forward import check_tree_support, tree_forward
+from marscli.engine.tree_forward import check_tree_support, tree_block, tree_forward
 from marscli.errors import UsageError
 from marscli.models.fastpath import install_cpu_fastpath
-from marscli.models.kvcache import HoleCache, compact_cache, sliding_layers
+from marscli.models.kvcache import HoleCache, sliding_layers
 from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.models.slots import SlotCache
 from marscli.models.slots import supports as supports_slots
@@ -130,18 +130,19 @@ def fill_order(rows: int, gone: list[int]) -> list[int]:
     return order
 
 
-def step_kind(mode: str, device, model, tree: bool) -> str:
+def step_kind(mode: str, device, model) -> str:
     """How an engine's steps run for --compile `mode` (config.COMPILE_MODES): "graphs" (static
     shapes replayed as CUDA graphs) on CUDA for auto and on, else "eager". "static" (an
-    internal mode) runs the captured step's shapes eagerly: what tests check on a CPU. Draft
-    trees (their step compacts a contiguous cache) and models a slot cache cannot hold
-    (sliding windows) stay eager; an EAGLE-3 head's target features are outputs of the
-    captured step (the head's own forward stays eager). On a CPU `on` is refused:
+    internal mode) runs the captured step's shapes eagerly: what tests check on a CPU. A draft
+    tree's step is captured too (the tree at a step's shape: SlotCache.forward's block).
+    Models a slot cache cannot hold (sliding windows, flash attention) stay eager; an EAGLE-3
+    head's target features are outputs of the captured step (the head's own forward stays
+    eager). On a CPU `on` is refused:
     torch.compile measured no faster there and cannot compile marscli's own CPU kernels
     (docs/engine.md, "The captured step")."""
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return "eager"
-    if tree or not supports_slots(model):
+    if not supports_slots(model):
         return "eager"
     if mode == "static":
         return "static"
@@ -229,7 +230,7 @@ class Engine:
         #: How a step's forward runs: "eager"; "graphs" (static shapes replayed as CUDA
         #: graphs); "static" (those shapes, eagerly: tests). step_kind() says when.
         self.compile_mode = compile_mode
-        self.step_kind = step_kind(compile_mode, self.device, self.model, self.tree is not None)
+        self.step_kind = step_kind(compile_mode, self.device, self.model)
         if self.step_kind != "eager" and not slot_cache:
             raise ValueError("captured steps run on the slot cache")
         self._drafters_step_kind()
@@ -397,7 +398,7 @@ class Engine:
             raise ValueError("use_drafters: the new drafter must draft the same tree shape")
         self.drafters = drafters
         self.tap = FeatureTap(self.model, drafters.feature_layers) if drafters.feature_layers else None
-        self.step_kind = step_kind(self.compile_mode, self.device, self.model, self.tree is not None)
+        self.step_kind = step_kind(self.compile_mode, self.device, self.model)
         self._drafters_step_kind()
         self.last_features = None
         # its entries hold the features the previous drafter read
@@ -791,8 +792,12 @@ class Engine:
         r = self.rows[0]
         seq = r.seq
         tree = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
-        base = self.kv.cache.get_seq_length()
-        logits, _ = self._captured(lambda: tree_forward(self.model, self.kv.cache, tree, seq.seq[-1], base))  # [N+1, V]
+        base = r.npos  # the positions cached before the root
+        if isinstance(self.kv, SlotCache):  # static or captured: the tree at a step's shape
+            ids, pos, block = tree_block(tree, seq.seq[-1], base, self.device)
+            logits = self._step_forward(ids, None, pos, block=block).logits[0].float()  # [N+1, V]
+        else:
+            logits, _ = self._captured(lambda: tree_forward(self.model, self.kv.cache, tree, seq.seq[-1], base))
         N = len(tree)
         s = seq.sampling
         u_accept, u_sample = seq.uniforms(N)
@@ -852,21 +857,21 @@ class Engine:
         if self.last_features is not None:
             self.drafters.observe(0, self.last_features[0, rows][: len(emitted)])
         self.drafters.accepted(0, depth, n, seq.seq)
-        compact_cache(self.kv.cache, base, path)
-        self.kv.append_kept(1 + n)
+        self.kv.keep_path(0, path)
         r.npos += 1 + n
         return [0] if seq.done else []
 
     # ------------------------------------------------------------------ target passes
 
-    def _step_forward(self, ids: torch.Tensor, new_mask: torch.Tensor, pos: torch.Tensor):
-        """A step's target forward over the cache; its features in last_features. A captured
-        step's cache hooks them out itself (a graph's replay runs no hook)."""
+    def _step_forward(self, ids: torch.Tensor, new_mask: torch.Tensor | None, pos: torch.Tensor, **kw):
+        """A step's target forward over the cache (kw: a tree's block, SlotCache.forward); its
+        features in last_features. A captured step's cache hooks them out itself (a graph's
+        replay runs no hook)."""
         if self.step_kind != "eager" and self.tap is not None:
-            out = self.kv.forward(ids, new_mask, pos)
+            out = self.kv.forward(ids, new_mask, pos, **kw)
             self.last_features = out.features
             return out
-        return self._captured(lambda: self.kv.forward(ids, new_mask, pos))
+        return self._captured(lambda: self.kv.forward(ids, new_mask, pos, **kw))
 
     def _captured(self, forward: Callable[[], Any]) -> Any:
         """Run a target forward pass, leaving its features in last_features ([B, S, F]; None

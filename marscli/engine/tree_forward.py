@@ -1,7 +1,10 @@
 """Tree drafts (EAGLE-2-style dynamic trees): the tree, and one target forward over all of it.
 
 The rules walked over a tree live in the rulebook (``marscli.verification.tree.verify_tree``); keeping only
-the accepted path in the cache afterwards is ``marscli.models.kvcache.compact_cache``.
+the accepted path in the cache afterwards is ``compact_cache`` (marscli.models.kvcache: the contiguous
+cache of an eager step at batch size 1) or ``SlotCache.keep_path`` (marscli.models.slots: a static or
+captured step, whose tree forward is ``SlotCache.forward`` with ``tree_block``'s inputs). Both are
+``keep_path`` on the engine's cache.
 
 Words are those of marscli.verification.chain (target, drafter, step, accepted, relaxed, correction, bonus,
 margin statistic, theta, relaxable). A tree adds:
@@ -75,6 +78,16 @@ def tree_inputs(
         pos.unsqueeze(0).to(device),
         mask[None, None].to(device),
     )
+
+
+def tree_block(tree: DraftTree, root_token: int, past_len: int, device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tree step's inputs for a slot cache (marscli.models.slots, which writes root + nodes at
+    past_len .. past_len + N and masks the cache itself): input_ids [1, N+1], position_ids
+    [1, N+1] (past_len + depth) and the ancestor mask [1, N+1, N+1] bool (ancestors and self)."""
+    ids = torch.cat([torch.tensor([root_token], dtype=torch.long), tree.tokens.cpu()])
+    pos = past_len + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth()])
+    return ids[None].to(device), pos[None].to(device), tree.ancestor_mask()[None].to(device)
 
 
 def check_tree_support(model, cache=None) -> None:

@@ -272,6 +272,13 @@ class HoleCache:
         assert not self.masked, "trees run on a contiguous cache"
         self.mask = torch.cat([self.mask, self.mask.new_ones(1, n)], 1)
 
+    def keep_path(self, b: int, path: list[int]) -> None:
+        """After a tree forward (marscli.engine.tree_forward) over the one row: keep the root
+        and the accepted path's nodes (compact_cache), as SlotCache.keep_path does."""
+        assert not self.masked and b == 0, "trees run on a contiguous cache"
+        compact_cache(self.cache, self.mask.shape[1], path)
+        self.append_kept(1 + len(path))
+
     def truncate_row(self, b: int, keep: int) -> None:
         """Mask out row b's valid slots beyond its first `keep` (a per-row rollback)."""
         if not self.masked:

@@ -38,7 +38,7 @@ from marscli.models.kvcache import cache_kw, new_cache, sliding_layers
 GROW = 1.25
 #: Static steps: rows and new tokens per row are padded up to one of these (a graph each).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 #: Static steps on a GPU attend over a span rounded up to this many positions.
 SPAN_BUCKET = 256
 #: At most this many captured graphs are kept (the least recently used goes).
@@ -63,10 +63,39 @@ def write_positions(lengths: list[int], S: int, device) -> torch.Tensor:
     return torch.tensor(lengths, dtype=torch.long, device=device)[:, None] + torch.arange(S, device=device)[None, :]
 
 
-def visible(at: torch.Tensor, span: int) -> torch.Tensor:
-    """The 4D attention mask [B, 1, S, span] of a step writing at `at` [B, S]: query j of row b
-    sees the positions up to its own, at[b, j] (the row's cache, then its new tokens)."""
-    return torch.arange(span, device=at.device)[None, None, None, :] <= at[:, None, :, None]
+def visible(at: torch.Tensor, span: int, block: torch.Tensor | None = None) -> torch.Tensor:
+    """The 4D attention mask [B, 1, S, span] of a step writing at `at` [B, S] (each row's S new
+    tokens at length_b .. length_b + S - 1): query j of row b sees the row's cache and then,
+    among the new tokens, those up to its own (block None: a chain) or those block[b, j] says
+    (block [B, S, S] bool: a draft tree's ancestor mask, each token seeing its ancestors and
+    itself)."""
+    p = torch.arange(span, device=at.device)[None, None, None, :]
+    if block is None:
+        return p <= at[:, None, :, None]
+    B, S = at.shape
+    rel = p[0, 0] - at[:, :1]  # [B, span]: a position's place among the new tokens (< 0: cached)
+    inside = (rel >= 0) & (rel < S)
+    seen = block.gather(2, rel.clamp(0, S - 1)[:, None, :].expand(B, S, span))  # [B, S, span]
+    return ((rel < 0)[:, None, :] | (inside[:, None, :] & seen))[:, None]
+
+
+#: Attention implementations that take a 4D bool mask (True: attend) as is.
+BOOL_MASK_ATTENTION = ("sdpa", "marscli_gqa_sdpa", "marscli_f64_sdpa")
+#: Attention implementations that add the mask to the scores: they get the additive float form
+#: (0: attend, finfo.min: hidden; a bool mask there would be silently wrong).
+ADDITIVE_MASK_ATTENTION = ("eager",)
+
+
+def _attention(model) -> str | None:
+    return getattr(model.config, "_attn_implementation", None)
+
+
+def attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
+    """`mask` (bool, True: attend) in the form `model`'s attention takes."""
+    if _attention(model) not in ADDITIVE_MASK_ATTENTION:
+        return mask
+    return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(
+        ~mask, torch.finfo(model.dtype).min)
 
 
 def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
@@ -78,8 +107,9 @@ def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
 
 
 def supports(model) -> bool:
-    """Whether a slot cache can hold `model`'s keys and values (no sliding-window layer)."""
-    return not sliding_layers(model)
+    """Whether a slot cache can hold `model`'s keys and values: no sliding-window layer, and an
+    attention that takes a custom 4D mask (not flash or flex attention)."""
+    return not sliding_layers(model) and _attention(model) in BOOL_MASK_ATTENTION + ADDITIVE_MASK_ATTENTION
 
 
 def step_on(kind: str, device) -> str:
@@ -205,21 +235,25 @@ class SlotCache:
 
     # ------------------------------------------------------------------ forward and commit
 
-    def forward(self, ids: torch.Tensor, new_mask: torch.Tensor, pos: torch.Tensor, **kw):
-        """Run the model on ids [B, S] over the cache, row b's tokens at positions length_b ..
-        length_b + S - 1 (pos [B, S], the same positions, are its position ids; new_mask is
-        kept for commit: padding at the end of a row is written past its length and never
-        seen). The new positions count once commit() says which stay."""
+    def forward(self, ids: torch.Tensor, new_mask: torch.Tensor | None, pos: torch.Tensor, *,
+                block: torch.Tensor | None = None, **kw):
+        """Run the model on ids [B, S] over the cache, row b's tokens written at length_b ..
+        length_b + S - 1 with position ids pos [B, S] (for a chain the same positions; for a
+        tree, length + depth) and seeing each other as `visible` says (block: a tree's [B, S, S]
+        ancestor mask; None: a chain). new_mask is not read: padding at the end of a row is
+        written past its length and never seen. The new positions count once commit() (or
+        keep_path(), after a tree) says which stay."""
         B, S = ids.shape
         assert B == self.rows, (B, self.rows)
         if self.steps is not None and not kw:
-            return self.steps.run(ids, pos)
+            return self.steps.run(ids, pos, block)
         need = max(self.lengths, default=0) + S
         self._room(B, need)
         self.span = min(self.capacity, _round_up(need, self.bucket))
         at = write_positions(self.lengths, S, ids.device)
         self.write_index = at[:, None, :, None]
-        return self.model(input_ids=ids, attention_mask=visible(at, self.span), position_ids=pos,
+        mask = attention_mask(self.model, visible(at, self.span, block))
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                           **cache_kw(self.model, self.cache), use_cache=True, **kw)
 
     def commit(self, new_mask: torch.Tensor) -> None:
@@ -231,6 +265,19 @@ class SlotCache:
     def truncate_row(self, b: int, keep: int) -> None:
         """Row b keeps its first `keep` positions (a rollback: a length change)."""
         self.lengths[b] = min(self.lengths[b], keep)
+
+    def keep_path(self, b: int, path: list[int]) -> None:
+        """After a tree step on row b (root at its length, node i at length + 1 + i): the row
+        keeps the root and the accepted path's nodes (path order), moved to follow the root,
+        as if fed as a chain (their keys carry the positions length + depth, the chain's)."""
+        start = self.lengths[b] + 1
+        n = len(path)
+        if path != list(range(n)):
+            src = torch.tensor(path, dtype=torch.long, device=self.device) + start
+            for layer in self.layers():
+                for buf in (layer.kbuf, layer.vbuf):
+                    buf[b, :, start:start + n] = buf[b, :, src]  # the gather copies first
+        self.lengths[b] = start + n
 
     def trim(self) -> None:
         """Nothing to trim: a row has no holes."""
@@ -328,7 +375,7 @@ class StaticSteps:
             "ids": torch.full((Bb, Sb), self.cache.pad_id, dtype=torch.long, device=device),
             "pos": torch.zeros(Bb, Sb, dtype=torch.long, device=device),
             "at": torch.zeros(Bb, 1, Sb, 1, dtype=torch.long, device=device),
-            "mask": torch.zeros(Bb, 1, Sb, L, dtype=torch.bool, device=device),
+            "mask": attention_mask(self.cache.model, torch.zeros(Bb, 1, Sb, L, dtype=torch.bool, device=device)),
         }
 
     def _forward(self, st: dict, L: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -355,7 +402,8 @@ class StaticSteps:
         return StepOutput(self.head(hidden) if self.split else hidden,
                           None if features is None else features[:B, :S])
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor) -> StepOutput:
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, block: torch.Tensor | None = None) -> StepOutput:
+        """One step (block: a tree's ancestor mask, see SlotCache.forward) at its shape."""
         import time
 
         c = self.cache
@@ -379,7 +427,11 @@ class StaticSteps:
         st["pos"].copy_(at)
         st["pos"][:B, :S] = pos
         st["at"].copy_(at[:, None, :, None])
-        st["mask"].copy_(visible(at, L))
+        if block is not None:  # padding tokens see as a chain's would; real ones never see them
+            full = torch.ones(Sb, Sb, dtype=torch.bool, device=ids.device).tril().repeat(Bb, 1, 1)
+            full[:B, :S, :S] = block
+            block = full
+        st["mask"].copy_(attention_mask(c.model, visible(at, L, block)))
         if not c.graphs:
             return self._logits(self._forward(st, L), B, S)
         if fresh or "graph" not in st:

@@ -432,6 +432,29 @@ def test_captured_step_shapes_feed_the_head_its_features(target, heads, referenc
         assert sum(r.stats.accepted for r in b.values()) > 0  # the head drafted from real features
 
 
+@pytest.mark.parametrize("verify", [VerifyConfig(), VerifyConfig("mars", 0.05, "prob-ratio")], ids=["strict", "mars"])
+def test_captured_tree_steps_give_the_eager_trees_records(target, heads, references, verify):
+    """An EAGLE-3 tree step at a captured step's shapes (a slot cache, the tree's ancestor mask
+    in the step's mask, the head's features out of the step): strict greedy records equal
+    generate(), and every record, greedy and sampled, equals the eager tree step's."""
+    from marscli.models.slots import SlotCache
+
+    wide = dict(tree_depth=6, tree_top_k=4, tree_tokens=30)
+    eager, static = (make_engine(target, "eagle3", heads["fitted"], **wide, verify=verify, compile_mode=m)
+                     for m in ("off", "static"))
+    assert static.step_kind == "static"
+    for s in (SamplingParams(max_tokens=MAX_NEW), SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=5)):
+        for p in PROMPTS + HELD_OUT:
+            ids = target.tokenizer(p).input_ids
+            a, b = eager.generate_ids(ids, s), static.generate_ids(ids, s)
+            assert a.token_ids == b.token_ids, p
+            assert a.stats.to_dict() == b.stats.to_dict(), p
+            if s.greedy and verify.rule.name == "strict" and p in references:
+                assert b.token_ids == references[p]
+    assert isinstance(static.kv, SlotCache) and any(S >= 16 for _, S, _ in static.kv.steps.shapes)
+    assert b.stats.tree_nodes > 0
+
+
 def test_chain_mars_greedy_emits_only_top1_or_relaxable_top2(target, heads):
     theta = 0.3
     eng = make_engine(target, "eagle3", heads["fitted"], k=4, verify=VerifyConfig("mars", theta, "prob-ratio"))

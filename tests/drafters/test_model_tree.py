@@ -156,6 +156,31 @@ def test_an_int8_target_verifies_sibling_trees_exactly(tiny_model_dir, tiny_draf
     assert nodes > 0
 
 
+@pytest.mark.parametrize("verify", [VerifyConfig(), VerifyConfig.from_rule(Rule("mars", 0.3, "prob-ratio"))],
+                         ids=["strict", "mars"])
+def test_captured_tree_steps_give_the_eager_trees_records(target, near, monkeypatch, verify):
+    """A tree step at a captured step's shapes (the slot cache; run eagerly as a CPU can): the
+    tree at a padded token count, the accepted path kept by keep_path. Every record, greedy and
+    sampled, equals the eager tree step's (contiguous cache, compact_cache), tokens and
+    statistics, and some accepted paths went through a sibling (a path moved in the slot)."""
+    from marscli.models.slots import SlotCache
+
+    spy = Spy(monkeypatch)
+    engines = [build_engine(target, near, verify, tree_cfg(), compile_mode=m) for m in ("off", "static")]
+    assert [e.step_kind for e in engines] == ["eager", "static"]
+    for e in engines:
+        e.reference = reference_costs(0.25)  # `near` is the target's size: let the relaxed rows draft
+    for s in (SamplingParams(max_tokens=32), SamplingParams(max_tokens=32, temperature=0.8, seed=2)):
+        for text in PROMPTS:
+            ids = target.tokenizer(text).input_ids
+            a, b = (e.generate_ids(ids, s) for e in engines)
+            assert a.token_ids == b.token_ids, text
+            assert a.stats.to_dict() == b.stats.to_dict(), text
+    kv = engines[1].kv
+    assert isinstance(kv, SlotCache) and any(S > 1 for _, S, _ in kv.steps.shapes)
+    assert spy.sibling_paths > 0
+
+
 def test_mars_greedy_with_a_draft_model_tree_is_reproducible_and_relaxes(target, near):
     """MARS over sibling trees: a record's text is the same alone and again (the chain's length
     follows the reference curve), and the rule does relax."""

@@ -54,3 +54,59 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(capsys):
     assert got and kv.graphs is False and kv.steps.captures == 0 and kv.steps.capture_error
     err = capsys.readouterr().err
     assert err.count("capturing a step as a CUDA graph failed") == 1
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_a_tree_step_on_a_slot_cache_is_the_contiguous_tree_step(static):
+    """A draft tree over a slot cache (its ancestor mask as SlotCache.forward's block) gives
+    the logits the contiguous tree forward gives, beside another row; keeping the accepted path
+    (keep_path) leaves the row as if root and path had been fed as a chain: the next step's
+    logits equal a plain forward of the row's sequence."""
+    from marscli.engine.tree_forward import tree_block, tree_forward
+    from marscli.models.kvcache import cache_kw, new_cache
+    from marscli.verification.tree import DraftTree
+
+    model = tiny_llama(512)
+    gen = torch.Generator().manual_seed(5)
+    seq = torch.randint(0, 50, (9,), generator=gen).tolist()
+    # root's children 0, 1; 0's children 2, 3; 3's child 4; 1's child 5
+    tree = DraftTree(torch.randint(0, 50, (6,), generator=gen), torch.tensor([-1, -1, 0, 0, 3, 1]))
+    kv = SlotCache(model, "cpu", slots=1, static=static)
+    with torch.inference_mode():
+        kv.add_prefilled([7, 3, 9, 1])  # a neighbour in slot 0: the tree's row is slot 1
+        kv.add_prefilled(seq[:-1])
+        base = len(seq) - 1
+        ids, pos, block = tree_block(tree, seq[-1], base, "cpu")
+        other = torch.tensor([[5] + [0] * 6])
+        kv_ids = torch.cat([other, ids])
+        kv_pos = torch.cat([torch.tensor([[4] + [0] * 6]), pos])
+        chain = torch.ones(1, 7, 7, dtype=torch.bool).tril()
+        out = kv.forward(kv_ids, None, kv_pos, block=torch.cat([chain, block])).logits
+        c = new_cache(model)
+        model(input_ids=torch.tensor([seq[:-1]]), **cache_kw(model, c), use_cache=True)
+        ref, _ = tree_forward(model, c, tree, seq[-1], base)
+        torch.testing.assert_close(out[1].float(), ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[0, 0], model(input_ids=torch.tensor([[7, 3, 9, 1, 5]])).logits[0, -1],
+                                   rtol=1e-4, atol=1e-4)
+        path = [0, 3, 4]
+        kv.truncate_row(0, 4)  # the neighbour keeps nothing new
+        kv.keep_path(1, path)
+        assert kv.lengths == [4, base + 1 + len(path)]
+        grown = seq + [int(tree.tokens[i]) for i in path]
+        nxt = kv.forward(torch.tensor([[5], [11]]), None, torch.tensor([[4], [len(grown)]])).logits
+        plain = model(input_ids=torch.tensor([grown + [11]])).logits[0, -1]
+        torch.testing.assert_close(nxt[1, 0], plain, rtol=1e-4, atol=1e-4)
+
+
+def test_eager_attention_gets_an_additive_mask():
+    """A model on transformers' eager attention (which adds the mask to the scores) walks the
+    slot cache as an sdpa one does; flash attention (no custom 4D mask) is not held."""
+    from marscli.models.slots import supports
+
+    model = tiny_llama(512)
+    model.set_attn_implementation("eager")
+    assert supports(model)
+    cache_walk(SlotCache(model, "cpu", slots=2), model)  # checks every row against a plain forward
+    cache_walk(SlotCache(model, "cpu", slots=2, static=True), model)
+    model.config._attn_implementation = "flash_attention_2"
+    assert not supports(model)
