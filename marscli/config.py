@@ -30,8 +30,8 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 8
 #: The bound of a run's prefix cache, MiB (--prefix-cache; marscli.models.prefill).
 DEFAULT_PREFIX_CACHE_MIB = 512
-#: --compile: auto (captured steps on CUDA, eager on a CPU), on (CUDA only), off
-#: (marscli.models.slots, docs/engine.md "The captured step").
+#: --compile: auto (captured steps on CUDA, eager on a CPU), on (captured on CUDA, compiled by
+#: torch.compile on a CPU), off (marscli.models.slots, docs/engine.md "The captured step").
 COMPILE_MODES = ("auto", "on", "off")
 #: EAGLE-3 tree drafting defaults, EAGLE-3's own (eagle/model/ea_model.py): depth 7, top-k 10,
 #: 60 tokens (the MARS paper's runs: depth 6-7, top-k 10, 50-60 tokens).
@@ -378,7 +378,7 @@ class GenerationOptions:
     auto_profile: bool = _opt(True, "profile", PANEL_VERIFY, "Pick a profile matching the target and drafter by itself (default), or not (--no-profile).", "--auto-profile/--no-profile")
     # batching
     batch_size: int = _opt(1, "batch", PANEL_MODEL, "Records decoded together, each with its own drafts and acceptance; a finished record's place goes to the next one. Same outputs as 1 (the default).", "--batch-size", min=1)
-    compile: str = _opt("auto", "batch", PANEL_MODEL, "Captured steps on CUDA: the target's and draft model's keys and values stay in slots and each step shape is captured once and replayed as a CUDA graph. 'auto' (default): on CUDA, off on a CPU (where torch.compile measured no faster than marscli's own kernels); 'on': CUDA only; 'off': every forward eager. Same tokens in float32.", "--compile")
+    compile: str = _opt("auto", "batch", PANEL_MODEL, "Captured steps: the target's and draft model's keys and values stay in slots, and each step shape is captured once (on CUDA a CUDA graph, replayed every step; on a CPU compiled by torch.compile). 'auto' (default): captured on CUDA, eager on a CPU (where compiled steps measured slower than marscli's own kernels); 'on': captured on CUDA, compiled on a CPU; 'off': every forward eager. CUDA graphs give the eager tokens; compiled kernels may round differently at near-ties.", "--compile")
     prefix_cache: float = _opt(DEFAULT_PREFIX_CACHE_MIB, "batch", PANEL_MODEL, f"MiB of prompt keys/values kept so that a prompt prefix shared by several records (a system prompt, few-shot examples, a document with many questions, the n choices of a record) is computed once; least recently used first out; 0 = off. Default {DEFAULT_PREFIX_CACHE_MIB}. Same outputs either way.", "--prefix-cache", min=0.0)
 
 

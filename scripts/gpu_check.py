@@ -62,6 +62,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--tiny", action="store_true", help="a tiny model instead of the Llama-3-8B shape")
+    p.add_argument("--model", default=None,
+                   help="a real target instead of a random one: 'default' (the embedded model), a hub id in "
+                        "the local cache or a folder (path 'model'; with mode 'model' a random draft model "
+                        "of its vocabulary)")
+    p.add_argument("--quant", default=None, help="--model's --quant (int8: CPU)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated of {', '.join(PATHS)}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {', '.join(MODES)}")
@@ -119,6 +124,15 @@ def save_random_model(folder: Path, shape: dict, device: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
     log(f"random model: {n / 1e9:.2f} B parameters, saved in {time.perf_counter() - t0:.0f} s to {folder}")
+
+
+def load_real(source: str, device: str, quant: str | None):
+    from marscli.config import ModelConfig
+    from marscli.models.loading import load_model
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    return load_model(ModelConfig(None if source == "default" else source, dtype=dtype, device=device,
+                                  quant=quant), log=log)
 
 
 def load_path(folder: Path, path: str, device: str, max_memory: str | None):
@@ -358,6 +372,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    from marscli.engine.scheduler import step_kind
+
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         log("no CUDA device: use --device cpu --tiny --compile off,static")
@@ -378,17 +394,24 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         folder = Path(tmp) / "random-llama"
-        save_random_model(folder, shape, device)
+        real = None
+        if args.model is not None:  # a real target: one path
+            paths = ["model"]
+            real = load_real(args.model, device, args.quant)
+            text = real.model.config
+            shape = dict(shape, vocab_size=text.vocab_size, max_position_embeddings=text.max_position_embeddings)
+        else:
+            save_random_model(folder, shape, device)
         draft_folder = None
         if "model" in modes:
             draft_folder = Path(tmp) / "random-draft"
             save_random_model(draft_folder, dict(shape, **DRAFT_BODY), device)
         for path in paths:
-            if device != "cuda" and path != "bf16":
+            if device != "cuda" and path not in ("bf16", "model"):
                 log(f"{path}: skipped (needs CUDA)")
                 continue
             try:
-                target = load_path(folder, path, device, args.max_memory)
+                target = real if path == "model" else load_path(folder, path, device, args.max_memory)
             except Exception as e:  # noqa: BLE001 - report and go on to the next path
                 log(f"{path}: cannot load: {type(e).__name__}: {e}")
                 rows.append({"path": path, "error": f"{type(e).__name__}: {e}"})
@@ -398,9 +421,9 @@ def main(argv=None) -> int:
             timer = ForwardTimer(target.model, target.device.type)
             V = shape["vocab_size"]
             try:
-                if ns and path == "bf16":
+                if ns and path in ("bf16", "model"):
                     for c in compiles:
-                        kind = {"off": "eager", "static": "static"}.get(c, "graphs" if device == "cuda" else "eager")
+                        kind = step_kind(c, target.device, target.model)
                         try:
                             table = step_table(target, kind, [int(b) for b in args.step_batch_sizes.split(",") if b],
                                                ns, args.step_context, bandwidth)
@@ -454,7 +477,7 @@ def main(argv=None) -> int:
                                 + (f"  x{row['speedup_vs_eager']:.2f} eager, outputs "
                                    f"{'=' if row['same_as_eager'] else '!='} eager" if "same_as_eager" in row else ""))
                 for bs in [int(b) for b in args.jobs.split(",") if b]:
-                    if path != "bf16":
+                    if path not in ("bf16", "model"):
                         continue
                     prompts = prompts_for(args.job_records or 2 * bs, V, seed=1)
                     for c in compiles:
@@ -471,6 +494,7 @@ def main(argv=None) -> int:
             finally:
                 timer.close()
                 del target, head, draft
+                real = None
                 if device == "cuda":
                     torch.cuda.empty_cache()
     for r in rows:

@@ -315,20 +315,23 @@ class BatchedEagle3Drafter:
         tokens: list[list[int]] = [[] for _ in act]
         probs: list[list[torch.Tensor]] = [[] for _ in act]
         kmax = max(ks[b] for b in active)
+        greedy = [r.sampling.greedy for r in act]
         for i in range(kmax):
             logits = head.draft_logits(out[:, 0])  # [B, Dv]
-            toks = torch.zeros(B, dtype=torch.long, device=dev)
+            # Greedy rows: one argmax over the batch and one transfer a draft position.
+            toks = head.to_target(logits.argmax(-1))  # [B]
+            picked = toks.tolist() if any(greedy) else None
             for j, r in enumerate(act):
                 if i >= ks[active[j]]:
                     continue
                 s = r.sampling
                 if s.greedy:
-                    d = logits[j].argmax().view(1)
-                else:
-                    q = sampling_probs(logits[j: j + 1], s.temperature, s.top_k, s.top_p)  # [1, Dv]
-                    u = torch.rand(1, generator=r.generator)
-                    d = sample_from(q.cpu(), u).to(dev)
-                    probs[j].append(head.target_probs(q[0], self.vocab_size))
+                    tokens[j].append(picked[j])
+                    continue
+                q = sampling_probs(logits[j: j + 1], s.temperature, s.top_k, s.top_p)  # [1, Dv]
+                u = torch.rand(1, generator=r.generator)
+                d = sample_from(q.cpu(), u).to(dev)
+                probs[j].append(head.target_probs(q[0], self.vocab_size))
                 tok = head.to_target(d)
                 toks[j] = tok[0]
                 tokens[j].append(int(tok))

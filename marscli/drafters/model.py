@@ -11,7 +11,7 @@ from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Pr
 from marscli.drafters.kinds import MODEL
 from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback
 from marscli.models.prefill import DRAFT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
-from marscli.models.slots import SlotCache, step_on, supports
+from marscli.models.slots import SlotCache, supports
 from marscli.verification.chain import sample_from, sampling_probs
 
 
@@ -234,7 +234,7 @@ class BatchedModelDrafter(DraftModelSettings):
     feature_layers: tuple[int, ...] = ()
     tree = None
     slot_cache = True
-    step_kind = "eager"  # the engine's (Engine.step_kind): "graphs", "static" or "eager"
+    step_kind = "eager"  # the engine's (Engine.step_kind): "graphs", "compiled", "static" or "eager"
 
     def __init__(self, model, k_max: int, **kw):
         super().__init__(model, k_max, **kw)
@@ -247,9 +247,7 @@ class BatchedModelDrafter(DraftModelSettings):
         # Its rows in slots (marscli.models.slots) where the model allows, else with holes;
         # its steps captured as the engine's are (step_kind, set by the engine).
         if self.slot_cache and self.slots_fit:
-            kind = step_on(self.step_kind, self.device)
-            self.kv = SlotCache(self.model, self.device, pad_id=self.pad_id, static=kind == "static",
-                                graphs=kind == "graphs")
+            self.kv = SlotCache.for_step(self.model, self.device, self.step_kind, pad_id=self.pad_id)
         else:
             self.kv = HoleCache(self.model, self.device, masked=True)
         self.rows: list[_Row] = []

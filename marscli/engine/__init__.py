@@ -44,8 +44,8 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     batch size > 1)."""
 
     try:
-        # A captured engine's draft model steps captured too, at batch size 1 as well.
-        captured = step_kind(compile_mode, target.device, target.model) == "graphs"
+        # A captured (or compiled) engine's draft model steps so too, at batch size 1 as well.
+        captured = step_kind(compile_mode, target.device, target.model) in ("graphs", "compiled")
     except ValueError as e:
         raise UsageError(str(e)) from None
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,
@@ -60,9 +60,12 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     if drafter_kind(draft_cfg.kind).drafts:
         engine.reference = reference_costs(draft_ratio(target.model, draft_model))
     if drafter_kind(draft_cfg.kind).drafts and draft_cfg.adaptive and (not draft_cfg.tree or draft_cfg.sibling_tree):
+        # Compiled steps (a CPU's --compile on) are timed at their shapes, eagerly: compiling
+        # each timed shape would take minutes (docs/engine.md, "The captured step").
+        timed = "static" if engine.step_kind == "compiled" else engine.step_kind
         try:  # after the engine installed its CPU kernels: the costs of the forwards it runs
             engine.costs = step_costs(target, draft_model, draft_cfg.kind, batch_size,
-                                      note=note or (lambda _: None), step=engine.step_kind)
+                                      note=note or (lambda _: None), step=timed)
         except ValueError as e:  # a $MARSCLI_COSTS file that does not read
             raise UsageError(str(e)) from None
     return engine

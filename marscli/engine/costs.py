@@ -204,7 +204,7 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
         kv = [(layer.keys, layer.values) for layer in one.layers()]
         for B in batch_sizes:
             if step != "eager":
-                kvc = SlotCache(model, device, slots=B, static=True, graphs=step == "graphs")
+                kvc = SlotCache.for_step(model, device, step, slots=B)
                 kvc.add_rows([(kv, context)] * B)
             elif B == 1:
                 kvc = one

@@ -131,30 +131,26 @@ def fill_order(rows: int, gone: list[int]) -> list[int]:
 
 
 def step_kind(mode: str, device, model) -> str:
-    """How an engine's steps run for --compile `mode` (config.COMPILE_MODES): "graphs" (static
-    shapes replayed as CUDA graphs) on CUDA for auto and on, else "eager". "static" (an
-    internal mode) runs the captured step's shapes eagerly: what tests check on a CPU. A draft
-    tree's step is captured too (the tree at a step's shape: SlotCache.forward's block).
-    Models a slot cache cannot hold (sliding windows, flash attention) stay eager; an EAGLE-3
-    head's target features are outputs of the captured step (the head's own forward stays
-    eager). On a CPU `on` is refused:
-    torch.compile measured no faster there and cannot compile marscli's own CPU kernels
-    (docs/engine.md, "The captured step")."""
+    """How an engine's steps run for --compile `mode` (config.COMPILE_MODES):
+
+    - "graphs": static shapes replayed as CUDA graphs; on CUDA for auto and on;
+    - "compiled": static shapes compiled by torch.compile (inductor); on a CPU for on only:
+      auto stays eager there, because compiled steps measured slower than marscli's eager CPU
+      kernels (docs/engine.md, "The captured step");
+    - "static" (an internal mode): the captured step's shapes, run eagerly (what tests check
+      on a CPU);
+    - "eager" otherwise, and for models a slot cache cannot hold (sliding windows, flash
+      attention).
+
+    Chain and tree steps alike; an EAGLE-3 head's target features are outputs of the step (the
+    head's own forward stays eager)."""
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return "eager"
     if not supports_slots(model):
         return "eager"
     if mode == "static":
         return "static"
-    if device.type != "cuda":
-        raise ValueError(COMPILE_CPU_MESSAGE)
-    return "graphs"
-
-
-#: Why --compile on is refused off CUDA.
-COMPILE_CPU_MESSAGE = (
-    "--compile on needs a CUDA device: on a CPU torch.compile measured no faster than marscli's "
-    "eager kernels and cannot compile them (docs/engine.md, 'The captured step'); use --compile auto or off")
+    return "graphs" if device.type == "cuda" else "compiled"
 
 
 class Engine:
@@ -228,7 +224,8 @@ class Engine:
         #: False: the hole cache (marscli.models.kvcache.HoleCache), as before it.
         self.slot_cache = slot_cache
         #: How a step's forward runs: "eager"; "graphs" (static shapes replayed as CUDA
-        #: graphs); "static" (those shapes, eagerly: tests). step_kind() says when.
+        #: graphs); "compiled" (those shapes compiled by torch.compile); "static" (those
+        #: shapes, eagerly: tests). step_kind() says when.
         self.compile_mode = compile_mode
         self.step_kind = step_kind(compile_mode, self.device, self.model)
         if self.step_kind != "eager" and not slot_cache:
@@ -380,8 +377,8 @@ class Engine:
         # The target's cache, one row per record: masked with holes when rows share it,
         # rolled back in place at batch size 1.
         if self.step_kind != "eager":  # at every batch size, batch size 1 included
-            self.kv = SlotCache(self.model, self.device, slots=self.batch_size, pad_id=self.pad_id,
-                                static=True, graphs=self.step_kind == "graphs", tap=self.tap)
+            self.kv = SlotCache.for_step(self.model, self.device, self.step_kind, slots=self.batch_size,
+                                         pad_id=self.pad_id, tap=self.tap)
         elif self.batch_size > 1 and self.slot_cache:
             self.kv = SlotCache(self.model, self.device, slots=self.batch_size)
         else:

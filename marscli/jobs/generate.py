@@ -162,6 +162,20 @@ def prefill_summary(engine) -> str:
             f" (+{p.padded} padding), {p.reused} reused from the prefix cache, {engine.prefill_seconds:.1f} s")
 
 
+def steps_summary(engine) -> str | None:
+    """How the run's steps ran when not eagerly (--compile): the shapes captured as CUDA graphs
+    or compiled, and the seconds that took (said once, at the end); None for eager steps."""
+    if engine.step_kind == "eager":
+        return None
+    steps = engine.kv.steps
+    what = {"graphs": "captured as CUDA graphs", "compiled": "compiled by torch.compile"}.get(
+        engine.step_kind, "run at static shapes")
+    line = f"steps ({engine.step_kind}): {steps.captures} shapes {what} in {steps.capture_seconds:.1f} s"
+    if steps.capture_error:
+        line += f"; then eager ({steps.capture_error})"
+    return line
+
+
 class GenerateRun:
     """One `marscli generate` run; holds what the cleanup paths need to report."""
 
@@ -290,6 +304,8 @@ class GenerateRun:
         earlier = f"; {self.done_before} more were done before resuming" if self.done_before else ""
         log.info(totals.summary(len(todo), failed - sum(done.values())) + earlier)
         log.info(prefill_summary(gen.engine))
+        if (line := steps_summary(gen.engine)) is not None:
+            log.info(line)
         return EXIT_RECORDS_FAILED if failed else EXIT_OK
 
     # ------------------------------------------------------------------ data parallel

@@ -107,7 +107,8 @@ def _patch(linear: nn.Linear, lo: int, hi: int, packed: bool) -> None:
         rows = x.numel() // x.shape[-1]
         w = linear.weight
         pw = getattr(linear, _PACKED, None)
-        if pw is not None and rows >= PACKED_FROM and not torch.is_grad_enabled():
+        # (inductor cannot lower the packed product: a compiled step, --compile on, takes the others)
+        if pw is not None and rows >= PACKED_FROM and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             b = None if linear.bias is None else linear.bias.detach()
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), pw, b, "none", [], "")
             return y.reshape(*x.shape[:-1], w.shape[0])

@@ -14,8 +14,9 @@ B slots through a mask that lets query j of row b see positions ``<= length_b + 
 - shapes depend only on (rows, new tokens, span), so a step can be captured once per bucket
   (``span`` rounds up to ``bucket`` positions; at bucket 1 it is exactly what the rows need).
 
-With ``static`` every forward runs at bucketed shapes on input buffers that outlive it, and
-with ``graphs`` (CUDA) each shape is captured once as a CUDA graph and replayed
+With ``static`` every forward runs at bucketed shapes on input buffers that outlive it; with
+``graphs`` (CUDA) each shape is captured once as a CUDA graph and replayed, and with
+``compiled`` (``--compile on`` on a CPU) each shape is compiled once by torch.compile
 (`StaticSteps`; the engine's `--compile`, docs/engine.md "The captured step").
 
 It has the masked HoleCache's interface (forward / commit / truncate_row / add_rows /
@@ -114,7 +115,7 @@ def supports(model) -> bool:
 
 def step_on(kind: str, device) -> str:
     """The step kind (Engine.step_kind) a cache on `device` runs: CUDA graphs need CUDA (a
-    draft model placed elsewhere than its target runs eagerly)."""
+    draft model placed elsewhere than its target runs eagerly); a compiled step runs anywhere."""
     return "eager" if kind == "graphs" and torch.device(device).type != "cuda" else kind
 
 
@@ -179,16 +180,19 @@ class SlotCache:
     masked = True
 
     def __init__(self, model, device, *, slots: int = 1, bucket: int = 1, static: bool = False,
-                 graphs: bool = False, pad_id: int = 0, tap=None):
+                 graphs: bool = False, compiled: bool = False, pad_id: int = 0, tap=None):
         self.model = model
         self.device = device
         #: A FeatureTap (EAGLE-3): static steps hook its features out of the forward (in a
         #: graph, as outputs of the graph) and return them with the logits.
         self.tap = tap
         #: static: every forward runs at bucketed shapes (rows, new tokens, span) on buffers
-        #: that outlive it (StaticSteps); graphs: and is captured as a CUDA graph per shape.
-        self.static = static or graphs
+        #: that outlive it (StaticSteps); graphs: and is captured as a CUDA graph per shape;
+        #: compiled: and is compiled by torch.compile (inductor) per shape (`--compile on` on
+        #: a CPU).
+        self.static = static or graphs or compiled
         self.graphs = graphs
+        self.compiled = compiled and not graphs
         self.bucket = max(1, bucket if not self.static or bucket > 1 else
                           (SPAN_BUCKET if graphs else 1))
         self.initial_slots = max(1, bucket_of(slots, ROW_BUCKETS) if self.static else slots)
@@ -208,6 +212,14 @@ class SlotCache:
         self.lengths: list[int] = []  # per row (= slot), host side
         self.span = 0
         self.write_index: torch.Tensor | None = None
+
+    @classmethod
+    def for_step(cls, model, device, kind: str, **kw) -> SlotCache:
+        """A slot cache whose forwards run as step kind `kind` does (Engine.step_kind: "eager",
+        "static", "graphs" or "compiled"; step_on says what runs on `device`)."""
+        kind = step_on(kind, device)
+        return cls(model, device, static=kind != "eager", graphs=kind == "graphs",
+                   compiled=kind == "compiled", **kw)
 
     @property
     def rows(self) -> int:
@@ -358,9 +370,10 @@ class StaticSteps:
     def __init__(self, cache: SlotCache):
         self.cache = cache
         self.shapes: dict[tuple[int, int, int], dict] = {}
-        self.captures = 0  # graphs captured (for reports and tests)
+        self.captures = 0  # shapes captured as graphs or compiled (for reports and tests)
         self.capture_error: str | None = None  # why capturing failed (then steps run eagerly)
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # spent capturing or compiling (the first step of a shape)
+        self.compiled_forward = None  # torch.compile of _forward (compiled caches), made once
         self.pool = None
         model = cache.model
         self.head = model.get_output_embeddings() if type(model).__name__ in SPLIT_HEAD else None
@@ -432,6 +445,8 @@ class StaticSteps:
             full[:B, :S, :S] = block
             block = full
         st["mask"].copy_(attention_mask(c.model, visible(at, L, block)))
+        if c.compiled:
+            return self._logits(self._compiled(st, L, fresh), B, S)
         if not c.graphs:
             return self._logits(self._forward(st, L), B, S)
         if fresh or "graph" not in st:
@@ -459,13 +474,42 @@ class StaticSteps:
         st["graph"].replay()
         return self._logits(st["out"], B, S)
 
+    def _compiled(self, st: dict, L: int, fresh: bool):
+        """The shape's forward compiled by torch.compile (inductor; one compilation per shape,
+        kept by dynamo's cache for the run), or eagerly if compiling fails (give_up)."""
+        import time
+
+        if self.compiled_forward is None:
+            import torch._dynamo
+
+            config = torch._dynamo.config
+            for name in ("recompile_limit", "cache_size_limit"):  # a compilation per shape
+                if hasattr(config, name):
+                    setattr(config, name, max(getattr(config, name), MAX_GRAPHS))
+            self.compiled_forward = torch.compile(self._forward, dynamic=False)
+        t0 = time.perf_counter()
+        try:
+            out = self.compiled_forward(st, L)
+        except Exception as e:  # noqa: BLE001 - a forward that cannot be compiled still runs
+            if not fresh:
+                raise
+            self.give_up(e)
+            return self._forward(st, L)
+        if fresh:
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - t0
+        return out
+
     def give_up(self, error: Exception) -> None:
-        """A capture failed: this cache's steps run eagerly from now on (at the same static
-        shapes), said once on stderr; the records go on."""
+        """A capture (or compilation) failed: this cache's steps run eagerly from now on (at
+        the same static shapes), said once on stderr; the records go on."""
         import sys
 
-        self.cache.graphs = False
+        c = self.cache
+        what = "capturing a step as a CUDA graph" if c.graphs else "compiling a step (torch.compile)"
+        c.graphs = c.compiled = False
+        self.compiled_forward = None
         self.capture_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         self.clear()
-        sys.stderr.write(f"marscli: capturing a step as a CUDA graph failed ({self.capture_error}); "
-                         "this run's steps run eagerly (--compile off skips capturing)\n")
+        sys.stderr.write(f"marscli: {what} failed ({self.capture_error}); "
+                         "this run's steps run eagerly (--compile off skips it)\n")

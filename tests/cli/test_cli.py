@@ -43,6 +43,26 @@ def test_generate_writes_jsonl_in_order(runner, tiny_model_dir, tmp_path):
     assert "done:" not in r.stdout
 
 
+def test_generate_compile_on_says_what_it_compiled(runner, tiny_model_dir, tmp_path):
+    """--compile on on a CPU: the steps are compiled (torch.compile), the records are those of
+    --compile off, the result spec records it, and stderr says once how many shapes compiled
+    in how long; a wrong value is a usage error."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "the quick brown fox"},
+                                              {"id": "b", "prompt": "one two"}])
+    base = ["generate", str(src), "--target", str(tiny_model_dir), "--max-tokens", "5", "--token-ids",
+            "--draft", "none"]
+    off = runner.invoke(app, base + ["--compile", "off"])
+    on = runner.invoke(app, base + ["--compile", "on"])
+    assert off.exit_code == on.exit_code == EXIT_OK, on.stderr
+    a, b = parse_stdout(off.stdout), parse_stdout(on.stdout)
+    assert [x["token_ids"] for x in a] == [x["token_ids"] for x in b]
+    assert all(x["spec"].get("compile") == "compiled" for x in b) and all("compile" not in x["spec"] for x in a)
+    assert on.stderr.count("steps (compiled): ") == 1 and "shapes compiled by torch.compile in" in on.stderr
+    assert "steps (" not in off.stderr
+    bad = runner.invoke(app, base + ["--compile", "sometimes"])
+    assert bad.exit_code == EXIT_USAGE and "--compile takes auto, on, off; got 'sometimes'" in bad.stderr
+
+
 def test_bad_records_become_error_results(runner, tiny_model_dir, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [
         {"id": "ok", "prompt": "hello"},

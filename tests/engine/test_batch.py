@@ -208,11 +208,24 @@ def test_captured_step_shapes_give_the_same_records(target, draft, kind, vcfg):
             assert drafters.kv.steps is not None and drafters.kv.steps.shapes
 
 
-def test_compile_on_is_refused_on_a_cpu(target):
-    """--compile on off CUDA: a clear error, before any record runs; auto and off run eagerly."""
+def test_compile_on_compiles_the_step_on_a_cpu(target, capsys):
+    """--compile on on a CPU compiles the static step shapes with torch.compile: strict greedy and
+    MARS records at batch 2, rows joining and leaving, equal the eager engine's records alone;
+    auto and off stay eager on a CPU."""
     dcfg = ngram_cfg(k=3)
-    with pytest.raises(ValueError, match="--compile on needs a CUDA device"):
-        Engine(target, build_drafters(dcfg, target, None, batch_size=2), STRICT.rule, dcfg, 2, compile_mode="on")
+    prompts = PROMPTS[:3]
+    samplings = [SamplingParams(max_tokens=12 + 4 * i) for i in range(len(prompts))]
+    for vcfg in (STRICT, MARS):
+        factory = lambda: build_drafter(dcfg, target)  # noqa: E731
+        ref = singles(target, factory, vcfg, dcfg, prompts, samplings)
+        engine = Engine(target, build_drafters(dcfg, target, None, batch_size=2), vcfg.rule, dcfg, 2,
+                        compile_mode="on")
+        assert engine.step_kind == "compiled"
+        got = dict(engine.run(range(len(prompts)), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
+        assert [got[i].token_ids for i in range(len(prompts))] == [r.token_ids for r in ref]
+        steps = engine.kv.steps
+        assert steps.captures > 0 and steps.capture_error is None and steps.capture_seconds > 0
+    assert "failed" not in capsys.readouterr().err
     for mode in ("auto", "off"):
         engine = Engine(target, build_drafters(dcfg, target, None, batch_size=2), STRICT.rule, dcfg, 2,
                         compile_mode=mode)
