@@ -418,6 +418,10 @@ def main(argv=None) -> int:
                 continue
             head = tiny_head(target) if any(m.startswith("eagle3") for m in modes) else None
             draft = load_path(draft_folder, "bf16", device, None) if draft_folder is not None else None
+            if target.device.type == "cpu":  # what every engine installs first: the steps it runs
+                from marscli.models.fastpath import install_cpu_fastpath
+
+                install_cpu_fastpath(target.model)
             timer = ForwardTimer(target.model, target.device.type)
             V = shape["vocab_size"]
             try:

@@ -378,6 +378,10 @@ class StaticSteps:
         model = cache.model
         self.head = model.get_output_embeddings() if type(model).__name__ in SPLIT_HEAD else None
         self.split = self.head is not None and hasattr(model, "get_decoder")
+        #: What a step runs (the decoder alone with a split head) and the keyword that takes
+        #: the cache, read once (outside what a compiled step traces).
+        self.model = model.get_decoder() if self.split else model
+        self.cache_keyword = next(iter(cache_kw(self.model, None)))
 
     def clear(self) -> None:
         self.shapes.clear()
@@ -397,9 +401,9 @@ class StaticSteps:
         c = self.cache
         c.write_index = st["at"]
         c.span = L
-        model = c.model.get_decoder() if self.split else c.model
+        model = self.model
         run = lambda: model(input_ids=st["ids"], attention_mask=st["mask"], position_ids=st["pos"],  # noqa: E731
-                            **cache_kw(model, c.cache), use_cache=True)
+                            **{self.cache_keyword: c.cache}, use_cache=True)
         features = None
         if c.tap is not None:
             with c.tap.capture():
