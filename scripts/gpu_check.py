@@ -11,7 +11,11 @@ synthetic prompts (random token blocks repeated, so prompt lookup finds matches)
               | eagle3 tree (batch size 1)
     batch:    1, 8, 32 (--batch-sizes)
     compile:  off (eager) and auto (on CUDA: the slot cache and captured steps, CUDA graphs)
-              (--compile; on a CPU `static` runs the captured step's shapes eagerly)
+              (--compile; on a CPU `on` compiles the steps with torch.compile and `static`
+              runs the captured step's shapes eagerly)
+    --model:  a real target instead of the random one ('default': the embedded model; a hub
+              id in the local cache; --quant int8 on a CPU): the CPU's compiled-against-eager
+              figures come from here
     steps:    t(B, n) for n = 1..9 new tokens per row at each batch size, eager and captured,
               with the fraction of the card's measured copy bandwidth a step's bytes (weights
               + keys and values read) reach (--steps; --step-batch-sizes)
@@ -29,6 +33,7 @@ little, so tau is low: the figures check paths and overheads, not a model's spee
     python scripts/gpu_check.py                           # on a GPU: every path
     python scripts/gpu_check.py --paths bf16 --layers 8 --batch-sizes 1,8
     python scripts/gpu_check.py --device cpu --tiny --compile off,static   # on a CPU, seconds
+    python scripts/gpu_check.py --device cpu --model default --modes ar,ngram --compile off,on
 """
 
 from __future__ import annotations
@@ -227,7 +232,7 @@ def copy_bandwidth(device: str) -> float:
 
 def step_table(target, kind: str, batch_sizes: list[int], ns: list[int], context: int, bandwidth: float) -> dict:
     """t(B, n) in ms over `context` cached tokens per row (marscli.engine.costs.time_forwards,
-    the engine's own caches; kind "eager", "graphs" or "static"), and per batch size the
+    the engine's own caches; kind "eager", "graphs", "compiled" or "static"), and per batch size the
     fraction of `bandwidth` a one-token step reaches: (weight bytes + the rows' keys and
     values) / t(B, 1) / bandwidth."""
     import torch
@@ -291,6 +296,7 @@ def run_one(target, head, mode: str, bs: int, prompts: list[list[int]], max_toke
     # warm-up (kernels, allocator), then the timed run
     for _ in engine.run(prompts[:bs], lambda ids: (ids, sampling)):
         pass
+    engine.reset_measurements()  # the timed run's prefill seconds only, and no prompt cached by the warm-up
     timer.reset()
     if target.device.type == "cuda":
         torch.cuda.synchronize()

@@ -475,7 +475,7 @@ def batch_counters(engine) -> dict[str, Any]:
             "prefill_passes": engine.prefiller.passes,
             "prefill_tokens": engine.prefiller.tokens,
             "prefill_padding": engine.prefiller.padded,
-            "step_kind": engine.step_kind,  # eager, or graphs: the steps were captured (--compile)
+            "step_kind": engine.step_kind,  # eager; graphs (captured) or compiled (--compile)
             "graphs_captured": getattr(getattr(engine.kv, "steps", None), "captures", 0)}
 
 

@@ -32,6 +32,8 @@ def test_gpu_check_runs_on_a_cpu_with_a_tiny_model(tmp_path):
     assert {(r["mode"], r["batch"], r["compile"]) for r in report["rows"]} == {
         (m, b, c) for m in ("ar", "ngram", "model") for b in (1, 2) for c in ("off", "static")}
     assert all(r["tokens_per_s"] > 0 and "error" not in r for r in report["rows"])
+    # the overhead outside the forwards is wall - forwards - prefill of the timed run alone
+    assert all(0 < r["prefill_s"] < r["wall_s"] and r["fwd_s"] + r["prefill_s"] <= r["wall_s"] for r in report["rows"])
     assert all(r["same_as_ar"] for r in report["rows"] if r["mode"] != "ar")  # float32: strict is exact
     static = [r for r in report["rows"] if r["compile"] == "static"]
     assert all(r["step_kind"] == "static" and r["same_as_eager"] for r in static)
@@ -46,3 +48,20 @@ def test_gpu_check_runs_on_a_cpu_with_a_tiny_model(tmp_path):
     for job in report["jobs"]:
         assert job["batch"] == 4 and job["records"] == 8 and job["records_per_s"] > 0
         assert job["same_as_hf"] == job["records"]  # greedy, float32: the engine's tokens are generate()'s
+
+
+def test_gpu_check_measures_a_real_target(tmp_path, tiny_model_dir):
+    """--model: a saved target instead of the random one (how the CPU's compiled-against-eager
+    figures are measured), with a random draft model of its vocabulary for mode "model"."""
+    out = tmp_path / "real.json"
+    rc = load_script().main(["--device", "cpu", "--model", str(tiny_model_dir), "--modes", "ar,ngram,model",
+                             "--batch-sizes", "2", "--max-tokens", "5", "--jobs", "", "--compile", "off,static",
+                             "--steps", "1,2", "--step-batch-sizes", "2", "--step-context", "16",
+                             "--json", str(out), "--workdir", str(tmp_path)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert {(r["path"], r["mode"], r["compile"]) for r in report["rows"]} == {
+        ("model", m, c) for m in ("ar", "ngram", "model") for c in ("off", "static")}
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in report["rows"])
+    assert all(r["same_as_eager"] for r in report["rows"] if r["compile"] == "static")
+    assert {t["kind"] for t in report["steps"]} == {"eager", "static"}
