@@ -326,6 +326,8 @@ def run_one(target, head, mode: str, bs: int, prompts: list[list[int]], max_toke
            "overhead_share": max(wall - fwd - prefill, 0.0) / max(wall - prefill, 1e-9),
            "fwd_ms_per_step": 1e3 * fwd / decode_calls,
            "graphs": captured, "capture_s": getattr(getattr(engine.kv, "steps", None), "capture_seconds", 0.0),
+           # why capturing (or compiling) failed, if it did: then the row ran eagerly at static shapes
+           "capture_error": getattr(getattr(engine.kv, "steps", None), "capture_error", None),
            "outputs": [r.token_ids for r in results]}
     if target.device.type == "cuda":
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
@@ -482,6 +484,7 @@ def main(argv=None) -> int:
                                 f"tau {r['tau']:.2f}  "
                                 f"overhead {r['overhead_ms_per_step']:.2f} ms/step  fwd {r['fwd_ms_per_step']:.2f} ms"
                                 f"  graphs {r['graphs']} ({r['capture_s']:.1f} s)"
+                                + (f"  CAPTURE FAILED: {r['capture_error']}" if r["capture_error"] else "")
                                 + (f"  speed-up {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})"
                                    f"  outputs {'=' if row['same_as_ar'] else '!='} ar" if "speedup" in row else "")
                                 + (f"  x{row['speedup_vs_eager']:.2f} eager, outputs "
