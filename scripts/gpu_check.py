@@ -23,7 +23,8 @@ synthetic prompts (random token blocks repeated, so prompt lookup finds matches)
               marscli's engine (batched prefill, prefix cache, continuous refill) against
               transformers' generate() in padded batches of the same size
 
-Per run it prints tokens/s, the per-step overhead outside the target's forward (wall time
+Per run it prints tokens/s (the JSON rows also hold the EAGLE-3 head's captured draft
+passes, head_graphs and head_capture_s), the per-step overhead outside the target's forward (wall time
 less the time inside the target's forward, per step: drafting, verification, bookkeeping),
 the mean tokens per step (tau), the measured speed-up over `ar` at the same path and batch
 size, and the ideal one: tau x t(plain forward) / t(speculative forward), i.e. what the
@@ -326,6 +327,9 @@ def run_one(target, head, mode: str, bs: int, prompts: list[list[int]], max_toke
            "overhead_share": max(wall - fwd - prefill, 0.0) / max(wall - prefill, 1e-9),
            "fwd_ms_per_step": 1e3 * fwd / decode_calls,
            "graphs": captured, "capture_s": getattr(getattr(engine.kv, "steps", None), "capture_seconds", 0.0),
+           # the EAGLE-3 head's draft passes captured (BatchedEagle3Drafter's HeadSteps), and their seconds
+           "head_graphs": getattr(getattr(engine.drafters, "steps", None), "captures", 0),
+           "head_capture_s": getattr(getattr(engine.drafters, "steps", None), "capture_seconds", 0.0),
            # why capturing (or compiling) failed, if it did: then the row ran eagerly at static shapes
            "capture_error": getattr(getattr(engine.kv, "steps", None), "capture_error", None),
            "outputs": [r.token_ids for r in results]}

@@ -31,6 +31,7 @@ from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Pr
 from marscli.drafters.eagle3_head import Eagle3Head
 from marscli.drafters.kinds import EAGLE3
 from marscli.models.kvcache import left_pad
+from marscli.models.slots import MAX_GRAPHS, ROW_BUCKETS, bucket_of, span_bucket, step_on
 from marscli.verification.chain import sample_from, sampling_probs
 
 #: Parent of a depth-1 node (its parent is the pending token, the tree's root).
@@ -247,6 +248,7 @@ class BatchedEagle3Drafter:
     """
 
     tree = None
+    step_kind = "eager"  # the engine's (Engine.step_kind): "static" or "graphs" run HeadSteps
 
     def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int):
         self.head = head
@@ -260,6 +262,10 @@ class BatchedEagle3Drafter:
 
     def reset(self) -> None:
         self.rows: list[Eagle3Drafter] = []
+        # The draft positions' head passes at static shapes when the engine's steps are
+        # (captured as CUDA graphs on CUDA); a compiled CPU engine's head stays eager.
+        kind = step_on(self.step_kind, self.head.device)
+        self.steps = HeadSteps(self.head, graphs=kind == "graphs") if kind in ("static", "graphs") else None
 
     def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
                 generator: torch.Generator | None) -> None:
@@ -316,8 +322,9 @@ class BatchedEagle3Drafter:
         probs: list[list[torch.Tensor]] = [[] for _ in act]
         kmax = max(ks[b] for b in active)
         greedy = [r.sampling.greedy for r in act]
+        static = self.steps.begin(keys, values, valid, kmax) if self.steps is not None and kmax > 1 else None
+        logits = head.draft_logits(out[:, 0])  # [B, Dv]
         for i in range(kmax):
-            logits = head.draft_logits(out[:, 0])  # [B, Dv]
             # Greedy rows: one argmax over the batch and one transfer a draft position.
             toks = head.to_target(logits.argmax(-1))  # [B]
             picked = toks.tolist() if any(greedy) else None
@@ -338,10 +345,14 @@ class BatchedEagle3Drafter:
             if i + 1 >= kmax:
                 break
             pos = torch.tensor([[r.n + i] for r in act], device=dev)
+            if static is not None:
+                out, logits = self.steps.step(static, out, toks, pos, i)
+                continue
             mask = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)[:, None, None, :]
             out, k, v = head(out, toks.view(B, 1), pos, (keys, values), mask, target_features=False)
             keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
             valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
+            logits = head.draft_logits(out[:, 0])
         for j, b in enumerate(active):
             proposals[b] = Proposal(tokens[j][: ks[b]], torch.stack(probs[j]) if probs[j] else None)
         return proposals
@@ -385,6 +396,119 @@ class BatchedEagle3Drafter:
             r.n += p
             r.last_out = out[i, p - 1]
             r.pending = []
+
+
+#: A static head step attends over HEAD_SPAN_BUCKET x a power of two positions.
+HEAD_SPAN_BUCKET = 64
+
+
+class HeadSteps:
+    """The EAGLE-3 head's draft-position passes at static shapes (BatchedEagle3Drafter, when
+    the engine's steps are static or captured: Engine.step_kind).
+
+    A propose call's rows (left-padded committed entries, T positions) are copied into the
+    buffers of a shape (rows padded up to a ROW_BUCKETS size, the span T + k up to
+    HEAD_SPAN_BUCKET x a power of two); draft position i writes every row's new entry at T + i
+    (the same column for all rows: they are left-padded) and attends through a mask over the
+    whole span, so the shape's pass, with the draft logits, is one fixed computation on
+    buffers that outlive it. On CUDA (graphs) it is captured once per shape as a CUDA graph
+    and replayed; a capture that fails is said once on stderr and the passes run eagerly at
+    the same shapes. Padding rows see their position 0 only. The catch-up pass (a row's new
+    committed entries, of a varying count) stays eager.
+    """
+
+    def __init__(self, head: Eagle3Head, *, graphs: bool):
+        self.head = head
+        self.graphs = graphs
+        self.shapes: dict[tuple[int, int], dict] = {}
+        self.captures = 0
+        self.capture_seconds = 0.0
+        self.capture_error: str | None = None
+        self.pool = None
+
+    def begin(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, kmax: int) -> dict:
+        """Load a propose call's committed entries (keys, values [B, kv, T, hd], left-padded;
+        valid [B, T]) into its shape's buffers; returns the shape's state."""
+        B, nkv, T, hd = keys.shape
+        Bb, L = bucket_of(B, ROW_BUCKETS), span_bucket(T + kmax, HEAD_SPAN_BUCKET)
+        st = self.shapes.pop((Bb, L), None)
+        if st is None:
+            dev, H = keys.device, self.head.cfg.hidden_size
+            st = {"k": keys.new_zeros(Bb, nkv, L, hd), "v": values.new_zeros(Bb, nkv, L, hd),
+                  "out": torch.zeros(Bb, 1, H, dtype=self.head.dtype, device=dev),
+                  "tok": torch.zeros(Bb, 1, dtype=torch.long, device=dev),
+                  "pos": torch.zeros(Bb, 1, dtype=torch.long, device=dev),
+                  "at": torch.zeros(1, dtype=torch.long, device=dev),
+                  "mask": torch.zeros(Bb, 1, 1, L, dtype=torch.bool, device=dev)}
+        self.shapes[(Bb, L)] = st  # most recently used last
+        while len(self.shapes) > MAX_GRAPHS:
+            self.shapes.pop(next(iter(self.shapes)))
+        st["k"][:B, :, :T] = keys
+        st["v"][:B, :, :T] = values
+        mask = st["mask"]
+        mask.zero_()
+        mask[:B, 0, 0, :T] = valid
+        mask[B:, 0, 0, 0] = True
+        st["B"], st["T"] = B, T
+        return st
+
+    def _run(self, st: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        head = self.head
+        out, _, _ = head(st["out"], st["tok"], st["pos"], None, st["mask"], target_features=False,
+                         into=(st["k"], st["v"], st["at"]))
+        return out, head.draft_logits(out[:, 0])
+
+    def step(self, st: dict, out: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor, i: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft position i's pass for the rows (out [B, 1, H], toks [B], pos [B, 1]): the next
+        out [B, 1, H] and draft logits [B, Dv]."""
+        import time
+
+        B, at = st["B"], st["T"] + i
+        st["out"][:B] = out
+        st["tok"][:B, 0] = toks
+        st["pos"][:B] = pos
+        st["at"].fill_(at)
+        st["mask"][:, 0, 0, at] = True  # each row's new entry sees itself
+        if not self.graphs:
+            res = self._run(st)
+        else:
+            if "graph" not in st:
+                t0 = time.perf_counter()
+                dev = out.device
+                try:
+                    side = torch.cuda.Stream(dev)
+                    side.wait_stream(torch.cuda.current_stream(dev))
+                    with torch.cuda.stream(side):
+                        self._run(st)
+                    torch.cuda.current_stream(dev).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        st["res"] = self._run(st)
+                except Exception as e:  # noqa: BLE001 - a pass that cannot be captured still runs
+                    self.give_up(e)
+                    res = self._run(st)
+                    return res[0][:B], res[1][:B]
+                self.pool = graph.pool()
+                st["graph"] = graph
+                self.captures += 1
+                self.capture_seconds += time.perf_counter() - t0
+            st["graph"].replay()
+            res = st["res"]
+        return res[0][:B], res[1][:B]
+
+    def give_up(self, error: Exception) -> None:
+        """A capture failed: the head's passes run eagerly from now on, said once on stderr."""
+        import sys
+
+        self.graphs = False
+        self.capture_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        for st in self.shapes.values():
+            st.pop("graph", None)
+            st.pop("res", None)
+        self.pool = None
+        sys.stderr.write(f"marscli: capturing the EAGLE-3 head's step as a CUDA graph failed ({self.capture_error}); "
+                         "its passes run eagerly (--compile off skips capturing)\n")
 
 
 def head_kv_zeros(head: Eagle3Head, T: int, dev) -> torch.Tensor:

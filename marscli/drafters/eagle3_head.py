@@ -201,10 +201,13 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None, into=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, S, 2H]; past: keys, values [B, kv_heads, T, hd]; mask [B|1, 1, S, T+S] bool
         (True: attend) or None (every new entry sees everything cached and every earlier new
-        entry: plain causal). Returns (out [B, S, H], k [B, kv, S, hd], v [B, kv, S, hd])."""
+        entry: plain causal). into: (keys, values [B, kv, L, hd], at [S]): instead of past, the
+        new entries are written at positions `at` of these buffers and attention reads all L
+        of them through `mask` [B, 1, S, L] (a static step, HeadSteps). Returns (out [B, S, H],
+        k [B, kv, S, hd], v [B, kv, S, hd])."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         B, S, _ = x.shape
@@ -212,7 +215,12 @@ class _Attention(nn.Module):
         k = self.k_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        if into is not None:
+            keys, values, at = into
+            keys.index_copy_(2, at, k)
+            values.index_copy_(2, at, v)
+        else:
+            keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         T = keys.shape[2] - S
         if mask is None and S > 1:
             causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
@@ -290,13 +298,13 @@ class Eagle3Head(nn.Module):
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mask: torch.Tensor | None = None, *, target_features: bool):
+                mask: torch.Tensor | None = None, *, target_features: bool, into=None):
         """One pass of the head.
 
         hidden: [B, S, n_features] target features (target_features=True: projected by fc)
         or [B, S, H] the head's own earlier outputs (target_features=False); tokens [B, S]
         target token ids (the token after each position);
-        positions [B, S] head positions; past / mask: see _Attention.forward.
+        positions [B, S] head positions; past / mask / into: see _Attention.forward.
         Returns (out [B, S, H] pre-norm output hidden states, k, v [B, kv, S, hd]).
         """
         assert hidden.dim() == 3 and tokens.shape == hidden.shape[:2] == positions.shape, (
@@ -309,7 +317,7 @@ class Eagle3Head(nn.Module):
         layer = self.midlayer
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
         cos, sin = self.rotary(hidden, positions)
-        att, k, v = layer.self_attn(x, cos, sin, past, mask)
+        att, k, v = layer.self_attn(x, cos, sin, past, mask, into)
         h = hidden + att
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h, k, v

@@ -62,10 +62,11 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     row. job_corpus: n-gram drafters share a JobCorpus of the job's finished records.
     Hybrid drafting (an n-gram drafter and a draft model per row) runs one drafter per row at
     every batch size; its rows share one HybridCosts (``hybrid_costs``) for the engine to fill.
-    batched_model: a draft model drafts through BatchedModelDrafter at batch size 1 too (its
-    slot cache's steps are captured when the engine's are: Engine.step_kind)."""
+    batched_model: a draft model drafts through BatchedModelDrafter, and an EAGLE-3 head's
+    chains through BatchedEagle3Drafter, at batch size 1 too (their steps are static or
+    captured when the engine's are: Engine.step_kind)."""
     one = build_drafter(draft_cfg, target, draft_model)
-    if batch_size > 1 and draft_cfg.kind == EAGLE3 and not draft_cfg.tree:
+    if (batch_size > 1 or batched_model) and draft_cfg.kind == EAGLE3 and not draft_cfg.tree:
         return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size)
     if ((batch_size > 1 or batched_model) and draft_cfg.kind == MODEL and not draft_cfg.hybrid and not draft_cfg.tree
             and not sliding_layers(draft_model.model)):

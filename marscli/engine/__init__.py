@@ -44,8 +44,9 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     batch size > 1)."""
 
     try:
-        # A captured (or compiled) engine's draft model steps so too, at batch size 1 as well.
-        captured = step_kind(compile_mode, target.device, target.model) in ("graphs", "compiled")
+        # A captured (compiled, static) engine's draft model and EAGLE-3 head step so too, at
+        # batch size 1 as well.
+        captured = step_kind(compile_mode, target.device, target.model) != "eager"
     except ValueError as e:
         raise UsageError(str(e)) from None
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,

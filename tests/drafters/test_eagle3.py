@@ -417,18 +417,22 @@ def test_chain_adaptive_and_batched_equal_single(target, heads, references, head
 def test_captured_step_shapes_feed_the_head_its_features(target, heads, references):
     """The captured step's static shapes (marscli.models.slots, run eagerly as a CPU can) hook
     the head's target features out of the forward themselves (on a GPU they are outputs of the
-    graph): at batch 1 and 3 with rows joining and leaving, strict greedy records equal
-    generate() and every record, greedy and sampled, equals the eager engine's alone."""
+    graph), and the head's own draft passes run at static shapes too (HeadSteps): at batch 1
+    and 3 with rows joining and leaving, strict greedy records equal generate() and every
+    record, greedy and sampled (whose tokens follow the drafts), equals the eager engine's
+    alone."""
+    from marscli.drafters.eagle3 import BatchedEagle3Drafter
     from marscli.models.slots import SlotCache
 
     cfg = DraftConfig(kind="eagle3", model="x", num_draft_tokens=4, adaptive=False)
     single = build_engine(target, heads["fitted"], VerifyConfig(), cfg)
     for bs in (1, 3):
-        engine = Engine(target, build_drafters(cfg, target, heads["fitted"], batch_size=bs), VerifyConfig().rule,
-                        cfg, bs, compile_mode="static")
-        assert engine.step_kind == "static"
+        drafters = build_drafters(cfg, target, heads["fitted"], batch_size=bs, batched_model=True)
+        engine = Engine(target, drafters, VerifyConfig().rule, cfg, bs, compile_mode="static")
+        assert engine.step_kind == "static" and isinstance(drafters, BatchedEagle3Drafter)
         b = assert_runs_as_alone(target, single, engine, references)
         assert isinstance(engine.kv, SlotCache) and engine.kv.tap is engine.tap and engine.kv.steps.shapes
+        assert drafters.steps is not None and drafters.steps.shapes  # the head's draft passes: static too
         assert sum(r.stats.accepted for r in b.values()) > 0  # the head drafted from real features
 
 
