@@ -367,19 +367,27 @@ class BatchedEagle3Drafter:
         T = max(r.n for r, _ in todo)
         B = len(todo)
         F = feats[0].shape[1]
-        x = torch.zeros(B, P, F, dtype=feats[0].dtype, device=dev)
-        tok = torch.zeros(B, P, dtype=torch.long, device=dev)
-        pos = torch.zeros(B, P, dtype=torch.long, device=dev)
-        mask = torch.zeros(B, 1, P, T + P, dtype=torch.bool, device=dev)
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        for i, ((r, seq), f) in enumerate(zip(todo, feats)):
-            p = f.shape[0]
+        # The inputs are built on the host and sent at once, the features gathered in one
+        # copy: a handful of transfers and kernels a pass, not several per row.
+        lens = [f.shape[0] for f in feats]
+        tok_h = torch.zeros(B, P, dtype=torch.long)
+        where = []
+        for i, ((r, seq), p) in enumerate(zip(todo, lens)):
             assert r.n + p <= len(seq) - 1, (r.n, p, len(seq))
-            x[i, :p] = f.to(dev)
-            tok[i, :p] = torch.tensor(seq[r.n + 1: r.n + 1 + p], dtype=torch.long, device=dev)
-            pos[i] = r.n + torch.arange(P, device=dev)
-            mask[i, 0, :, T - r.n: T] = True  # the row's committed entries (left-padded)
-            mask[i, 0, :, T:] = causal
+            tok_h[i, :p] = torch.tensor(seq[r.n + 1: r.n + 1 + p], dtype=torch.long)
+            where.extend(range(i * P, i * P + p))
+        n_h = torch.tensor([r.n for r, _ in todo], dtype=torch.long)
+        x = torch.zeros(B * P, F, dtype=feats[0].dtype, device=dev)
+        x.index_copy_(0, torch.tensor(where, dtype=torch.long).to(dev), torch.cat(feats, 0).to(dev, x.dtype))
+        x = x.view(B, P, F)
+        tok = tok_h.to(dev)
+        pos = (n_h[:, None] + torch.arange(P)[None, :]).to(dev)
+        n_d = n_h.to(dev)
+        col = torch.arange(T + P, device=dev)
+        # a row's committed entries (left-padded: its last n of the T), then the new ones causally
+        committed = (col[None, :] >= T - n_d[:, None]) & (col[None, :] < T)  # [B, T+P]
+        new = (col[None, :] >= T) & (col[None, :] - T <= torch.arange(P, device=dev)[:, None])  # [P, T+P]
+        mask = (committed[:, None, :] | new[None, :, :])[:, None]  # [B, 1, P, T+P]
         if T:
             keys = torch.cat([left_pad(r.past[0], T) if r.past is not None else
                               head_kv_zeros(head, T, dev) for r, _ in todo], 0)
