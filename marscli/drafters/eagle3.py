@@ -31,7 +31,7 @@ from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Pr
 from marscli.drafters.eagle3_head import Eagle3Head
 from marscli.drafters.kinds import EAGLE3
 from marscli.models.kvcache import left_pad
-from marscli.models.slots import MAX_GRAPHS, ROW_BUCKETS, bucket_of, span_bucket, step_on
+from marscli.models.slots import MAX_GRAPHS, ROW_BUCKETS, TOKEN_BUCKETS, bucket_of, span_bucket, step_on
 from marscli.verification.chain import sample_from, sampling_probs
 
 #: Parent of a depth-1 node (its parent is the pending token, the tree's root).
@@ -396,7 +396,10 @@ class BatchedEagle3Drafter:
             past = (keys, values)
         else:
             past = None
-        out, k, v = head(x, tok, pos, past, mask, target_features=True)
+        if self.steps is not None and T and P <= CATCH_UP_TOKENS:  # a step's catch-up, not a prompt's
+            out, k, v = self.steps.catch_up(x, tok, pos, mask, past)
+        else:
+            out, k, v = head(x, tok, pos, past, mask, target_features=True)
         for i, ((r, _), f) in enumerate(zip(todo, feats)):
             p = f.shape[0]
             kk, vv = k[i: i + 1, :, :p], v[i: i + 1, :, :p]
@@ -408,6 +411,9 @@ class BatchedEagle3Drafter:
 
 #: A static head step attends over HEAD_SPAN_BUCKET x a power of two positions.
 HEAD_SPAN_BUCKET = 64
+#: A catch-up pass of at most this many entries a row runs at a static shape (a step's: its
+#: accepted drafts and the correction); a longer one (a prompt's features) runs eagerly.
+CATCH_UP_TOKENS = 32
 
 
 class HeadSteps:
@@ -421,14 +427,15 @@ class HeadSteps:
     whole span, so the shape's pass, with the draft logits, is one fixed computation on
     buffers that outlive it. On CUDA (graphs) it is captured once per shape as a CUDA graph
     and replayed; a capture that fails is said once on stderr and the passes run eagerly at
-    the same shapes. Padding rows see their position 0 only. The catch-up pass (a row's new
-    committed entries, of a varying count) stays eager.
+    the same shapes. Padding rows see their position 0 only. A step's catch-up pass (each
+    row's newly committed entries, up to CATCH_UP_TOKENS) runs the same way at (rows, entries
+    up to a TOKEN_BUCKETS size, span) shapes; a prompt's (longer) runs eagerly.
     """
 
     def __init__(self, head: Eagle3Head, *, graphs: bool):
         self.head = head
         self.graphs = graphs
-        self.shapes: dict[tuple[int, int], dict] = {}
+        self.shapes: dict[tuple, dict] = {}  # (rows, span): draft steps; ("catch-up", rows, entries, span)
         self.captures = 0
         self.capture_seconds = 0.0
         self.capture_error: str | None = None
@@ -448,9 +455,7 @@ class HeadSteps:
                   "pos": torch.zeros(Bb, 1, dtype=torch.long, device=dev),
                   "at": torch.zeros(1, dtype=torch.long, device=dev),
                   "mask": torch.zeros(Bb, 1, 1, L, dtype=torch.bool, device=dev)}
-        self.shapes[(Bb, L)] = st  # most recently used last
-        while len(self.shapes) > MAX_GRAPHS:
-            self.shapes.pop(next(iter(self.shapes)))
+        self._keep((Bb, L), st)
         st["k"][:B, :, :T] = keys
         st["v"][:B, :, :T] = values
         mask = st["mask"]
@@ -470,40 +475,91 @@ class HeadSteps:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft position i's pass for the rows (out [B, 1, H], toks [B], pos [B, 1]): the next
         out [B, 1, H] and draft logits [B, Dv]."""
-        import time
-
         B, at = st["B"], st["T"] + i
         st["out"][:B] = out
         st["tok"][:B, 0] = toks
         st["pos"][:B] = pos
         st["at"].fill_(at)
         st["mask"][:, 0, 0, at] = True  # each row's new entry sees itself
-        if not self.graphs:
-            res = self._run(st)
-        else:
-            if "graph" not in st:
-                t0 = time.perf_counter()
-                dev = out.device
-                try:
-                    side = torch.cuda.Stream(dev)
-                    side.wait_stream(torch.cuda.current_stream(dev))
-                    with torch.cuda.stream(side):
-                        self._run(st)
-                    torch.cuda.current_stream(dev).wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        st["res"] = self._run(st)
-                except Exception as e:  # noqa: BLE001 - a pass that cannot be captured still runs
-                    self.give_up(e)
-                    res = self._run(st)
-                    return res[0][:B], res[1][:B]
-                self.pool = graph.pool()
-                st["graph"] = graph
-                self.captures += 1
-                self.capture_seconds += time.perf_counter() - t0
-            st["graph"].replay()
-            res = st["res"]
+        res = self._replay(st, self._run)
         return res[0][:B], res[1][:B]
+
+    def catch_up(self, x: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                 past: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's catch-up pass (BatchedEagle3Drafter._catch_up's inputs: x [B, P, F], tok
+        and pos [B, P], mask [B, 1, P, T+P], the left-padded committed entries [B, kv, T, hd])
+        at a static shape (rows, P up to a TOKEN_BUCKETS size, the span): out [B, P, H] and the
+        new entries' keys and values [B, kv, P, hd] (copies: the buffers are reused)."""
+        keys, values = past
+        B, P, F = x.shape
+        T = keys.shape[2]
+        Bb, Pb = bucket_of(B, ROW_BUCKETS), bucket_of(P, TOKEN_BUCKETS)
+        L = span_bucket(T + Pb, HEAD_SPAN_BUCKET)
+        key = ("catch-up", Bb, Pb, L)
+        st = self.shapes.pop(key, None)
+        if st is None:
+            dev = x.device
+            st = {"x": x.new_zeros(Bb, Pb, F), "tok": torch.zeros(Bb, Pb, dtype=torch.long, device=dev),
+                  "pos": torch.zeros(Bb, Pb, dtype=torch.long, device=dev),
+                  "at": torch.zeros(Pb, dtype=torch.long, device=dev),
+                  "mask": torch.zeros(Bb, 1, Pb, L, dtype=torch.bool, device=dev),
+                  "k": keys.new_zeros(Bb, keys.shape[1], L, keys.shape[3]),
+                  "v": values.new_zeros(Bb, values.shape[1], L, values.shape[3])}
+        self._keep(key, st)
+        st["x"].zero_()
+        st["x"][:B, :P] = x
+        st["tok"].zero_()
+        st["tok"][:B, :P] = tok
+        st["pos"].zero_()
+        st["pos"][:B, :P] = pos
+        st["at"].copy_(T + torch.arange(Pb, device=x.device))
+        m = st["mask"]
+        m.zero_()
+        m[:B, :, :P, : T + P] = mask
+        diag = torch.arange(Pb, device=x.device)
+        m[:, 0, diag, T + diag] = True  # padding queries see themselves (never an empty row)
+        st["k"][:B, :, :T] = keys
+        st["v"][:B, :, :T] = values
+        out = self._replay(st, self._run_catch_up)
+        return out[:B, :P], st["k"][:B, :, T:T + P].clone(), st["v"][:B, :, T:T + P].clone()
+
+    def _run_catch_up(self, st: dict) -> torch.Tensor:
+        out, _, _ = self.head(st["x"], st["tok"], st["pos"], None, st["mask"], target_features=True,
+                              into=(st["k"], st["v"], st["at"]))
+        return out
+
+    def _keep(self, key, st: dict) -> None:
+        self.shapes[key] = st  # most recently used last
+        while len(self.shapes) > MAX_GRAPHS:
+            self.shapes.pop(next(iter(self.shapes)))
+
+    def _replay(self, st: dict, run):
+        """run(st) at the shape: eagerly, or captured once as a CUDA graph and replayed."""
+        import time
+
+        if not self.graphs:
+            return run(st)
+        if "graph" not in st:
+            t0 = time.perf_counter()
+            dev = st["at"].device
+            try:
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    run(st)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    st["res"] = run(st)
+            except Exception as e:  # noqa: BLE001 - a pass that cannot be captured still runs
+                self.give_up(e)
+                return run(st)
+            self.pool = graph.pool()
+            st["graph"] = graph
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - t0
+        st["graph"].replay()
+        return st["res"]
 
     def give_up(self, error: Exception) -> None:
         """A capture failed: the head's passes run eagerly from now on, said once on stderr."""

@@ -432,7 +432,8 @@ def test_captured_step_shapes_feed_the_head_its_features(target, heads, referenc
         assert engine.step_kind == "static" and isinstance(drafters, BatchedEagle3Drafter)
         b = assert_runs_as_alone(target, single, engine, references)
         assert isinstance(engine.kv, SlotCache) and engine.kv.tap is engine.tap and engine.kv.steps.shapes
-        assert drafters.steps is not None and drafters.steps.shapes  # the head's draft passes: static too
+        # the head's draft passes and its steps' catch-up passes: static too
+        assert drafters.steps is not None and {k[0] == "catch-up" for k in drafters.steps.shapes} == {True, False}
         assert sum(r.stats.accepted for r in b.values()) > 0  # the head drafted from real features
 
 
