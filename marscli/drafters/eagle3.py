@@ -521,7 +521,8 @@ class HeadSteps:
         st["k"][:B, :, :T] = keys
         st["v"][:B, :, :T] = values
         out = self._replay(st, self._run_catch_up)
-        return out[:B, :P], st["k"][:B, :, T:T + P].clone(), st["v"][:B, :, T:T + P].clone()
+        # copies: a row keeps its newest output (last_out) and entries past the next replay
+        return out[:B, :P].clone(), st["k"][:B, :, T:T + P].clone(), st["v"][:B, :, T:T + P].clone()
 
     def _run_catch_up(self, st: dict) -> torch.Tensor:
         out, _, _ = self.head(st["x"], st["tok"], st["pos"], None, st["mask"], target_features=True,

@@ -413,11 +413,17 @@ class StaticSteps:
             out = run()
         return (out.last_hidden_state if self.split else out.logits), features
 
-    def _logits(self, out: tuple[torch.Tensor, torch.Tensor | None], B: int, S: int) -> StepOutput:
+    def _logits(self, out: tuple[torch.Tensor, torch.Tensor | None], B: int, S: int,
+                replayed: bool = False) -> StepOutput:
+        """The real rows' logits and features. A replayed graph's outputs are its own memory,
+        which the next replay overwrites: they are copied (features outlive the step in a
+        drafter's pending list; the split head's logits are a new tensor anyway)."""
         hidden, features = out
         hidden = hidden[:B, :S]
-        return StepOutput(self.head(hidden) if self.split else hidden,
-                          None if features is None else features[:B, :S])
+        logits = self.head(hidden) if self.split else (hidden.clone() if replayed else hidden)
+        if features is not None:
+            features = features[:B, :S].clone() if replayed else features[:B, :S]
+        return StepOutput(logits, features)
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, block: torch.Tensor | None = None) -> StepOutput:
         """One step (block: a tree's ancestor mask, see SlotCache.forward) at its shape."""
@@ -476,7 +482,7 @@ class StaticSteps:
                 self.shapes.pop(next(iter(self.shapes)))
             # the capture itself ran nothing: replay it for this step
         st["graph"].replay()
-        return self._logits(st["out"], B, S)
+        return self._logits(st["out"], B, S, replayed=True)
 
     def _compiled(self, st: dict, L: int, fresh: bool):
         """The shape's forward compiled by torch.compile (inductor; one compilation per shape,
