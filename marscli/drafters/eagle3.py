@@ -31,7 +31,15 @@ from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Pr
 from marscli.drafters.eagle3_head import Eagle3Head
 from marscli.drafters.kinds import EAGLE3
 from marscli.models.kvcache import left_pad
-from marscli.models.slots import MAX_GRAPHS, ROW_BUCKETS, TOKEN_BUCKETS, bucket_of, span_bucket, step_on
+from marscli.models.slots import (
+    MAX_GRAPHS,
+    ROW_BUCKETS,
+    TOKEN_BUCKETS,
+    bucket_of,
+    keep_outputs,
+    span_bucket,
+    step_on,
+)
 from marscli.verification.chain import sample_from, sampling_probs
 
 #: Parent of a depth-1 node (its parent is the pending token, the tree's root).
@@ -538,8 +546,8 @@ class HeadSteps:
         """run(st) at the shape: eagerly, or captured once as a CUDA graph and replayed."""
         import time
 
-        if not self.graphs:
-            return run(st)
+        if not self.graphs:  # as a replay would: the outputs land in the shape's own memory
+            return keep_outputs(st, "res", run(st))
         if "graph" not in st:
             t0 = time.perf_counter()
             dev = st["at"].device

@@ -345,6 +345,23 @@ class SlotCache:
         self.lengths = [self.lengths[src] for src in keep]
 
 
+def keep_outputs(st: dict, name: str, out):
+    """Copy a static step's outputs (a tensor, or a tuple of tensors and Nones) into the
+    shape's own buffers st[name] and return those: an eager static step then hands out memory
+    that the shape's next step overwrites, as a replayed CUDA graph's outputs are, so a CPU's
+    tests meet what a GPU's replays do (an output kept past the next step must be copied)."""
+    if name not in st:
+        st[name] = out.clone() if isinstance(out, torch.Tensor) else tuple(
+            None if t is None else t.clone() for t in out)
+    elif isinstance(out, torch.Tensor):
+        st[name].copy_(out)
+    else:
+        for dst, src in zip(st[name], out):
+            if src is not None:
+                dst.copy_(src)
+    return st[name]
+
+
 class StepOutput:
     """What a static step returns: the logits of the real rows and tokens, and their target
     features when the cache has a tap ([B, S, F]; else None)."""
@@ -457,8 +474,8 @@ class StaticSteps:
         st["mask"].copy_(attention_mask(c.model, visible(at, L, block)))
         if c.compiled:
             return self._logits(self._compiled(st, L, fresh), B, S)
-        if not c.graphs:
-            return self._logits(self._forward(st, L), B, S)
+        if not c.graphs:  # as a replay would: the outputs land in the shape's own memory
+            return self._logits(keep_outputs(st, "out", self._forward(st, L)), B, S, replayed=True)
         if fresh or "graph" not in st:
             t0 = time.perf_counter()
             try:
