@@ -32,11 +32,10 @@ from marscli.drafters.eagle3_head import Eagle3Head
 from marscli.drafters.kinds import EAGLE3
 from marscli.models.kvcache import left_pad
 from marscli.models.slots import (
-    MAX_GRAPHS,
     ROW_BUCKETS,
     TOKEN_BUCKETS,
+    CapturedShapes,
     bucket_of,
-    keep_outputs,
     span_bucket,
     step_on,
 )
@@ -424,7 +423,7 @@ HEAD_SPAN_BUCKET = 64
 CATCH_UP_TOKENS = 32
 
 
-class HeadSteps:
+class HeadSteps(CapturedShapes):
     """The EAGLE-3 head's draft-position passes at static shapes (BatchedEagle3Drafter, when
     the engine's steps are static or captured: Engine.step_kind).
 
@@ -440,14 +439,12 @@ class HeadSteps:
     up to a TOKEN_BUCKETS size, span) shapes; a prompt's (longer) runs eagerly.
     """
 
+    captured_what = "capturing the EAGLE-3 head's step as a CUDA graph"
+
     def __init__(self, head: Eagle3Head, *, graphs: bool):
+        super().__init__()  # shapes: (rows, span) draft steps; ("catch-up", rows, entries, span)
         self.head = head
         self.graphs = graphs
-        self.shapes: dict[tuple, dict] = {}  # (rows, span): draft steps; ("catch-up", rows, entries, span)
-        self.captures = 0
-        self.capture_seconds = 0.0
-        self.capture_error: str | None = None
-        self.pool = None
 
     def begin(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, kmax: int) -> dict:
         """Load a propose call's committed entries (keys, values [B, kv, T, hd], left-padded;
@@ -489,7 +486,7 @@ class HeadSteps:
         st["pos"][:B] = pos
         st["at"].fill_(at)
         st["mask"][:, 0, 0, at] = True  # each row's new entry sees itself
-        res = self._replay(st, self._run)
+        res = self._replay(st, self._run, "res")
         return res[0][:B], res[1][:B]
 
     def catch_up(self, x: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
@@ -528,7 +525,7 @@ class HeadSteps:
         m[:, 0, diag, T + diag] = True  # padding queries see themselves (never an empty row)
         st["k"][:B, :, :T] = keys
         st["v"][:B, :, :T] = values
-        out = self._replay(st, self._run_catch_up)
+        out = self._replay(st, self._run_catch_up, "res")
         # copies: a row keeps its newest output (last_out) and entries past the next replay
         return out[:B, :P].clone(), st["k"][:B, :, T:T + P].clone(), st["v"][:B, :, T:T + P].clone()
 
@@ -536,52 +533,6 @@ class HeadSteps:
         out, _, _ = self.head(st["x"], st["tok"], st["pos"], None, st["mask"], target_features=True,
                               into=(st["k"], st["v"], st["at"]))
         return out
-
-    def _keep(self, key, st: dict) -> None:
-        self.shapes[key] = st  # most recently used last
-        while len(self.shapes) > MAX_GRAPHS:
-            self.shapes.pop(next(iter(self.shapes)))
-
-    def _replay(self, st: dict, run):
-        """run(st) at the shape: eagerly, or captured once as a CUDA graph and replayed."""
-        import time
-
-        if not self.graphs:  # as a replay would: the outputs land in the shape's own memory
-            return keep_outputs(st, "res", run(st))
-        if "graph" not in st:
-            t0 = time.perf_counter()
-            dev = st["at"].device
-            try:
-                side = torch.cuda.Stream(dev)
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    run(st)
-                torch.cuda.current_stream(dev).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    st["res"] = run(st)
-            except Exception as e:  # noqa: BLE001 - a pass that cannot be captured still runs
-                self.give_up(e)
-                return run(st)
-            self.pool = graph.pool()
-            st["graph"] = graph
-            self.captures += 1
-            self.capture_seconds += time.perf_counter() - t0
-        st["graph"].replay()
-        return st["res"]
-
-    def give_up(self, error: Exception) -> None:
-        """A capture failed: the head's passes run eagerly from now on, said once on stderr."""
-        import sys
-
-        self.graphs = False
-        self.capture_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        for st in self.shapes.values():
-            st.pop("graph", None)
-            st.pop("res", None)
-        self.pool = None
-        sys.stderr.write(f"marscli: capturing the EAGLE-3 head's step as a CUDA graph failed ({self.capture_error}); "
-                         "its passes run eagerly (--compile off skips capturing)\n")
 
 
 def head_kv_zeros(head: Eagle3Head, T: int, dev) -> torch.Tensor:

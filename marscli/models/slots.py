@@ -371,7 +371,86 @@ class StepOutput:
         self.features = features
 
 
-class StaticSteps:
+class CapturedShapes:
+    """Shapes of a static computation, each with buffers (a dict per shape) that outlive it:
+    at most MAX_GRAPHS kept, the least recently used dropped; on CUDA (`graphs`) each is
+    warmed up once on a side stream and captured once as a torch.cuda.CUDAGraph (one memory
+    pool for all), then replayed. A capture that fails is said once on stderr and the shapes
+    run eagerly from then on (give_up). StaticSteps (a model's steps over a slot cache) and
+    marscli.drafters.eagle3.HeadSteps (an EAGLE-3 head's passes) are two."""
+
+    #: What give_up says failed (the subclass's words).
+    captured_what = "capturing a step as a CUDA graph"
+
+    def __init__(self):
+        self.shapes: dict[tuple, dict] = {}
+        self.captures = 0  # shapes captured as graphs or compiled (for reports and tests)
+        self.capture_error: str | None = None  # why capturing failed (then steps run eagerly)
+        self.capture_seconds = 0.0  # spent capturing or compiling (the first step of a shape)
+        self.pool = None
+
+    graphs = False  # capture and replay (a subclass's attribute or property)
+
+    def clear(self) -> None:
+        self.shapes.clear()
+        self.pool = None
+
+    def _keep(self, key, st: dict) -> None:
+        """st is shape `key`'s, the most recently used."""
+        self.shapes[key] = st
+        while len(self.shapes) > MAX_GRAPHS:
+            self.shapes.pop(next(iter(self.shapes)))
+
+    def _replay(self, st: dict, run, name: str):
+        """run(st), the shape's computation on its buffers, with its outputs in st[name]:
+        eagerly (keep_outputs: as a replay would, in the shape's own memory), or captured once
+        as a CUDA graph and replayed; if capturing fails, give_up and run eagerly."""
+        import time
+
+        if not self.graphs:
+            return keep_outputs(st, name, run(st))
+        if "graph" not in st:
+            t0 = time.perf_counter()
+            dev = st["at"].device
+            try:
+                # Warm up on a side stream (allocator and kernels settle), then capture.
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    run(st)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    st[name] = run(st)
+            except Exception as e:  # noqa: BLE001 - a computation that cannot be captured still runs
+                self.give_up(e)
+                return run(st)
+            self.pool = graph.pool()
+            st["graph"] = graph
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - t0
+            # the capture itself ran nothing: replay it for this step
+        st["graph"].replay()
+        return st[name]
+
+    def _stop_capturing(self) -> None:
+        """From now on everything runs eagerly (at the same shapes)."""
+        self.graphs = False
+
+    def give_up(self, error: Exception) -> None:
+        """A capture (or compilation) failed: the shapes run eagerly from now on, said once on
+        stderr; the records go on."""
+        import sys
+
+        what = self.captured_what
+        self._stop_capturing()
+        self.capture_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        self.clear()
+        sys.stderr.write(f"marscli: {what} failed ({self.capture_error}); "
+                         "this run's steps run eagerly (--compile off skips it)\n")
+
+
+class StaticSteps(CapturedShapes):
     """A SlotCache's forwards at fixed shapes: rows padded up to a ROW_BUCKETS size, new
     tokens per row to a TOKEN_BUCKETS size, the attended span to the cache's bucket. Each shape
     has input buffers (ids, position ids, write positions, mask) that outlive the forward; on
@@ -385,13 +464,9 @@ class StaticSteps:
     """
 
     def __init__(self, cache: SlotCache):
+        super().__init__()
         self.cache = cache
-        self.shapes: dict[tuple[int, int, int], dict] = {}
-        self.captures = 0  # shapes captured as graphs or compiled (for reports and tests)
-        self.capture_error: str | None = None  # why capturing failed (then steps run eagerly)
-        self.capture_seconds = 0.0  # spent capturing or compiling (the first step of a shape)
         self.compiled_forward = None  # torch.compile of _forward (compiled caches), made once
-        self.pool = None
         model = cache.model
         self.head = model.get_output_embeddings() if type(model).__name__ in SPLIT_HEAD else None
         self.split = self.head is not None and hasattr(model, "get_decoder")
@@ -400,9 +475,17 @@ class StaticSteps:
         self.model = model.get_decoder() if self.split else model
         self.cache_keyword = next(iter(cache_kw(self.model, None)))
 
-    def clear(self) -> None:
-        self.shapes.clear()
-        self.pool = None
+    @property
+    def graphs(self) -> bool:
+        return self.cache.graphs
+
+    @property
+    def captured_what(self) -> str:
+        return "compiling a step (torch.compile)" if self.cache.compiled else "capturing a step as a CUDA graph"
+
+    def _stop_capturing(self) -> None:
+        self.cache.graphs = self.cache.compiled = False
+        self.compiled_forward = None
 
     def _inputs(self, Bb: int, Sb: int, L: int, device) -> dict:
         return {
@@ -444,8 +527,6 @@ class StaticSteps:
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, block: torch.Tensor | None = None) -> StepOutput:
         """One step (block: a tree's ancestor mask, see SlotCache.forward) at its shape."""
-        import time
-
         c = self.cache
         B, S = ids.shape
         Bb, Sb = bucket_of(B, ROW_BUCKETS), bucket_of(S, TOKEN_BUCKETS)
@@ -457,7 +538,7 @@ class StaticSteps:
         fresh = st is None
         if fresh:
             st = self._inputs(Bb, Sb, L, ids.device)
-        self.shapes[key] = st  # most recently used last
+        self._keep(key, st)
         # This step's inputs into the shape's buffers: rows past B and tokens past S are padding.
         at = write_positions(c.lengths + [0] * (Bb - B), Sb, ids.device)
         real = torch.arange(Bb, device=ids.device)[:, None] < B  # [Bb, 1]
@@ -474,32 +555,7 @@ class StaticSteps:
         st["mask"].copy_(attention_mask(c.model, visible(at, L, block)))
         if c.compiled:
             return self._logits(self._compiled(st, L, fresh), B, S)
-        if not c.graphs:  # as a replay would: the outputs land in the shape's own memory
-            return self._logits(keep_outputs(st, "out", self._forward(st, L)), B, S, replayed=True)
-        if fresh or "graph" not in st:
-            t0 = time.perf_counter()
-            try:
-                # Warm up on a side stream (allocator and kernels settle), then capture.
-                side = torch.cuda.Stream(ids.device)
-                side.wait_stream(torch.cuda.current_stream(ids.device))
-                with torch.cuda.stream(side):
-                    self._forward(st, L)
-                torch.cuda.current_stream(ids.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    st["out"] = self._forward(st, L)
-            except Exception as e:  # noqa: BLE001 - a forward that cannot be captured still runs
-                self.give_up(e)
-                return self._logits(self._forward(st, L), B, S)
-            self.pool = graph.pool()
-            st["graph"] = graph
-            self.captures += 1
-            self.capture_seconds += time.perf_counter() - t0
-            while len(self.shapes) > MAX_GRAPHS:
-                self.shapes.pop(next(iter(self.shapes)))
-            # the capture itself ran nothing: replay it for this step
-        st["graph"].replay()
-        return self._logits(st["out"], B, S, replayed=True)
+        return self._logits(self._replay(st, lambda st: self._forward(st, L), "out"), B, S, replayed=True)
 
     def _compiled(self, st: dict, L: int, fresh: bool):
         """The shape's forward compiled by torch.compile (inductor; one compilation per shape,
@@ -526,17 +582,3 @@ class StaticSteps:
             self.captures += 1
             self.capture_seconds += time.perf_counter() - t0
         return out
-
-    def give_up(self, error: Exception) -> None:
-        """A capture (or compilation) failed: this cache's steps run eagerly from now on (at
-        the same static shapes), said once on stderr; the records go on."""
-        import sys
-
-        c = self.cache
-        what = "capturing a step as a CUDA graph" if c.graphs else "compiling a step (torch.compile)"
-        c.graphs = c.compiled = False
-        self.compiled_forward = None
-        self.capture_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        self.clear()
-        sys.stderr.write(f"marscli: {what} failed ({self.capture_error}); "
-                         "this run's steps run eagerly (--compile off skips it)\n")
