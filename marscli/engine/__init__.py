@@ -43,12 +43,9 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     Raises UsageError for what the engine cannot run (trees or sliding-window models at
     batch size > 1)."""
 
-    try:
-        # A captured (compiled, static) engine's draft model and EAGLE-3 head step so too, at
-        # batch size 1 as well.
-        captured = step_kind(compile_mode, target.device, target.model) != "eager"
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    # A captured (compiled, static) engine's draft model and EAGLE-3 head step so too, at
+    # batch size 1 as well.
+    captured = step_kind(compile_mode, target.device, target.model) != "eager"
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,
                               job_corpus=(draft_cfg.job_corpus and verify_cfg.rule.name == STRICT)
                               if job_corpus is None else job_corpus, batched_model=captured)

@@ -135,15 +135,15 @@ def step_kind(mode: str, device, model) -> str:
 
     - "graphs": static shapes replayed as CUDA graphs; on CUDA for auto and on;
     - "compiled": static shapes compiled by torch.compile (inductor); on a CPU for on only:
-      auto stays eager there, because compiled steps measured slower than marscli's eager CPU
-      kernels (docs/engine.md, "The captured step");
+      auto stays eager there, because the compilations cost more than they save on a typical
+      run (docs/engine.md, "The captured step");
     - "static" (an internal mode): the captured step's shapes, run eagerly (what tests check
       on a CPU);
     - "eager" otherwise, and for models a slot cache cannot hold (sliding windows, flash
       attention).
 
-    Chain and tree steps alike; an EAGLE-3 head's target features are outputs of the step (the
-    head's own forward stays eager)."""
+    Chain and tree steps alike; an EAGLE-3 head's target features are outputs of the step,
+    and its own chain passes follow the step kind (marscli.drafters.eagle3.HeadSteps)."""
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return "eager"
     if not supports_slots(model):

@@ -66,18 +66,13 @@ def tree_inputs(
     assert dtype.is_floating_point, f"the mask is additive: need a float dtype, got {dtype}"
     assert past_len >= 0, f"past_len must be >= 0, got {past_len}"
     n = len(tree)
-    ids = torch.cat([torch.tensor([root_token], dtype=torch.long), tree.tokens.cpu()])
-    pos = past_len + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth()])
+    ids, pos, block = tree_block(tree, root_token, past_len, "cpu")
     visible = torch.cat(
-        [torch.ones(n + 1, past_len, dtype=torch.bool), tree.ancestor_mask()], dim=1
+        [torch.ones(n + 1, past_len, dtype=torch.bool), block[0]], dim=1
     )  # [N+1, past_len+N+1]
     hidden = torch.finfo(dtype).min
     mask = torch.zeros(n + 1, past_len + n + 1, dtype=dtype).masked_fill(~visible, hidden)
-    return (
-        ids.unsqueeze(0).to(device),
-        pos.unsqueeze(0).to(device),
-        mask[None, None].to(device),
-    )
+    return ids.to(device), pos.to(device), mask[None, None].to(device)
 
 
 def tree_block(tree: DraftTree, root_token: int, past_len: int, device
