@@ -33,6 +33,13 @@ DEFAULT_PREFIX_CACHE_MIB = 512
 #: --compile: auto (captured steps on CUDA, eager on a CPU), on (captured on CUDA, compiled by
 #: torch.compile on a CPU), off (marscli.models.slots, docs/engine.md "The captured step").
 COMPILE_MODES = ("auto", "on", "off")
+#: Where a relaxed rule judges the drafter's proposals (--relax-at): at every output position,
+#: from the record's own text, so the text does not depend on draft lengths, the batch or
+#: timings (the default); or only at the drafted positions of a fixed-K chain, the paper's
+#: Algorithm 1 (reference checks: its text depends on K).
+RELAX_EVERY = "every"
+RELAX_DRAFTED = "drafted"
+RELAX_AT = (RELAX_EVERY, RELAX_DRAFTED)
 #: EAGLE-3 tree drafting defaults, EAGLE-3's own (eagle/model/ea_model.py): depth 7, top-k 10,
 #: 60 tokens (the MARS paper's runs: depth 6-7, top-k 10, 50-60 tokens).
 TREE_DEFAULTS = (7, 10, 60)
@@ -370,6 +377,7 @@ class GenerationOptions:
     epsilon: float | None = _knob("epsilon")
     alpha: float | None = _knob("alpha")
     budget: float | None = _knob("budget")
+    relax_at: str = _opt(RELAX_EVERY, "rule", PANEL_VERIFY, "Where a relaxed rule judges the drafter's proposals: 'every' output position (default: a record's text never depends on the draft lengths, the batch or timings) or only the 'drafted' positions of a fixed-K chain (the paper's Algorithm 1, for reference checks: the text then depends on --num-draft-tokens).", "--relax-at")
     # strict spans
     strict_in: str | None = _opt(None, "spans", PANEL_VERIFY, "Strict spans: verify every position strictly, whatever the rule, inside fenced code blocks ('code') and/or after a final-answer marker such as '####', '\\boxed{' or 'Final answer:' ('answer'); e.g. --strict-in code,answer. Decided from the output before each position (docs/verification.md, 'Strict spans').", "--strict-in")
     strict_regex: str | None = _opt(None, "spans", PANEL_VERIFY, "Strict span: a position is verified strictly when this Python regex matches (re.search) the output before it; e.g. '(?i)answer:' for everything after the first 'answer:'.", "--strict-regex")
@@ -482,6 +490,7 @@ class ModelSetup:
     spans: SpanConfig = SPANS_OFF  # strict spans (marscli.verification.spans)
     prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB  # MiB of the prefix cache (same outputs at any size)
     compile: str = "auto"  # captured steps (COMPILE_MODES; same tokens in float32)
+    relax_at: str = RELAX_EVERY  # where relaxed rules judge proposals (RELAX_AT)
 
 
 @dataclass(frozen=True)

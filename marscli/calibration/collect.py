@@ -3,11 +3,14 @@ strict run, and the exact replay of that run under any rule (the policies that p
 knob from the replay: marscli.calibration.policies).
 
 Collection runs the engine with strict verification and observes every step. The target has
-scored all k drafts of a step in one forward pass, so at each **verified draft position** we
-know the margin statistics, the draft's rank in the target (top-1, top-2, other), the target's
-log-probabilities of its top-1, top-2 and the draft token, and whether strict verification
-accepts the draft there on its own. From that, the length of any step under MARS at any theta
-is replayed exactly (the verifier's own rules.decide, applied to the recorded facts).
+scored all k drafts of a step in one forward pass, and the engine (``calibrating``) proposes
+the position after them too, as it does for a relaxed rule; so at each **judged position**
+(each draft, and the proposal after the drafts) we know the margin statistics, the
+proposal's rank in the target (top-1, top-2, other), the target's log-probabilities of its
+top-1, top-2 and the proposal, and whether it is the target's own token there (greedy: the
+top-1; sampling: the position's draw). From that, the length of any step under MARS at any
+theta is replayed exactly (the verifier's own rules.decide, applied to the recorded facts),
+and every output position's proposal is judged as generate judges it.
 
 The trade-off curve and the policies work on the replay:
 
@@ -40,7 +43,7 @@ import numpy as np
 
 from marscli.config import GUARD_OFF, GuardConfig
 from marscli.verification import rules
-from marscli.verification.chain import sampling_probs, strict_sampling_accepts
+from marscli.verification.chain import sampling_probs
 from marscli.verification.registry import (
     GREEDY_MODE,
     LOGIT_RATIO,
@@ -66,6 +69,7 @@ class MarginCollector:
 
     def __init__(self) -> None:
         self.step_k: list[int] = []
+        self.step_bonus: list[int] = []  # 1: the step judged a proposal after its drafts
         self.step_n: list[int] = []
         self.step_emitted: list[int] = []
         self._rows: list[np.ndarray] = []  # per step: [k, len(_COLS)] float64
@@ -87,25 +91,29 @@ class MarginCollector:
         self.max_tokens = obs.sampling.max_tokens
         k = obs.drafts.shape[1]
         n = int(obs.result.num_accepted[0])
+        bonus = obs.next_proposal is not None
+        P = k + bonus  # judged positions: the drafts, then the proposal after them
         self.step_k.append(k)
+        self.step_bonus.append(int(bonus))
         self.step_n.append(n)
         self.step_emitted.append(obs.emitted)
-        if k == 0:
+        if P == 0:
             return
         d = obs.drafts[0]  # [k]
-        logits_k = obs.logits[0, :k].float()  # [k, V]
+        if bonus:
+            d = torch.cat([d, torch.tensor([obs.next_proposal], dtype=torch.long, device=d.device)])
+        logits_k = obs.logits[0, :P].float()  # [P, V]
         z1, z2, t1, t2 = rules.top2(logits_k)
         s = obs.sampling
+        # the verifier's own verdict: the proposal is the target's token (top-1, or the draw)
+        strict_ok = obs.result.strict_ok[0, :P].to(d.device)
         if s.greedy:  # the quality estimate uses the model's own distribution (T = 1)
             p = torch.softmax(logits_k, dim=-1)
-            strict_ok = d == t1
         else:
-            p = sampling_probs(obs.logits[:, :k], s.temperature, s.top_k, s.top_p)[0]
-            strict_ok = strict_sampling_accepts(obs.drafts, p.unsqueeze(0), obs.u_accept,
-                                                obs.draft_probs)[0]
+            p = sampling_probs(obs.logits[:, :P], s.temperature, s.top_k, s.top_p)[0]
         logp = torch.log(p.double())
         rank = torch.where(d == t1, RANK_TOP1, torch.where(d == t2, RANK_TOP2, RANK_OTHER))
-        guarded = (obs.guard[0].to(z1.device).double() if obs.guard is not None
+        guarded = (obs.guard[0, :P].to(z1.device).double() if obs.guard is not None
                    else torch.zeros_like(z1, dtype=torch.float64))
         cols = torch.stack([
             rules.margin_statistic(z1, z2, LOGIT_RATIO).double(),
@@ -119,15 +127,15 @@ class MarginCollector:
             guarded,
         ], dim=1)
         # The per-token rules' facts, by the verifier's own function on the verifier's own p
-        # ([1, k, V], as verify builds them), so the replay compares the very same numbers.
-        p_rows = (torch.softmax(obs.logits[:, :k].float(), dim=-1) if s.greedy
-                  else sampling_probs(obs.logits, s.temperature, s.top_k, s.top_p)[:, :k])
-        facts = rules.draft_facts(obs.logits[:, :k], obs.drafts, p_rows, ALL_FACTS)
-        z_draft = obs.logits[:, :k].float().gather(-1, obs.drafts.unsqueeze(-1)).squeeze(-1)
+        # ([1, P, V], as verify builds them), so the replay compares the very same numbers.
+        p_rows = (torch.softmax(obs.logits[:, :P].float(), dim=-1) if s.greedy
+                  else sampling_probs(obs.logits[:, :P], s.temperature, s.top_k, s.top_p))
+        facts = rules.draft_facts(obs.logits[:, :P], d.view(1, P), p_rows, ALL_FACTS)
+        z_draft = obs.logits[:, :P].float().gather(-1, d.view(1, P, 1)).squeeze(-1)
         cols = torch.cat([cols, torch.stack([facts["p_draft"][0].double(), facts["p1"][0].double(),
                                              facts["rank"][0].double(), facts["entropy"][0].double(),
                                              z_draft[0].double(), facts["regret"][0].double()], dim=1)], dim=1)
-        ok = strict_ok.tolist()
+        ok = strict_ok[:k].tolist()
         replayed = ok.index(False) if False in ok else k
         if replayed != n:  # the replay rule must reproduce what the verifier did
             raise RuntimeError(f"calibration replay disagrees with strict verification: {replayed} != {n}")
@@ -184,6 +192,7 @@ class MarginCollector:
                 pick = next((c for c in rejected if tokens[c] == t2l[last]), rejected[0])
             chain.append(cols(pick, 0.0))
         self.step_k.append(len(chain))
+        self.step_bonus.append(0)
         self.step_n.append(n)
         self.step_emitted.append(obs.emitted)
         if chain:
@@ -205,6 +214,7 @@ class MarginCollector:
         self.step_record += [len(self.record_max_tokens)] * len(other.step_k)
         self.record_max_tokens.append(other.max_tokens)
         self.step_k += other.step_k
+        self.step_bonus += other.step_bonus
         self.step_n += other.step_n
         self.step_emitted += other.step_emitted
         base = len(self.step_k) - len(other.step_k)
@@ -229,6 +239,7 @@ class MarginCollector:
             guard=guard,
             tree_nodes=tree,
             step_k=np.asarray(self.step_k, dtype=np.int64),
+            step_bonus=np.asarray(self.step_bonus, dtype=np.int64),
             step_n=np.asarray(self.step_n, dtype=np.int64),
             tokens=int(sum(self.step_emitted)),
             records=records,
@@ -262,7 +273,7 @@ class MarginData:
     tokens: int  # completion tokens emitted in the collection run
     records: int
     failed_records: int
-    logit_ratio: np.ndarray  # [P] one entry per verified draft position
+    logit_ratio: np.ndarray  # [P] one entry per judged position (a step's drafts, then its bonus proposal)
     prob_ratio: np.ndarray  # [P]
     z1: np.ndarray  # [P]
     rank: np.ndarray  # [P] 1, 2 or 3 (other)
@@ -284,6 +295,8 @@ class MarginData:
     z_draft: np.ndarray | None = None  # [P] the draft's raw logit
     regret: np.ndarray | None = None  # [P] the draft's own regret z1 - z(draft) (not summed)
     sampled: bool = False  # some step sampled (greedy-only rules cannot be replayed on it)
+    #: [S] 1 where the step judged a proposal after its drafts (its last position); None: none
+    step_bonus: np.ndarray | None = None
     _grid: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -307,6 +320,8 @@ class MarginData:
             self.z_draft = self.z1 - self.regret
         if self.step_record is None:
             self.step_record = np.zeros(len(self.step_k), dtype=np.int64)
+        if self.step_bonus is None:
+            self.step_bonus = np.zeros(len(self.step_k), dtype=np.int64)
         if self.record_max_tokens is None:
             self.record_max_tokens = np.asarray([self.tokens], dtype=np.int64)
 
@@ -339,6 +354,7 @@ class MarginData:
             if parts else np.zeros(0, dtype=np.int64),
             guard=parts[0].guard if parts else GUARD_OFF,
             step_k=np.concatenate([p.step_k for p in parts]),
+            step_bonus=np.concatenate([p.step_bonus for p in parts]),
             step_n=np.concatenate([p.step_n for p in parts]),
             tokens=sum(p.tokens for p in parts),
             sampled=any(p.sampled for p in parts),
@@ -357,8 +373,9 @@ class MarginData:
         g = self._grid
         if not g:
             S = self.steps
-            K = int(self.step_k.max()) if S else 0
-            valid = np.arange(K)[None, :] < self.step_k[:, None]  # [S, K]
+            width = self.step_k + self.step_bonus  # judged positions per step
+            K = int(width.max()) if S else 0
+            valid = np.arange(K)[None, :] < width[:, None]  # [S, K]
 
             def lay(values: np.ndarray, fill: float) -> np.ndarray:
                 m = np.full((S, K), fill, dtype=np.float64)
@@ -416,9 +433,11 @@ class MarginData:
                 False if facts.guarded is None else facts.guarded)
             decision = rules.decide(rule, facts)
         relaxable = g["valid"] & decision.relaxable
-        ok = decision.ok & g["valid"]
-        n = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(S, dtype=np.int64)
-        accepted = np.arange(ok.shape[1])[None, :] < n[:, None]
+        ok = (decision.ok | g["strict_ok"]) & g["valid"]
+        # kept positions: the accepted drafts, and the bonus proposal when all drafts were
+        n_kept = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(S, dtype=np.int64)
+        n = np.minimum(n_kept, self.step_k)
+        accepted = np.arange(ok.shape[1])[None, :] < n_kept[:, None]
         relaxed = rules.relaxed_positions(accepted, relaxable, g["strict_ok"])
         relaxing = ok & relaxable & ~g["strict_ok"]  # accepted on their own only if relaxed
         emitted = int(n.sum()) + S
@@ -443,7 +462,7 @@ class MarginData:
         before each step are min(unbudgeted count so far, budget)."""
 
         wants = decision.ok & decision.relaxable & ~g["strict_ok"] & g["valid"]  # [S, K]
-        ok = decision.ok & g["valid"]
+        ok = (decision.ok | g["strict_ok"]) & g["valid"]
         n = np.cumprod(ok, axis=1).sum(axis=1) if ok.size else np.zeros(len(ok), dtype=np.int64)
         made = (wants & (np.arange(ok.shape[1])[None, :] < n[:, None])).sum(axis=1)  # [S]
         before = np.cumsum(made) - made  # relaxations before each step, over all records

@@ -1,5 +1,11 @@
 """The drafter interface and the draft-length policy.
 
+A drafter's proposal for an output position is a function of the row's text so far (prompt
+and output up to that position): the relaxed rules judge it there whether the step drafted
+it or not (marscli.verification.chain). A chain of k drafts is therefore k proposals, each
+made from the drafts before it, and ``propose(..., bonus=True)`` adds the proposal for the
+position after them (``Proposal.next``), so the rule judges that position too.
+
 A drafter offers up to k tokens for one sequence (``offer``: how many it has and how often
 its drafts pass) and learns how many of them the target accepted. The engine then chooses
 every row's draft length for the step at once (``choose_draft_lengths``): the step costs
@@ -148,10 +154,13 @@ def choose_draft_lengths(offers: Sequence[DraftOffer], step_seconds: Callable[[i
 
 @dataclass
 class Proposal:
-    """What a drafter proposes for one sequence."""
+    """What a drafter proposes for one sequence: k drafts, and (when asked) its proposal for
+    the position after them."""
 
     tokens: list[int]
-    probs: torch.Tensor | None = None  # [k, V] draft distribution; None: deterministic (one-hot)
+    #: the proposal for the position after the drafts (propose(..., bonus=True)); None: none
+    #: asked, or the drafter has none there (the target's own token is emitted)
+    next: int | None = None
 
 
 class Drafter(Protocol):
@@ -162,16 +171,17 @@ class Drafter(Protocol):
     #: Target layers whose input hidden states observe() needs; () when it reads none.
     feature_layers: tuple[int, ...]
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams,
-              generator: torch.Generator | None) -> None:
-        """Begin a new sequence: its decoding settings and the drafter's own random stream."""
+    def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> None:
+        """Begin a new sequence with its decoding settings (a sampling drafter draws with the
+        record's seed: marscli.verification.draws)."""
 
     def offer(self, seq: list[int], k_max: int) -> DraftOffer:
         """How many drafts (at most k_max) it could propose after `seq`, and how good."""
 
-    def propose(self, seq: list[int], k: int) -> Proposal:
+    def propose(self, seq: list[int], k: int, bonus: bool = False) -> Proposal:
         """Propose k tokens continuing `seq` (prompt + committed output), fewer only when it
-        has fewer (right after offer() for the same seq)."""
+        has fewer (right after offer() for the same seq); with ``bonus`` also the proposal
+        after them (``Proposal.next``)."""
 
     def observe(self, features: torch.Tensor) -> None:
         """Target features [S, F] of the next S committed positions, in order."""
@@ -213,12 +223,10 @@ class BatchedDrafter(Protocol):
     def reset(self) -> None:
         """Drop every row."""
 
-    def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
-                generator: torch.Generator | None) -> None:
+    def add_row(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Append a row for a new record (prefilling whatever the drafter caches)."""
 
-    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> None:
+    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> None:
         """Append a row for each new record, in order (records that join together: a drafter
         that prefills a model prefills them together)."""
 
@@ -228,9 +236,10 @@ class BatchedDrafter(Protocol):
     def offers(self, seqs: list[list[int]], k_caps: list[int]) -> list[DraftOffer]:
         """Every row's offer: at most k_caps[b] drafts after seqs[b] (none when <= 0)."""
 
-    def propose(self, seqs: list[list[int]], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[list[int]], ks: list[int], bonus: bool = False) -> list[Proposal]:
         """Every row's proposal: ks[b] tokens after seqs[b] (none when <= 0), right after
-        offers() for the same seqs."""
+        offers() for the same seqs; with ``bonus`` every row's proposal after them too (a row
+        with ks[b] == 0 included: its proposal for the next position)."""
 
     def propose_tree(self, row: int, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
         """Row `row`'s draft tree (only when ``tree`` is set)."""
@@ -254,8 +263,6 @@ class RowDrafters:
         #: The job's corpus (marscli.drafters.ngram.JobCorpus) the rows' drafters share, if any:
         #: a row's drafter hands it its record when the row leaves (``finish``).
         self.corpus = corpus
-        #: hybrid drafting: the curves every row's HybridDrafter chooses by (the engine fills it)
-        self.hybrid_costs = None
         self.rows: list[Drafter] = []
 
     def _finish(self, rows: list[Drafter]) -> None:
@@ -268,16 +275,14 @@ class RowDrafters:
         self._finish(self.rows)
         self.rows = []
 
-    def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
-                generator: torch.Generator | None) -> None:
+    def add_row(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         d = self.factory()
-        d.start(list(prompt_ids), sampling, generator)
+        d.start(list(prompt_ids), sampling)
         self.rows.append(d)
 
-    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> None:
-        for p, s, g in zip(prompts, samplings, generators):
-            self.add_row(p, s, g)
+    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> None:
+        for p, s in zip(prompts, samplings):
+            self.add_row(p, s)
 
     def keep(self, rows: list[int]) -> None:
         kept = set(rows)
@@ -287,8 +292,8 @@ class RowDrafters:
     def offers(self, seqs: list[list[int]], k_caps: list[int]) -> list[DraftOffer]:
         return [d.offer(seq, cap) for d, seq, cap in zip(self.rows, seqs, k_caps)]
 
-    def propose(self, seqs: list[list[int]], ks: list[int]) -> list[Proposal]:
-        return [d.propose(seq, k) if k > 0 else Proposal([])
+    def propose(self, seqs: list[list[int]], ks: list[int], bonus: bool = False) -> list[Proposal]:
+        return [d.propose(seq, max(k, 0), bonus) if k > 0 or bonus else Proposal([])
                 for d, seq, k in zip(self.rows, seqs, ks)]
 
     def propose_tree(self, row: int, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:

@@ -10,9 +10,13 @@ the target's real features (what the published code does with its "stable" cache
 
 Two ways to draft:
 
-- chain (``propose``): top-1 (greedy) or a sample from the head's distribution q (sampling;
-  q is returned as the proposal's probabilities over the target vocabulary, so strict
-  speculative sampling uses the real q), K tokens, K chosen adaptively as for the other drafters;
+- chain (``propose``): top-1 (greedy) or the position's draw from the head's distribution q
+  (sampling; coupled to the target's draw there: marscli.verification.draws, the noise keyed
+  by target token ids), K tokens, K chosen adaptively as for the other drafters. A chain
+  token past the first comes from the head's own features, not the target's, so it is not
+  the head's proposal for its position given the text (which would read the target's
+  features there): relaxed rules keep the drafted-positions rule of the paper for EAGLE-3
+  (the engine drafts a fixed K; ``propose`` has no proposal after the chain);
 - tree (``propose_tree``): EAGLE-2's dynamic tree. The head takes the top-k tokens after the
   pending one; then, ``depth`` times, it expands the top-k nodes of the newest level (by
   cumulative draft log-probability), each into its top-k children, in one head pass per level;
@@ -39,7 +43,8 @@ from marscli.models.slots import (
     span_bucket,
     step_on,
 )
-from marscli.verification.chain import sample_from, sampling_probs
+from marscli.verification.chain import sampling_probs
+from marscli.verification.draws import coupled_draw, position_keys
 
 #: Parent of a depth-1 node (its parent is the pending token, the tree's root).
 ROOT = -1
@@ -68,6 +73,23 @@ class TreeShape:
 DEFAULT_TREE = TreeShape(*TREE_DEFAULTS)
 
 
+def head_draws(head: Eagle3Head, logits: torch.Tensor, samplings: list[SamplingParams],
+               positions: list[int]) -> torch.Tensor:
+    """[R] target token ids: each row's draft from the head's logits [R, draft_vocab]: the
+    top-1 (greedy rows) or the position's coupled draw from q (sampled rows; the noise keyed
+    by target token ids, as the target's own draw is)."""
+    picked = logits.argmax(dim=-1)  # [R] draft-vocabulary ids
+    sampled = [i for i, s in enumerate(samplings) if not s.greedy]
+    if sampled:
+        ids = head.to_target(torch.arange(logits.shape[-1], device=logits.device))  # [Dv]
+        for i in sampled:
+            s = samplings[i]
+            q = sampling_probs(logits[i: i + 1], s.temperature, s.top_k, s.top_p)  # [1, Dv]
+            key = position_keys(torch.tensor([s.seed]), torch.tensor([positions[i]])).to(q.device)
+            picked[i] = coupled_draw(q, key, ids)[0]
+    return head.to_target(picked)
+
+
 class Eagle3Drafter(DrafterBase):
     """Drafts with an EAGLE-3 head for one sequence at a time (one per batch row)."""
 
@@ -86,10 +108,9 @@ class Eagle3Drafter(DrafterBase):
         """Target layers whose input hidden states the engine must hand over (observe)."""
         return self.head.feature_layers
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-              generator: torch.Generator | None = None) -> None:
+    def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> None:
         self.sampling = sampling or SamplingParams()
-        self.generator = generator
+        self.prompt_len = len(prompt_ids)
         self.tracker = AcceptanceTracker()
         self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # committed entries' keys, values
         self.n = 0  # committed head entries (= committed positions with features, but the last)
@@ -132,31 +153,25 @@ class Eagle3Drafter(DrafterBase):
         return self.tracker.offer(k_max)
 
     @torch.inference_mode()
-    def propose(self, seq: list[int], k: int) -> Proposal:
+    def propose(self, seq: list[int], k: int, bonus: bool = False) -> Proposal:
+        """k chain drafts; no proposal after them (the module's docstring: ``bonus`` is
+        ignored)."""
         if k <= 0 or not self._catch_up(seq):
             return Proposal([])
         head, dev = self.head, self.device
         past = self.past
         out = self.last_out.view(1, 1, -1)
         tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        s = self.sampling
+        at = len(seq) - self.prompt_len
         for i in range(k):
             logits = head.draft_logits(out[0, -1])  # [draft_vocab]
-            if s.greedy:
-                d = logits.argmax().view(1)
-            else:
-                q = sampling_probs(logits.unsqueeze(0), s.temperature, s.top_k, s.top_p)  # [1, Dv]
-                u = torch.rand(1, generator=self.generator)
-                d = sample_from(q.cpu(), u).to(dev)
-                probs.append(head.target_probs(q[0], self.vocab_size))
-            tok = head.to_target(d)  # [1]
+            tok = head_draws(head, logits.unsqueeze(0), [self.sampling], [at + i])  # [1]
             tokens.append(int(tok))
             if i + 1 < k:  # the last draft needs no head pass
                 pos = torch.tensor([[self.n + i]], device=dev)
                 out, kk, vv = head(out, tok.view(1, 1), pos, past, target_features=False)
                 past = (torch.cat([past[0], kk], 2), torch.cat([past[1], vv], 2))
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        return Proposal(tokens)
 
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
         self.tracker.update(proposed, accepted)
@@ -247,8 +262,8 @@ class BatchedEagle3Drafter:
     """Chain drafting for a whole batch: the rows' catch-up entries in one head pass and then
     one head pass per draft position for all rows (instead of one pass per row and position).
 
-    Each row is an Eagle3Drafter (its own committed cache, features, acceptance tracker and
-    random generator); this class only runs their head passes together (a BatchedDrafter).
+    Each row is an Eagle3Drafter (its own committed cache, features and acceptance tracker);
+    this class only runs their head passes together (a BatchedDrafter).
     The rows' committed caches are left-padded to a common length for each step; padding is
     masked out, so a row drafts what it would alone, up to float summation order. Rows follow
     the engine's batch (added and dropped together).
@@ -274,17 +289,15 @@ class BatchedEagle3Drafter:
         kind = step_on(self.step_kind, self.head.device)
         self.steps = HeadSteps(self.head, graphs=kind == "graphs") if kind in ("static", "graphs") else None
 
-    def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
-                generator: torch.Generator | None) -> None:
+    def add_row(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         # The head's prompt entries come from the target's prefill features (observe).
         row = Eagle3Drafter(self.head, self.k_max, vocab_size=self.vocab_size)
-        row.start(prompt_ids, sampling, generator)
+        row.start(prompt_ids, sampling)
         self.rows.append(row)
 
-    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> None:
-        for p, s, g in zip(prompts, samplings, generators):
-            self.add_row(p, s, g)
+    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> None:
+        for p, s in zip(prompts, samplings):
+            self.add_row(p, s)
 
     def keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[b] for b in rows]
@@ -302,7 +315,7 @@ class BatchedEagle3Drafter:
         return [r.tracker.offer(cap) for r, cap in zip(self.rows, k_caps)]
 
     @torch.inference_mode()
-    def propose(self, seqs: list[list[int]], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[list[int]], ks: list[int], bonus: bool = False) -> list[Proposal]:
         rows, head = self.rows, self.head
         assert len(seqs) == len(ks) == len(rows)
         dev = head.device
@@ -326,29 +339,18 @@ class BatchedEagle3Drafter:
             valid[i, T - r.n:] = True
         out = torch.stack([r.last_out for r in act]).unsqueeze(1)  # [B, 1, H]
         tokens: list[list[int]] = [[] for _ in act]
-        probs: list[list[torch.Tensor]] = [[] for _ in act]
         kmax = max(ks[b] for b in active)
-        greedy = [r.sampling.greedy for r in act]
+        samplings = [r.sampling for r in act]
+        at = [len(seqs[b]) - r.prompt_len for b, r in zip(active, act)]
         static = self.steps.begin(keys, values, valid, kmax) if self.steps is not None and kmax > 1 else None
         logits = head.draft_logits(out[:, 0])  # [B, Dv]
         for i in range(kmax):
-            # Greedy rows: one argmax over the batch and one transfer a draft position.
-            toks = head.to_target(logits.argmax(-1))  # [B]
-            picked = toks.tolist() if any(greedy) else None
-            for j, r in enumerate(act):
-                if i >= ks[active[j]]:
-                    continue
-                s = r.sampling
-                if s.greedy:
+            # one argmax (or coupled draw) over the batch and one transfer a draft position
+            toks = head_draws(head, logits, samplings, [a + i for a in at])  # [B]
+            picked = toks.tolist()
+            for j in range(len(act)):
+                if i < ks[active[j]]:
                     tokens[j].append(picked[j])
-                    continue
-                q = sampling_probs(logits[j: j + 1], s.temperature, s.top_k, s.top_p)  # [1, Dv]
-                u = torch.rand(1, generator=r.generator)
-                d = sample_from(q.cpu(), u).to(dev)
-                probs[j].append(head.target_probs(q[0], self.vocab_size))
-                tok = head.to_target(d)
-                toks[j] = tok[0]
-                tokens[j].append(int(tok))
             if i + 1 >= kmax:
                 break
             pos = torch.tensor([[r.n + i] for r in act], device=dev)
@@ -361,7 +363,7 @@ class BatchedEagle3Drafter:
             valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
             logits = head.draft_logits(out[:, 0])
         for j, b in enumerate(active):
-            proposals[b] = Proposal(tokens[j][: ks[b]], torch.stack(probs[j]) if probs[j] else None)
+            proposals[b] = Proposal(tokens[j][: ks[b]])
         return proposals
 
     def _catch_up(self, rows: list[Eagle3Drafter], seqs: list[list[int]]) -> None:

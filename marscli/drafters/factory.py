@@ -5,7 +5,7 @@ from __future__ import annotations
 from marscli.config import DraftConfig
 from marscli.drafters.base import BatchedDrafter, Drafter, RowDrafters
 from marscli.drafters.eagle3 import BatchedEagle3Drafter, Eagle3Drafter, TreeShape
-from marscli.drafters.hybrid import HybridCosts, HybridDrafter
+from marscli.drafters.hybrid import HybridDrafter
 from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM, NONE
 from marscli.drafters.model import BatchedModelDrafter, ModelDrafter, SiblingTree
 from marscli.drafters.ngram import JobCorpus, NgramDrafter, NoDrafter
@@ -24,11 +24,10 @@ def _tree_shape(draft_cfg: DraftConfig):
     return TreeShape(draft_cfg.tree_depth, draft_cfg.tree_top_k, draft_cfg.tree_tokens)
 
 
-def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None,
-                  costs: HybridCosts | None = None) -> Drafter:
+def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None) -> Drafter:
     """One record's drafter for draft_cfg (draft_model: a LoadedModel for kind "model", an
     EAGLE-3 head for kind "eagle3"; corpus: the job's JobCorpus, for kind "ngram" and hybrid
-    drafting; costs: the curves a hybrid drafter chooses by)."""
+    drafting)."""
 
     vocab = output_rows(target.model)
     if draft_cfg.kind == EAGLE3:
@@ -51,7 +50,7 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None,
         return model
     ngram = NgramDrafter(draft_cfg.num_draft_tokens, ngram_max=draft_cfg.ngram_max,
                          ngram_min=draft_cfg.ngram_min, corpus=corpus)
-    return HybridDrafter(ngram, model, costs if costs is not None else HybridCosts())
+    return HybridDrafter(ngram, model)
 
 
 def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_size: int = 1,
@@ -61,7 +60,7 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     per position; everything else (and every drafter at batch size 1) runs one drafter per
     row. job_corpus: n-gram drafters share a JobCorpus of the job's finished records.
     Hybrid drafting (an n-gram drafter and a draft model per row) runs one drafter per row at
-    every batch size; its rows share one HybridCosts (``hybrid_costs``) for the engine to fill.
+    every batch size.
     batched_model: a draft model drafts through BatchedModelDrafter, and an EAGLE-3 head's
     chains through BatchedEagle3Drafter, at batch size 1 too (their steps are static or
     captured when the engine's are: Engine.step_kind)."""
@@ -76,8 +75,5 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     corpus = None
     if job_corpus and (draft_cfg.kind == NGRAM or draft_cfg.hybrid):
         corpus = JobCorpus(draft_cfg.ngram_max, draft_cfg.ngram_min)
-    costs = HybridCosts() if draft_cfg.hybrid else None
-    rows = RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model, corpus, costs),
+    return RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model, corpus),
                        feature_layers=one.feature_layers, tree=_tree_shape(draft_cfg), corpus=corpus)
-    rows.hybrid_costs = costs
-    return rows

@@ -12,7 +12,8 @@ from marscli.drafters.kinds import MODEL
 from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback
 from marscli.models.prefill import DRAFT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.models.slots import SlotCache, supports
-from marscli.verification.chain import sample_from, sampling_probs
+from marscli.verification.chain import sampling_probs
+from marscli.verification.draws import coupled_draw, position_keys
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
@@ -37,15 +38,19 @@ def reusable_prefix(cached: list[int], seq: list[int]) -> int:
     return min(common, len(seq) - 1)
 
 
-def draft_token(logits: torch.Tensor, sampling: SamplingParams,
-                generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-    """One draft token from draft logits [V]: the argmax (greedy; q one-hot) or a draw from
-    the filtered draft distribution q, returned with it."""
-    if sampling.greedy:
-        return int(logits.argmax()), None
-    q = sampling_probs(logits.unsqueeze(0), sampling.temperature, sampling.top_k, sampling.top_p)  # [1, V]
-    u = torch.rand(1, generator=generator)
-    return int(sample_from(q, u)[0]), q[0]
+def draft_tokens(logits: torch.Tensor, samplings: list[SamplingParams], positions: list[int]) -> list[int]:
+    """One draft token per row from draft logits [R, V]: the argmax (greedy rows) or the
+    position's draw from the row's filtered draft law q (sampled rows), coupled to the
+    target's draw there (marscli.verification.draws: the same noise, from the record's seed
+    and the output position). One host transfer for all rows."""
+    out = logits.argmax(dim=-1)  # [R]
+    sampled = [i for i, s in enumerate(samplings) if not s.greedy]
+    for i in sampled:  # rows of one batch usually share their settings; each its own law
+        s = samplings[i]
+        q = sampling_probs(logits[i: i + 1], s.temperature, s.top_k, s.top_p)  # [1, V]
+        key = position_keys(torch.tensor([s.seed]), torch.tensor([positions[i]]))
+        out[i] = coupled_draw(q, key.to(q.device))[0]
+    return out.tolist()
 
 
 @dataclass(frozen=True)
@@ -133,15 +138,14 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
         self.tree = tree
         self.offset = 0
         self.sampling = SamplingParams()
-        self.generator: torch.Generator | None = None
+        self.prompt_len = 0
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys/values are in self.cache
         self.tracker = AcceptanceTracker()
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-              generator: torch.Generator | None = None) -> None:
+    def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> None:
         self.sampling = sampling or SamplingParams()
-        self.generator = generator
+        self.prompt_len = len(prompt_ids)
         self.cache = new_cache(self.model)
         self.cached = []
         self.tracker = AcceptanceTracker()
@@ -165,20 +169,28 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
         del self.cached[common:]
         return fit_vocab(self._forward(seq[common:]), self.vocab_size)
 
-    def propose(self, seq: list[int], k: int) -> Proposal:
-        if k <= 0:
+    def token_after(self, seq: list[int]) -> int:
+        """The draft model's token for the position after seq (its argmax, or its coupled
+        draw when sampling): one forward over what its cache lacks of seq."""
+        logits = self._catch_up(seq)
+        return draft_tokens(logits.unsqueeze(0), [self.sampling], [len(seq) - self.prompt_len])[0]
+
+    def propose(self, seq: list[int], k: int, bonus: bool = False) -> Proposal:
+        """k drafts, each the draft model's token given the drafts before it (its argmax, or
+        its coupled draw when sampling), and with ``bonus`` its token after them too (one
+        more draft position)."""
+        m = max(k, 0) + bonus
+        if m <= 0:
             return Proposal([])
         logits = self._catch_up(seq)
         tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        for i in range(k):
-            tok, q = draft_token(logits, self.sampling, self.generator)
-            if q is not None:
-                probs.append(q)
+        at = len(seq) - self.prompt_len  # the output position of the first draft
+        for i in range(m):
+            tok = draft_tokens(logits.unsqueeze(0), [self.sampling], [at + i])[0]
             tokens.append(tok)
-            if i + 1 < k:
+            if i + 1 < m:
                 logits = fit_vocab(self._forward([tok]), self.vocab_size)
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        return Proposal(tokens[:k], tokens[k] if bonus else None)
 
     def propose_tree(self, seq: list[int], k: int) -> tuple[list[int], list[int], list[float]]:
         """A SiblingTree after seq with a chain of k: the chain is the draft model's argmax at
@@ -213,10 +225,9 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
 class _Row:
     """One row's drafting state in a BatchedModelDrafter."""
 
-    def __init__(self, owner: BatchedModelDrafter, sampling: SamplingParams,
-                 generator: torch.Generator | None):
+    def __init__(self, sampling: SamplingParams, prompt_len: int):
         self.sampling = sampling
-        self.generator = generator
+        self.prompt_len = prompt_len  # output positions count from here
         self.tracker = AcceptanceTracker()
         self.cached: list[int] = []  # tokens whose keys/values are valid in the row's cache
         self.offset = 0  # where the draft model starts reading the record (prompt_offset)
@@ -226,9 +237,9 @@ class BatchedModelDrafter(DraftModelSettings):
     """ModelDrafter for a whole batch (a BatchedDrafter): one draft-model forward per draft
     position for all rows, over a masked HoleCache of its own.
 
-    Each row drafts what a ModelDrafter would for it alone: the same choice of k (its own
-    AcceptanceTracker) for the same k, the same greedy argmax or the same draws from its own generator;
-    only the float summation order of the draft model's batched pass may differ.
+    Each row drafts what a ModelDrafter would for it alone: the same greedy argmax or the
+    same coupled draws for the same k; only the float summation order of the draft model's
+    batched pass may differ.
     """
 
     feature_layers: tuple[int, ...] = ()
@@ -255,18 +266,16 @@ class BatchedModelDrafter(DraftModelSettings):
             self.prefiller = Prefiller(self.model, self.device, PrefixCache(DRAFT_PREFIX_CACHE_MIB * MIB),
                                        self.pad_id)
 
-    def add_row(self, prompt_ids: list[int], sampling: SamplingParams,
-                generator: torch.Generator | None) -> None:
+    def add_row(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Prefill the new row's prompt but its last token, alone, and append the row."""
-        self.add_rows([prompt_ids], [sampling], [generator])
+        self.add_rows([prompt_ids], [sampling])
 
-    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> None:
+    def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> None:
         """Prefill the new rows' prompts but their last tokens, together (in padded passes,
         each after what the draft model's prefix cache holds of it), and append the rows."""
         rows = []
-        for ids, sampling, generator in zip(prompts, samplings, generators):
-            row = _Row(self, sampling, generator)
+        for ids, sampling in zip(prompts, samplings):
+            row = _Row(sampling, len(ids))
             row.offset = prompt_offset(len(ids), self.context)
             row.cached = list(ids[row.offset:-1])
             rows.append(row)
@@ -310,13 +319,14 @@ class BatchedModelDrafter(DraftModelSettings):
         return [h.tracker.offer(cap) for h, cap in zip(self.rows, k_caps)]
 
     @torch.inference_mode()
-    def propose(self, seqs: list[list[int]], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[list[int]], ks: list[int], bonus: bool = False) -> list[Proposal]:
         rows = self.rows
         assert len(seqs) == len(ks) == len(rows)
         ks = [max(k, 0) for k in ks]
+        ms = [k + bonus for k in ks]  # tokens each row drafts: its k, and the one after them
         catch: list[list[int]] = []
-        for b, (h, seq, k) in enumerate(zip(rows, seqs, ks)):
-            if k <= 0:
+        for b, (h, seq, m) in enumerate(zip(rows, seqs, ms)):
+            if m <= 0:
                 catch.append([])
                 continue
             # Bring the row's cache up to its committed sequence (at least the last token is new).
@@ -326,30 +336,32 @@ class BatchedModelDrafter(DraftModelSettings):
                 self.kv.truncate_row(b, common)
                 del h.cached[common:]
             catch.append(list(seq[common:]))
-        if not any(ks):
+        if not any(ms):
             self.kv.trim()
             return [Proposal([]) for _ in rows]
         logits = self._feed(catch)
-        last = [fit_vocab(logits[b, len(c) - 1], self.vocab_size) if c else None
-                for b, c in enumerate(catch)]
+        # each drafting row's logits of its next draft [R, V]
+        live = [b for b, m in enumerate(ms) if m > 0]
+        last = torch.stack([fit_vocab(logits[b, len(catch[b]) - 1], self.vocab_size) for b in live])
+        at = [len(seqs[b]) - rows[b].prompt_len for b in live]  # output position of each row's next draft
         tokens: list[list[int]] = [[] for _ in rows]
-        probs: list[list[torch.Tensor]] = [[] for _ in rows]
-        for i in range(max(ks)):
+        for i in range(max(ms)):
+            live_now = [j for j, b in enumerate(live) if i < ms[b]]
+            # one argmax (or coupled draw) and one host transfer for every drafting row
+            picked = draft_tokens(last[live_now], [rows[live[j]].sampling for j in live_now],
+                                  [at[j] + i for j in live_now])
             feeds: list[list[int]] = [[] for _ in rows]
-            for b, (h, k) in enumerate(zip(rows, ks)):
-                if i >= k:
-                    continue
-                tok, q = draft_token(last[b], h.sampling, h.generator)
-                if q is not None:
-                    probs[b].append(q)
+            for j, tok in zip(live_now, picked):
+                b = live[j]
                 tokens[b].append(tok)
-                if i + 1 < k:
+                if i + 1 < ms[b]:
                     feeds[b] = [tok]
-            if any(feeds):
-                logits = self._feed(feeds)
-                for b, f in enumerate(feeds):
-                    if f:
-                        last[b] = fit_vocab(logits[b, 0], self.vocab_size)
+            if not any(feeds):
+                break
+            logits = self._feed(feeds)
+            for j, b in enumerate(live):
+                if feeds[b]:
+                    last[j] = fit_vocab(logits[b, 0], self.vocab_size)
         self.kv.trim()
-        return [Proposal(tokens[b], torch.stack(probs[b]) if probs[b] else None) if ks[b] > 0
-                else Proposal([]) for b in range(len(rows))]
+        return [Proposal(tokens[b][: ks[b]], tokens[b][ks[b]] if bonus and len(tokens[b]) > ks[b] else None)
+                for b in range(len(rows))]

@@ -21,8 +21,8 @@ class JobCorpus:
     n-gram drafter to fall back on when a record's own text has no long match: offline jobs
     repeat themselves across records (the same instructions, answer formats, code idioms),
     the observation behind SuffixDecoding (Oliaro et al. 2024). One corpus per engine, shared
-    by its rows; the engine only builds one under strict verification, and only greedy records
-    draft from it: there drafts cannot change an output (docs/engine.md, "Drafters").
+    by its rows; the engine only builds one under strict verification, where drafts cannot
+    change an output (docs/engine.md, "Drafters").
 
     Each n-gram maps to the position after its latest occurrence in the most recent record
     that has it; records beyond ``max_tokens`` tokens in all leave oldest first."""
@@ -89,22 +89,28 @@ class JobCorpus:
 
 
 class NgramDrafter(DrafterBase):
-    """Proposes the continuation of the most recent earlier occurrence of the longest
-    matching suffix n-gram (n from ngram_max down to ngram_min).
+    """Proposes, for each position, the token that followed the most recent earlier
+    occurrence of the longest matching suffix n-gram (n from ngram_max down to ngram_min) of
+    the row's own text: a function of the text only, so the relaxed rules may judge it at
+    every position (marscli.verification.chain). A chain of k drafts is k such lookups, each
+    over the text extended by the drafts before it (``_chain``); a lookup finds nothing and
+    the chain ends there.
 
     An index from each n-gram to the position after its latest occurrence is kept up to date
-    as the sequence grows, so a lookup costs O(ngram_max) instead of a scan of the text.
-    Each n keeps its own acceptance estimate: a 3-gram match is worth more than a 1-gram one.
+    as the sequence grows, so a lookup costs O(ngram_max) plus a scan of the drafts ahead of
+    it. Each n keeps its own acceptance estimate: a 3-gram match is worth more than a 1-gram
+    one.
 
-    A lookup is free, so a row the engine lets draft nothing still learns: its match's first
-    token is checked against the token the step emitted (a shadow draft of one). Under strict
-    verification that is exactly the chance a one-token draft would have passed (greedy: it
-    equals the target's argmax; sampling: it equals the target's draw, probability p(d)).
+    A lookup is free, so a row the engine lets draft nothing still learns: its proposal is
+    checked against the token the step emitted (a shadow draft of one). Under strict
+    verification that is exactly the chance a one-token draft would have passed.
 
-    With a ``corpus`` (a JobCorpus shared by the job's rows), a greedy record whose own text
+    With a ``corpus`` (a JobCorpus shared by the job's rows; the engine gives one only under
+    strict verification, where drafts cannot change a record's text), a record whose own text
     matches no suffix of ngram_max tokens looks for a longer match in the job's earlier
-    records; every record hands its prompt and output to the corpus when it leaves
-    (``finish``). Matches in the corpus keep their own acceptance estimates per n.
+    records and drafts that record's continuation; every record hands its prompt and output to
+    the corpus when it leaves (``finish``). Matches in the corpus keep their own acceptance
+    estimates per n.
     """
 
     name = NGRAM
@@ -118,17 +124,14 @@ class NgramDrafter(DrafterBase):
         self.corpus = corpus
         self.start([])
 
-    def start(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
-        # Only a greedy record drafts from the corpus: a sampled record's draws, and so its
-        # output for a given seed, follow its drafts (the law does not). Every record joins it.
-        self._from_corpus = self.corpus is not None and (sampling is None or sampling.greedy)
+    def start(self, prompt_ids: list[int], sampling=None) -> None:
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
         self._indexed = 0  # n-grams ending before this position are indexed
         ns = range(self.ngram_min, self.ngram_max + 1)
         self._trackers = {n: AcceptanceTracker() for n in ns}
         self._corpus_trackers = {n: AcceptanceTracker() for n in ns}
-        # (len(seq), tracker, source, pos) of the last offer: the draft is source[pos:pos + k]
-        self._match: tuple[int, AcceptanceTracker, Sequence[int], int] | None = None
+        # The last offer: (len(seq), tracker, the chain of proposals after seq)
+        self._match: tuple[int, AcceptanceTracker, list[int]] | None = None
         self._seq: list[int] | None = None  # the committed sequence, for finish()
 
     def _extend_index(self, seq: list[int]) -> None:
@@ -141,56 +144,79 @@ class NgramDrafter(DrafterBase):
                     table[tuple(seq[stop - n:stop])] = stop
         self._indexed = max(self._indexed, end + 1)
 
-    def _lookup(self, seq: list[int]) -> tuple[int, int] | None:
-        """(n, position after the earlier occurrence) of the longest matching suffix."""
-        if len(seq) < 2:
+    def lookup(self, seq: list[int], ahead: list[int] = ()) -> tuple[int, int] | None:
+        """(n, position after the latest earlier occurrence) of the longest suffix n-gram of
+        seq + ahead, positions counted in seq + ahead; ``ahead`` (drafts not committed) is not
+        in the index, so occurrences ending inside it are found by a scan, latest first."""
+        text_len = len(seq) + len(ahead)
+        if text_len < 2:
             return None
         self._extend_index(seq)
+        text = seq[-(self.ngram_max + len(ahead) + 1):] + list(ahead) if ahead else seq
+        base = text_len - len(text)  # position of text[0]
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
-            if len(seq) <= n:
+            if text_len <= n:
                 continue
-            pos = self._index[n].get(tuple(seq[-n:]))
+            gram = tuple(text[-n:])
+            # occurrences ending at stop (exclusive) in len(seq) .. text_len - 1 involve the drafts
+            for stop in range(text_len - 1, len(seq) - 1, -1):
+                if stop - n >= base and tuple(text[stop - n - base: stop - base]) == gram:
+                    return n, stop
+            pos = self._index[n].get(gram)
             if pos is not None:
                 return n, pos
         return None
 
-    def offer(self, seq: list[int], k_max: int) -> DraftOffer:
+    def _chain(self, seq: list[int], first: tuple[int, int], m: int) -> list[int]:
+        """Up to m proposals after seq, each a lookup over seq and the proposals before it
+        (``first``: the lookup at seq itself, already made)."""
+        out: list[int] = []
+        found: tuple[int, int] | None = first
+        while found is not None and len(out) < m:
+            pos = found[1]
+            out.append(seq[pos] if pos < len(seq) else out[pos - len(seq)])
+            if len(out) < m:
+                found = self.lookup(seq, out)
+        return out
+
+    def offer(self, seq: list[int], k_max: int, bonus: bool = False) -> DraftOffer:
         self._match = None
-        if k_max <= 0:
+        if k_max <= 0 and not bonus:
             return DraftOffer.none()
-        found = self._lookup(seq)
-        if self._from_corpus and (found is None or found[0] < self.ngram_max):
+        found = self.lookup(seq)
+        if self.corpus is not None and (found is None or found[0] < self.ngram_max):
             shared = self.corpus.lookup(seq, found[0] + 1 if found else self.ngram_min, self.ngram_max)
             if shared is not None:
                 n, doc, pos = shared
-                self._match = (len(seq), self._corpus_trackers[n], doc, pos)
-                return DraftOffer(min(len(doc) - pos, k_max), self._corpus_trackers[n].alpha)
+                chain = list(doc[pos: pos + max(k_max, 0) + 1])
+                self._match = (len(seq), self._corpus_trackers[n], chain)
+                return DraftOffer(min(len(chain), max(k_max, 0)), self._corpus_trackers[n].alpha)
         if found is None:
             return DraftOffer.none()
-        n, pos = found
-        self._match = (len(seq), self._trackers[n], seq, pos)
-        return DraftOffer(min(len(seq) - pos, k_max), self._trackers[n].alpha)
+        chain = self._chain(seq, found, max(k_max, 0) + 1)
+        self._match = (len(seq), self._trackers[found[0]], chain)
+        return DraftOffer(min(len(chain), max(k_max, 0)), self._trackers[found[0]].alpha)
 
-    def propose(self, seq: list[int], k: int) -> Proposal:
-        if self._match is None or self._match[0] != len(seq):
-            self.offer(seq, k)
-        if k <= 0 or self._match is None:
+    def propose(self, seq: list[int], k: int, bonus: bool = False) -> Proposal:
+        if self._match is None or self._match[0] != len(seq) or len(self._match[2]) < k + bonus:
+            self.offer(seq, k, bonus)
+        if self._match is None:
             return Proposal([])
-        _, _, source, pos = self._match
-        return Proposal(list(source[pos:pos + k]))
+        chain = self._match[2]
+        k = max(k, 0)
+        return Proposal(chain[:k], chain[k] if bonus and len(chain) > k else None)
 
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
         self._seq = seq
         if self._match is None:
             return
-        length, tracker, source, pos = self._match
+        length, tracker, chain = self._match
         self._match = None
         if proposed:
             tracker.update(proposed, accepted)
-        elif len(seq) > length and pos < min(length, len(source)):
-            # Drafted nothing: the shadow check of the match's first token.
-            hit = seq[length] == source[pos]
-            tracker.update(1, int(hit))
+        elif len(seq) > length and chain:
+            # Drafted nothing: the shadow check of its proposal for the position.
+            tracker.update(1, int(seq[length] == chain[0]))
 
     def finish(self) -> None:
         """The record left the batch: its prompt and output join the job's corpus."""
@@ -204,13 +230,13 @@ class NoDrafter(DrafterBase):
 
     name = NONE
 
-    def start(self, prompt_ids: list[int], sampling=None, generator=None) -> None:
+    def start(self, prompt_ids: list[int], sampling=None) -> None:
         pass
 
     def offer(self, seq: list[int], k_max: int) -> DraftOffer:
         return DraftOffer.none()
 
-    def propose(self, seq: list[int], k: int) -> Proposal:
+    def propose(self, seq: list[int], k: int, bonus: bool = False) -> Proposal:
         return Proposal([])
 
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:

@@ -11,10 +11,10 @@
 
 from __future__ import annotations
 
-from marscli.config import DraftConfig, VerifyConfig
+from marscli.config import RELAX_EVERY, DraftConfig, VerifyConfig
 from marscli.drafters.factory import build_drafters
 from marscli.drafters.kinds import drafter_kind
-from marscli.engine.costs import draft_ratio, reference_costs, step_costs
+from marscli.engine.costs import step_costs
 from marscli.engine.scheduler import Engine, step_kind
 from marscli.errors import UsageError
 from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB
@@ -22,22 +22,22 @@ from marscli.verification.registry import STRICT
 
 
 def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: DraftConfig,
-                 batch_size: int = 1, note=None, solo_lengths: bool = False, spans=None,
+                 batch_size: int = 1, note=None, spans=None,
                  job_corpus: bool | None = None, prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB,
-                 compile_mode: str = "auto"):
+                 compile_mode: str = "auto", relax_at: str = RELAX_EVERY, calibrating: bool = False):
     """An Engine for target with the drafter draft_cfg asks for (draft_model: the loaded draft
     model or EAGLE-3 head; None for ngram/none), verify_cfg's rule and batch_size rows.
     Its draft lengths follow the target's measured step costs (marscli.engine.costs.step_costs:
-    cached per model, device and dtype; measured here the first time, narrated to note);
-    solo_lengths: every row chooses its own as if alone by the fixed reference curve (as
-    relaxed and sampled rows always do: Engine.draft_lengths).
+    cached per model, device and dtype; measured here the first time, narrated to note).
     spans: a config.SpanConfig (strict spans, marscli.verification.spans) or None.
-    Under strict verification an n-gram drafter also drafts from the job's earlier records for
-    greedy records (drafters.ngram.JobCorpus): drafts cannot change their outputs, only their
-    speed. Relaxed rules keep to each record's own text, so that one record's output never
-    leans on another's. job_corpus: None follows draft_cfg.job_corpus (--no-job-corpus) and the
-    rule; False turns it off (calibration collects margins under strict verification with
-    the drafts the relaxed rule will get), True turns it on whatever the rule.
+    Under strict verification an n-gram drafter also drafts from the job's earlier records
+    (drafters.ngram.JobCorpus): drafts cannot change the outputs, only their speed. Relaxed
+    rules keep to each record's own text, so that one record's output never leans on
+    another's. job_corpus: None follows draft_cfg.job_corpus (--no-job-corpus) and the rule;
+    False turns it off (calibration collects margins under strict verification with the
+    proposals the relaxed rule will judge), True turns it on whatever the rule.
+    relax_at: where a relaxed rule judges proposals (config.RELAX_AT).
+    calibrating: a strict engine collecting for calibration (Engine's ``calibrating``).
     prefix_cache_mib: the bound of the run's prefix cache (0: off; marscli.models.prefill).
     compile_mode: --compile (auto, on, off; marscli.models.slots, Engine.step_kind).
     Raises UsageError for what the engine cannot run (trees or sliding-window models at
@@ -51,12 +51,10 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
                               if job_corpus is None else job_corpus, batched_model=captured)
     try:
         engine = Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size, guard=verify_cfg.guard,
-                        spans=spans, prefix_cache_mib=prefix_cache_mib, compile_mode=compile_mode)
+                        spans=spans, prefix_cache_mib=prefix_cache_mib, compile_mode=compile_mode,
+                        relax_at=relax_at, calibrating=calibrating)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    engine.solo_lengths = solo_lengths
-    if drafter_kind(draft_cfg.kind).drafts:
-        engine.reference = reference_costs(draft_ratio(target.model, draft_model))
     if drafter_kind(draft_cfg.kind).drafts and draft_cfg.adaptive and (not draft_cfg.tree or draft_cfg.sibling_tree):
         # Compiled steps (a CPU's --compile on) are timed at their shapes, eagerly: compiling
         # each timed shape would take minutes (docs/engine.md, "The captured step").

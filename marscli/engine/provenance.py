@@ -3,7 +3,8 @@
 One character per completion token, in order:
 
 - ``d``: an accepted draft the strict check accepted on its own;
-- ``r``: a relaxed draft (accepted only because the rule relaxed the check there);
+- ``r``: a relaxed token (the drafter's proposal, emitted only because the rule relaxed the
+  check there: an accepted draft, or the proposal after a step's drafts);
 - ``c``: a correction (the target's token at the step's first rejected draft);
 - ``b``: a bonus (the target's token after all of the step's drafts were accepted; in a tree
   step, after a path that ended at a leaf);
@@ -32,9 +33,12 @@ STAT_DIGITS = 6
 
 def step_kinds(relaxed: list[int | bool], n: int, k: int, bonus: bool | None = None) -> str:
     """The kinds of a step's emitted tokens before stopping rules: its n accepted drafts
-    (relaxed[i]: draft i was relaxed), then the next token. `bonus`: whether the next token
-    is a bonus (default: all k drafts accepted); k == 0 makes it a target token."""
+    (relaxed[i]: draft i was relaxed), then the next token: relaxed when relaxed[n] (the
+    proposal after the drafts, kept by the relaxed rule), else a bonus (`bonus`; default:
+    all k drafts accepted) or a correction; with k == 0 a target token."""
     head = "".join(RELAXED if relaxed[i] else DRAFT for i in range(n))
+    if len(relaxed) > n and relaxed[n]:
+        return head + RELAXED
     if k == 0:
         return head + TARGET
     if bonus is None:

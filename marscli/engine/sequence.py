@@ -16,15 +16,11 @@ import torch
 
 from marscli.config import GUARD_OFF, GuardConfig, SamplingParams
 from marscli.engine.provenance import Provenance
-from marscli.verification.chain import step_uniforms
 from marscli.verification.guard import NgramIndex
 from marscli.verification.spans import SpanTracker
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
-#: Offset of a record's drafter seed from its own: the drafter draws from a stream of its own,
-#: so a drafter's draws never shift the verifier's.
-DRAFT_SEED_OFFSET = 0x5EED
 
 
 class RecordFailure(Exception):
@@ -46,8 +42,10 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     relaxed: int = 0
-    relaxable: int = 0  # relaxable positions among those decided (accepted + first rejection)
-    decided: int = 0  # draft positions whose fate was decided (accepted or the first rejection)
+    relaxable: int = 0  # relaxable positions among those decided
+    #: positions whose proposal the rule judged for an emitted token (accepted drafts, the
+    #: first rejected one, and the proposal after a step's drafts when it had one)
+    decided: int = 0
     emitted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
@@ -74,13 +72,16 @@ class SpecStats:
         self.drafted_per_position = self.drafted_per_position or [0] * k
         self.accepted_hist = self.accepted_hist or [0] * (k + 1)
 
-    def record_step(self, k: int, n: int, relaxed: int, relaxable: int, emitted: int) -> None:
+    def record_step(self, k: int, n: int, relaxed: int, relaxable: int, emitted: int,
+                    decided: int | None = None) -> None:
+        """One step: k drafts, n accepted, ``decided`` judged proposals (default: the drafts
+        up to the first rejection)."""
         self.steps += 1
         self.drafted += k
         self.accepted += n
         self.relaxed += relaxed
         self.relaxable += relaxable
-        self.decided += min(n + 1, k)
+        self.decided += min(n + 1, k) if decided is None else decided
         self.emitted += emitted
         for i in range(k):
             self.drafted_per_position[i] += 1
@@ -170,18 +171,17 @@ class StepObservation:
 
     drafts: torch.Tensor  # [1, k] long
     logits: torch.Tensor  # [1, k+1, V] raw target logits
-    result: Any  # VerifyResult ([1, k] shapes)
+    result: Any  # VerifyResult ([1, k+1] shapes; its strict_ok says where the proposal is the target's token)
     sampling: SamplingParams
-    u_accept: torch.Tensor | None  # [1, k] the acceptance uniforms (sampling only)
-    draft_probs: torch.Tensor | None  # [1, k, V] q (sampling with a model drafter only)
     emitted: int  # tokens this step added to the completion (after stopping rules)
+    #: The proposal for the position after the drafts (judged there too), or None: none
+    next_proposal: int | None = None
     # Tree steps (EAGLE-3 trees): drafts/logits above are the accepted path and its rows
     # ([1, n] and [1, n+1, V]); result is the tree verifier's; these hold the whole tree.
     tree: Any = None  # marscli.verification.tree.DraftTree
     tree_logits: torch.Tensor | None = None  # [N+1, V] rows: root, then node i at i + 1
-    tree_u_accept: torch.Tensor | None = None  # [N] acceptance uniforms (sampling only)
-    #: The loop guard's verdict per draft ([1, k] bool; [N] per node for trees): calibration
-    #: replays relaxed rules with it. None: no guard.
+    #: The loop guard's verdict per position ([1, k+1] bool; [N] per node for trees):
+    #: calibration replays relaxed rules with it. None: no guard.
     guard: torch.Tensor | None = None
     #: Which of those positions lie in a strict span (marscli.verification.spans; same shape; None: no
     #: spans). They are included in `guard` already; kept apart so a replay can tell them.
@@ -226,8 +226,9 @@ class Sequence:
             max_new = min(max_new, settings.context_length - len(prompt_ids))
         self.max_new = max_new
         self.stats = SpecStats(settings.k_max)
-        self.gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
-        self.draft_gen = torch.Generator(device="cpu").manual_seed(sampling.seed + DRAFT_SEED_OFFSET)
+        #: the regret rule's summed regret of the proposals emitted since the last position
+        #: where the target's token replaced the proposal (marscli.verification.chain)
+        self.regret = 0.0
         self.stopper = StopChecker(settings.tokenizer, sampling.stop) if sampling.stop else None
         self.seq = list(prompt_ids)
         self.out: list[int] = []
@@ -289,16 +290,10 @@ class Sequence:
         """The most drafts the next step can use (the remaining budget less the bonus)."""
         return min(self.settings.k_max, self.max_new - len(self.out) - 1)
 
-    def uniforms(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """This step's draws for n drafts (or nodes): (u_accept [n], u_sample [1]); none when
-        greedy."""
-        if self.sampling.greedy:
-            return None, None
-        return step_uniforms(self.gen, n)
-
     def commit(self, emitted: list[int], k: int, n: int, relaxed: int, relaxable: int,
                observation: ObservationFactory | None = None, refused: int = 0,
-               span_refused: int = 0, origin: tuple[str, list] | None = None) -> list[int]:
+               span_refused: int = 0, origin: tuple[str, list] | None = None,
+               decided: int | None = None) -> list[int]:
         """Apply one verified step: `emitted` = the accepted drafts (chain) or path tokens
         (tree), then the correction or bonus. Stopping rules, statistics, the observer and the
         sequence update; returns the tokens the step really added. `refused`: the step's
@@ -317,7 +312,7 @@ class Sequence:
             emitted = emitted[:stop_at]
             self.finish = FINISH_STOP
         emitted = emitted[:remaining]
-        self.stats.record_step(k, n, relaxed, relaxable, len(emitted))
+        self.stats.record_step(k, n, relaxed, relaxable, len(emitted), decided)
         self.stats.guard_refused += refused
         self.stats.span_refused += span_refused
         if self.provenance is not None and origin is not None:

@@ -158,11 +158,12 @@ class Split:
 def collect_calibration(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | None]],
                         measured: Sequence[tuple[Request, str | None]], target, draft, log: Log) -> Split:
     """Strict decoding of the calibration split by the bench's target and drafter (batch size
-    1, solo draft lengths, no job corpus), prompts equal to a measured one left out."""
+    1, proposing as a relaxed rule's engine does, no job corpus), prompts equal to a measured
+    one left out."""
 
     # No job corpus: the relaxed methods whose knobs this fits draft from their own text only.
     engine = build_engine(target, draft, VerifyConfig(guard=cfg.guard), chain_or_tree(cfg.draft, False), 1,
-                         log, solo_lengths=True, job_corpus=False)
+                         log, job_corpus=False, calibrating=True)
     seen = set()
     for req, _ in measured:
         try:

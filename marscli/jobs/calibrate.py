@@ -250,13 +250,13 @@ def speed_objective(cal, data, cfg: CalibrateConfig, family: RuleFamily, costs, 
 
 def calibration_engine(cfg: CalibrateConfig, target, draft_loaded, note=None):
     """The engine a calibration collects with: strict, with the guard (the engine records the
-    guard's verdicts for the replay). Rows choose their draft lengths as if alone: the
-    profile is the batch size's neither through the lengths nor through the speed prediction
-    (at batch size 1). No job corpus: the n-gram drafter drafts what it will draft for the
-    relaxed rule, which gets none."""
+    guard's verdicts for the replay), proposing what a relaxed rule's engine proposes
+    (``calibrating``: the proposal after every step's drafts too), so that every output
+    position's proposal is judged as generate judges it. No job corpus: the n-gram drafter
+    drafts what it will draft for the relaxed rule, which gets none."""
     return build_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.setup.draft, cfg.setup.batch_size,
-                       note or (lambda _: None), solo_lengths=True, job_corpus=False,
-                       compile_mode=cfg.setup.compile)
+                       note or (lambda _: None), job_corpus=False, compile_mode=cfg.setup.compile,
+                       calibrating=True)
 
 
 def collect_profile(cfg: CalibrateConfig, engine, items, target, draft_loaded, log: Log, *, input_name: str,

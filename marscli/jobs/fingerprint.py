@@ -14,7 +14,7 @@ import hashlib
 import json
 from typing import Any
 
-from marscli.config import ModelSetup, SamplingOptions
+from marscli.config import RELAX_EVERY, ModelSetup, SamplingOptions
 from marscli.drafters.kinds import NGRAM, NONE
 from marscli.verification.registry import MARS, OTHER_KNOBS, RULES, STRICT
 
@@ -105,6 +105,8 @@ def run_fingerprint(
         fp["output"]["strict_keys"] = True
     if setup.spans.active:  # they decide which drafts may be relaxed
         fp["verify"]["spans"] = setup.spans.to_dict()
+    if getattr(setup, "relax_at", RELAX_EVERY) != RELAX_EVERY:  # Algorithm 1: the text follows K
+        fp["verify"]["relax_at"] = setup.relax_at
     if s.provenance:
         fp["output"]["provenance"] = True
     if s.temperature > 0:

@@ -29,6 +29,7 @@ from marscli.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     MODEL_TREE_DEFAULTS,
     OUTPUT_FORMATS,
+    RELAX_AT,
     SPANS_OFF,
     STRICT_THETA,
     TREE_DEFAULTS,
@@ -229,6 +230,14 @@ def compile_mode(value: str) -> str:
     if mode not in COMPILE_MODES:
         raise UsageError(f"--compile takes {', '.join(COMPILE_MODES)}; got {value!r}")
     return mode
+
+
+def relax_at(value: str) -> str:
+    """--relax-at's value, checked before anything is loaded."""
+    where = str(value).strip().lower()
+    if where not in RELAX_AT:
+        raise UsageError(f"--relax-at takes {', '.join(RELAX_AT)}; got {value!r}")
+    return where
 
 
 def check_batch(draft: DraftConfig, batch_size: int) -> None:
@@ -592,7 +601,8 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
     engine = build_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans,
-                          prefix_cache_mib=setup.prefix_cache, compile_mode=setup.compile)
+                          prefix_cache_mib=setup.prefix_cache, compile_mode=setup.compile,
+                          relax_at=setup.relax_at)
     if setup.batch_size > 1:
         note(f"batch size {setup.batch_size}")
     if setup.spans.active and not verify.rule.relaxes:
@@ -622,5 +632,5 @@ def generation_setup(o: GenerationOptions, need_drafter: str | None = None) -> M
     spans = span_config(o.strict_in, o.strict_regex)
     return ModelSetup(tcfg, dcfg, dmcfg, request,
                       str(prof.path) if prof is not None else None, o.auto_profile, o.batch_size, spans,
-                      o.prefix_cache, compile_mode(o.compile))
+                      o.prefix_cache, compile_mode(o.compile), relax_at(o.relax_at))
 

@@ -1,15 +1,27 @@
 """The chain walk: one step's drafts verified by a rule, greedy and sampling, one row or a
-batch; the sampling law and the random-draw policy.
+batch; the sampling law.
 
-Pure tensor functions: no model, no I/O, no hidden random state. Randomness comes in as
-uniform draws (``step_uniforms`` says how many a step takes), so a result is a function of
-its arguments alone, and a batch row's result never depends on the other rows. Words and how
-a rule is built: marscli.verification.
+Pure tensor functions: no model, no I/O, no hidden random state. A sampled position's draw
+comes from the record's seed and the position (marscli.verification.draws), so a result is a
+function of its arguments alone, and a batch row's result never depends on the other rows.
+Words and how a rule is built: marscli.verification.
+
+**Position-wise rules.** At every output position the row's drafter has a proposal for that
+position, made from the row's own text so far (or none). The rule judges it on the target's
+logits there: it emits the proposal when the rule keeps it (it is the target's own token,
+or the rule relaxes it), else the target's own token (greedy: its top-1; sampling: the
+position's draw). A chain step only computes that text faster: row b's drafts ARE its
+proposals for the step's first ``draft_len[b]`` positions (each made from the drafts before
+it), and ``bonus[b]`` is its proposal for the position after them; a draft is accepted when
+it is the token the rule emits there, and the token emitted after the accepted prefix is the
+rule's at that position (a correction when the rule replaced the row's own draft, else the
+bonus position's). Without ``bonus`` the position after the drafts has no proposal, which
+is the paper's Algorithm 1 (relax only the drafted positions).
 
 Chain functions take drafts ``[B, K]``, target logits ``[B, K+1, V]`` and an optional
 ``draft_len`` ``[B]``: row b proposed only its first ``draft_len[b]`` drafts (the rest is
-padding and never accepted). The token emitted after the accepted prefix is a correction when
-the row rejected one of its own drafts and a bonus when it accepted all of them.
+padding and never accepted). Per-position outputs are ``[B, K+1]``: position j judges draft j
+(j < draft_len[b]) or the bonus proposal (j == draft_len[b]).
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from typing import Any
 
 import torch
 
+from marscli.verification.draws import coupled_draw, position_keys
 from marscli.verification.registry import MARS, SAMPLING_MODE, STRICT, Rule
 from marscli.verification.rules import (
     NOT_RELAXABLE,
@@ -33,22 +46,14 @@ from marscli.verification.rules import (
     margin_statistic,
     over_budget,
     per_token,
-    relaxed_positions,
     statistic,
     top2,
 )
 
 #: The walks' rule when none is given.
 STRICT_RULE = Rule(STRICT)
-
-
-def step_uniforms(generator: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The random-draw policy of a sampling step with n drafts (chain) or n nodes (tree):
-    n acceptance uniforms, then one for the correction/bonus. A fixed count per step keeps a
-    record's random stream a function of its own draft lengths only (so of no batch)."""
-    u_accept = torch.rand(n, generator=generator)  # [n]
-    u_sample = torch.rand(1, generator=generator)  # [1]
-    return u_accept, u_sample
+#: A position without a proposal (``bonus``, padding).
+NO_PROPOSAL = -1
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -99,38 +104,25 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def residual(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) per row: the correction's law after a strict rejection (Leviathan
-    et al.). p: [B, V]; q None means one-hot at `draft` [B]."""
-    if q is None:
-        r = p.scatter(1, draft.unsqueeze(1), 0.0)
-    else:
-        r = (p - q).clamp(min=0.0)
-    mass = r.sum(dim=-1, keepdim=True)
-    # Rejection implies p(x) < q(x), so the residual has mass; guard rounding anyway.
-    return torch.where(mass > 0, r / mass.clamp(min=1e-30), p)
-
-
-def strict_sampling_accepts(
-    drafts: torch.Tensor,  # [B, K] long
-    p: torch.Tensor,  # [B, K, V] target sampling probabilities at the K draft positions
-    u_accept: torch.Tensor,  # [B, K] uniforms in [0, 1)
-    draft_probs: torch.Tensor | None = None,  # [B, K, V]; None: one-hot q
+def sampled_draws(
+    p: torch.Tensor,  # [B, W, V] the target's sampling law at each position
+    seeds: torch.Tensor,  # [B] long: each row's record seed
+    positions: torch.Tensor,  # [B] long: the output position of each row's first row of p
+    need: torch.Tensor | None = None,  # [B, W] bool: the positions to draw (None: all)
 ) -> torch.Tensor:
-    """[B, K] bool: would strict rejection sampling accept each draft on its own
-    (u < min(1, p(x) / q(x)) and p(x) > 0)? Positions are judged independently: the accepted
-    prefix is the caller's business."""
-    B, K = drafts.shape
-    p_x = p.gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        assert draft_probs.shape == (B, K, p.shape[-1]), f"draft_probs {tuple(draft_probs.shape)}"
-        q_x = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2).float()
-    # Compare in float64: a float64 uniform just below 1 must not round up to 1 and reject a
-    # certain draft.
-    ok = u_accept.double() < (p_x.double() / q_x.double().clamp(min=1e-30)).clamp(max=1.0)
-    return ok & (p_x > 0)
+    """[B, W] long: the position's draw (marscli.verification.draws.coupled_draw) at every
+    needed position (0 elsewhere): a function of the seed, the position and p only."""
+    B, W, V = p.shape
+    dev = p.device
+    pos = positions.to(dev).long().view(B, 1) + torch.arange(W, device=dev).view(1, W)  # [B, W]
+    keys = position_keys(seeds.to(dev).long().view(B, 1).expand(B, W), pos)  # [B, W]
+    if need is None:
+        return coupled_draw(p.reshape(B * W, V), keys.reshape(-1)).view(B, W)
+    out = torch.zeros(B, W, dtype=torch.long, device=dev)
+    need = need.to(dev)
+    if bool(need.any()):
+        out[need] = coupled_draw(p[need], keys[need])
+    return out
 
 
 # ----------------------------------------------------------------------------- chains
@@ -138,16 +130,21 @@ def strict_sampling_accepts(
 
 @dataclass
 class VerifyResult:
-    """Outcome of verifying one step for every row of a batch."""
+    """Outcome of verifying one step for every row of a batch (W = K + 1 positions a row)."""
 
     num_accepted: torch.Tensor  # [B] long, 0..draft_len[b]
-    next_token: torch.Tensor  # [B] long: correction or bonus
-    relaxed: torch.Tensor  # [B, K] bool: accepted only thanks to the relaxed rule
-    relaxable: torch.Tensor  # [B, K] bool: the rule relaxed the check at that draft position
-    statistic: torch.Tensor  # [B, K] float32: the rule's margin statistic at each position
-    #: [B] bool or None: the row's first rejection is a relaxation the loop guard or the
-    #: relaxation budget refused (the rule alone would have accepted the draft there)
+    next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
+    relaxed: torch.Tensor  # [B, W] bool: emitted only thanks to the relaxed rule (positions <= n)
+    relaxable: torch.Tensor  # [B, W] bool: the rule relaxed the check at that position
+    statistic: torch.Tensor  # [B, W] float32: the rule's statistic at each position
+    #: [B] bool or None: the proposal at the row's position n (the one whose token the rule
+    #: chose) is a relaxation the loop guard or the relaxation budget refused
     refused: torch.Tensor | None = None
+    #: [B, W] bool: the proposal there is the target's own token (greedy: its top-1;
+    #: sampling: the position's draw); None when built by hand
+    strict_ok: torch.Tensor | None = None
+    #: [B] float64 or None: the regret rule's summed regret the next position starts from
+    regret: torch.Tensor | None = None
 
     def emitted(self, drafts: torch.Tensor, b: int) -> list[int]:
         """Tokens row b emits this step: its accepted drafts, then the next token."""
@@ -155,71 +152,74 @@ class VerifyResult:
         return drafts[b, :n].tolist() + [int(self.next_token[b])]
 
     def row(self, b: int, k: int) -> VerifyResult:
-        """Row b's result alone, cut to its k drafts ([1, k] shapes)."""
+        """Row b's result alone, cut to its k drafts and the position after them ([1, k+1])."""
         return VerifyResult(self.num_accepted[b: b + 1], self.next_token[b: b + 1],
-                            self.relaxed[b: b + 1, :k], self.relaxable[b: b + 1, :k],
-                            self.statistic[b: b + 1, :k],
-                            None if self.refused is None else self.refused[b: b + 1])
+                            self.relaxed[b: b + 1, : k + 1], self.relaxable[b: b + 1, : k + 1],
+                            self.statistic[b: b + 1, : k + 1],
+                            None if self.refused is None else self.refused[b: b + 1],
+                            None if self.strict_ok is None else self.strict_ok[b: b + 1, : k + 1],
+                            None if self.regret is None else self.regret[b: b + 1])
 
     def host_rows(self, statistic: bool = False, extra: torch.Tensor | None = None) -> list[RowVerdict]:
         """Every row's verdicts on the host (``RowVerdict``), with the rule's statistic when
         asked and the row of ``extra`` ([B, X] long, e.g. packed logprobs), in ONE
         device-to-host transfer for the whole batch."""
-        K = self.relaxed.shape[1]
-        return [RowVerdict.unpack(row, K, statistic)
+        W = self.relaxed.shape[1]
+        regret = self.regret is not None
+        return [RowVerdict.unpack(row, W, statistic, regret)
                 for row in RowVerdict.pack(self, statistic, extra).cpu().tolist()]
 
 
 @dataclass
 class RowVerdict:
     """One row's verdicts of a step, on the host. ``pack`` lays a batch's verdicts out as one
-    [B, W] long tensor on the device; ``unpack`` reads one row of it back by name."""
+    [B, X] long tensor on the device; ``unpack`` reads one row of it back by name."""
 
     num_accepted: int
-    next_token: int  # correction or bonus
-    relaxed: list[int]  # [K] 1: accepted only thanks to the relaxed rule
-    relaxable: list[int]  # [K] 1: the rule relaxed the check there
-    refused: int  # 1: the first rejection is a relaxation the guard or the budget refused
-    statistic: list[float] | None  # [K] the rule's statistic (float32 values), when packed
+    next_token: int
+    relaxed: list[int]  # [W] 1: emitted only thanks to the relaxed rule
+    relaxable: list[int]  # [W] 1: the rule relaxed the check there
+    refused: int  # 1: the proposal at position n is a relaxation the guard or the budget refused
+    statistic: list[float] | None  # [W] the rule's statistic (float32 values), when packed
     extra: list[int]  # the caller's own columns (packed logprobs)
+    regret: float | None = None  # the regret rule's summed regret after the step
 
     @staticmethod
     def pack(result: VerifyResult, statistic: bool = False, extra: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, 3 + 2K (+ K) (+ X)] long: n, next token, relaxed flags (K), relaxable flags (K),
-        refused, then the statistic's float32 bits (K) when asked, then ``extra`` [B, X]."""
+        """[B, 3 + 2W (+ W) (+ 1) (+ X)] long: n, next token, relaxed flags (W), relaxable
+        flags (W), refused, then the statistic's float32 bits (W) when asked, the regret's
+        float64 bits when the result has it, then ``extra`` [B, X]."""
         refused = (torch.zeros_like(result.num_accepted) if result.refused is None
                    else result.refused.long()).unsqueeze(1)
         parts = [result.num_accepted.unsqueeze(1), result.next_token.unsqueeze(1),
                  result.relaxed.long(), result.relaxable.long(), refused]
         if statistic:
             parts.append(result.statistic.float().contiguous().view(torch.int32).long())
+        if result.regret is not None:
+            parts.append(result.regret.double().contiguous().view(torch.int64).unsqueeze(1))
         if extra is not None:
             parts.append(extra.long())
         return torch.cat(parts, dim=1)
 
     @classmethod
-    def unpack(cls, row: list[int], K: int, statistic: bool = False) -> RowVerdict:
-        """One row of ``pack``'s tensor, as Python ints (K: the step's draft slots)."""
-        at = 3 + 2 * K
+    def unpack(cls, row: list[int], W: int, statistic: bool = False, regret: bool = False) -> RowVerdict:
+        """One row of ``pack``'s tensor, as Python values (W: the step's positions, K + 1)."""
+        at = 3 + 2 * W
         stats = None
         if statistic:
-            stats = [float_bits(v) for v in row[at: at + K]]
-            at += K
-        return cls(row[0], row[1], row[2: 2 + K], row[2 + K: 2 + 2 * K], row[2 + 2 * K], stats, row[at:])
+            stats = [float_bits(v) for v in row[at: at + W]]
+            at += W
+        carried = None
+        if regret:
+            carried = struct.unpack("<d", struct.pack("<q", int(row[at])))[0]
+            at += 1
+        return cls(row[0], row[1], row[2: 2 + W], row[2 + W: 2 + 2 * W], row[2 + 2 * W], stats, row[at:],
+                   carried)
 
 
 def float_bits(v: int) -> float:
     """A float32 sent to the host as its int32 bit pattern (in a long) -> the float."""
     return struct.unpack("<f", struct.pack("<i", int(v)))[0]
-
-
-def _draft_mask(drafts: torch.Tensor, draft_len: torch.Tensor | None) -> torch.Tensor:
-    """[B, K] bool: which draft slots hold real proposals."""
-    B, K = drafts.shape
-    if draft_len is None:
-        return torch.ones(B, K, dtype=torch.bool, device=drafts.device)
-    pos = torch.arange(K, device=drafts.device).unsqueeze(0)
-    return pos < draft_len.to(drafts.device).unsqueeze(1)
 
 
 def _check_shapes(drafts: torch.Tensor, logits: torch.Tensor) -> None:
@@ -239,12 +239,32 @@ def _prefix_len(ok: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class StepLimits:
-    """Where a step's rule may act at all: the real drafts and the two limits on relaxing."""
+class StepProposals:
+    """A step's proposals laid out by position ([B, W], W = K + 1)."""
 
-    valid: torch.Tensor  # [B, K] bool: row b proposed only its first draft_len[b] drafts
-    guard: torch.Tensor | None  # [B, K] bool: never relax here (the loop guard, spans, stops)
-    relax_left: torch.Tensor | None  # [B] long: each row's remaining relaxation budget
+    tokens: torch.Tensor  # [B, W] long: the proposal at each position (0 where there is none)
+    has: torch.Tensor  # [B, W] bool: a proposal exists there
+    drafted: torch.Tensor  # [B, K] bool: a real draft (j < draft_len[b])
+    reach: torch.Tensor  # [B, W] bool: the step can reach the position (j <= draft_len[b])
+
+    @staticmethod
+    def of(drafts: torch.Tensor, draft_len: torch.Tensor | None, bonus: torch.Tensor | None) -> StepProposals:
+        B, K = drafts.shape
+        dev = drafts.device
+        dl = (torch.full((B,), K, dtype=torch.long, device=dev) if draft_len is None
+              else draft_len.to(dev).long())
+        j = torch.arange(K + 1, device=dev).view(1, K + 1)
+        drafted = j[:, :K] < dl.view(B, 1)
+        tokens = torch.cat([torch.where(drafted, drafts, torch.zeros_like(drafts)),
+                            torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)
+        has = torch.cat([drafted, torch.zeros(B, 1, dtype=torch.bool, device=dev)], 1)
+        if bonus is not None:
+            b = bonus.to(dev).long()
+            at = j == dl.view(B, 1)  # [B, W] the position after each row's drafts
+            given = at & (b >= 0).view(B, 1)
+            tokens = torch.where(given, b.clamp(min=0).view(B, 1), tokens)
+            has = has | given
+        return StepProposals(tokens, has, drafted, j <= dl.view(B, 1))
 
 
 def verify(
@@ -255,176 +275,128 @@ def verify(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    u_accept: torch.Tensor | None = None,  # [B, K]
-    u_sample: torch.Tensor | None = None,  # [B]
-    draft_probs: torch.Tensor | None = None,  # [B, K, V]; None: deterministic drafter (one-hot q)
     draft_len: torch.Tensor | None = None,  # [B]
-    guard: torch.Tensor | None = None,  # [B, K] bool: never relax here (the loop guard)
+    bonus: torch.Tensor | None = None,  # [B] long: the proposal after the drafts (NO_PROPOSAL: none)
+    seeds: torch.Tensor | None = None,  # [B] long: the records' seeds (sampling)
+    positions: torch.Tensor | None = None,  # [B] long: output position of logits row 0 (sampling)
+    guard: torch.Tensor | None = None,  # [B, K+1] (or [B, K]) bool: never relax here
     relax_left: torch.Tensor | None = None,  # [B] long: relaxations each row may still make
+    regret_carry: torch.Tensor | None = None,  # [B] float64: the regret rule's sum so far
 ) -> VerifyResult:
-    """Verify a chain step for every row by ``rule``: the greedy walk when temperature == 0,
-    else the sampling walk.
+    """Verify a chain step for every row by ``rule``, position by position (the module's
+    docstring): greedy when temperature == 0, else sampling with the positions' draws.
 
     ``guard`` marks positions the rule must judge strictly (``PositionFacts.guarded``);
     ``relax_left`` is each row's remaining relaxation budget: a position after that many
     relaxations in the step is judged strictly too (the record is strict from there on).
     """
     _check_shapes(drafts, logits)
-    limits = StepLimits(_draft_mask(drafts, draft_len), guard, relax_left)
+    B, K = drafts.shape
+    W = K + 1
+    dev = drafts.device
+    props = StepProposals.of(drafts, draft_len, bonus)
+    x = props.tokens
+    if guard is not None and guard.shape[1] == K:  # the bonus position unguarded
+        guard = torch.cat([guard.to(dev), torch.zeros(B, 1, dtype=torch.bool, device=dev)], 1)
     if temperature == 0.0:
-        return greedy_walk(drafts, logits, rule, limits)
-    if SAMPLING_MODE not in rule.modes:
-        raise ValueError(f"the {rule.name} rule is defined for greedy decoding only")
-    assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
-    return sampling_walk(drafts, logits, rule, limits, temperature, top_k, top_p, u_accept, u_sample,
-                         draft_probs)
-
-
-def greedy_walk(
-    drafts: torch.Tensor,  # [B, K] long
-    logits: torch.Tensor,  # [B, K+1, V]
-    rule: Rule,
-    limits: StepLimits,
-) -> VerifyResult:
-    """Greedy: the strict check is draft == argmax (gpt-fast's greedy acceptance); the next
-    token is the argmax after the accepted prefix (a correction, or the bonus)."""
-    B, K = drafts.shape
-    logits_k = logits[:, :K]  # [B, K, V] row k judges draft k
-    argmax = logits.float().argmax(dim=-1)  # [B, K+1]
-    strict_ok = drafts == argmax[:, :K]
+        z = logits.float()
+        own = z.argmax(dim=-1)  # [B, W] the target's token: its top-1
+        alive = z.gather(-1, x.unsqueeze(-1)).squeeze(-1) > -math.inf
+        probs = torch.softmax(z, dim=-1) if per_token(rule) else None
+    else:
+        if SAMPLING_MODE not in rule.modes:
+            raise ValueError(f"the {rule.name} rule is defined for greedy decoding only")
+        assert seeds is not None and positions is not None, "sampling needs the records' seeds and positions"
+        probs = sampling_probs(logits, temperature, top_k, top_p)  # [B, W, V]
+        own = sampled_draws(probs, seeds, positions, props.reach)  # [B, W] the target's token: its draw
+        alive = probs.gather(-1, x.unsqueeze(-1)).squeeze(-1) > 0
+    strict_ok = props.has & (x == own)
     if per_token(rule):
-        facts = per_token_facts(rule, logits_k, drafts, torch.softmax(logits_k.float(), dim=-1),
-                                strict_ok, limits.valid)
+        facts = per_token_facts(rule, logits, x, probs, strict_ok, props.has, regret_carry)
     elif rule.name == MARS:
-        alive = logits_k.float().gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > -math.inf
-        facts = mars_facts(rule, logits_k, drafts, alive, strict_ok)
-        facts.in_top2 = facts.in_top2 | strict_ok  # greedy's strict check is the top-1 itself
+        facts = mars_facts(rule, logits, x, alive, strict_ok)
     else:  # strict, or a rule at its strict end: no statistic needed, none computed
-        facts = PositionFacts({rule.margin: torch.full((B, K), NOT_RELAXABLE, device=drafts.device)},
-                              strict_ok, strict_ok)
-    decision, refused = guarded_decision(rule, facts, limits)
-    n, relaxed, relaxable = accepted_prefix(decision, strict_ok, limits.valid)
-    next_token = argmax.gather(1, n.unsqueeze(1)).squeeze(1)  # [B]
-    return VerifyResult(n, next_token, relaxed, relaxable, position_statistic(rule, facts), refused)
-
-
-def sampling_walk(
-    drafts: torch.Tensor,  # [B, K] long
-    logits: torch.Tensor,  # [B, K+1, V]
-    rule: Rule,
-    limits: StepLimits,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    u_accept: torch.Tensor,  # [B, K]
-    u_sample: torch.Tensor,  # [B]
-    draft_probs: torch.Tensor | None,  # [B, K, V]; None: one-hot q
-) -> VerifyResult:
-    """Sampling: the strict check is Leviathan et al.'s u < min(1, p(x) / q(x)) (transformers'
-    _speculative_sampling, vLLM's rejection sampler). A rejection judged by it draws the
-    correction from norm(max(0, p - q)), one at a relaxable position from p itself; after all
-    drafts a bonus from p. With a strict rule this reproduces the target's law exactly."""
-    B, K = drafts.shape
-    logits_k = logits[:, :K]  # [B, K, V]
-    p = sampling_probs(logits, temperature, top_k, top_p)  # [B, K+1, V]
-    strict_ok = strict_sampling_accepts(drafts, p[:, :K], u_accept, draft_probs)  # [B, K]
-    if per_token(rule):
-        facts = per_token_facts(rule, logits_k, drafts, p[:, :K], strict_ok, limits.valid)
-    else:  # MARS, or strict (whose statistic is reported all the same)
-        alive = p[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2) > 0  # [B, K]
-        facts = mars_facts(rule, logits_k, drafts, alive, strict_ok)
-    decision, refused = guarded_decision(rule, facts, limits)
-    n, relaxed, relaxable = accepted_prefix(decision, strict_ok, limits.valid)
-    # The next token: from row n of p, or of the residual when the strict check rejected there.
-    rows = torch.arange(B, device=drafts.device)
-    p_n = p[rows, n]  # [B, V]
-    dist = p_n
-    if K > 0:
-        n_c = n.clamp(max=K - 1)
-        rejected_own = n < limits.valid.sum(dim=1)  # the row rejected one of its own drafts
-        use_residual = rejected_own & ~relaxable[rows, n_c]
-        if bool(use_residual.any()):
-            q_n = None if draft_probs is None else draft_probs[rows, n_c].float()
-            dist = torch.where(use_residual.unsqueeze(1), residual(p_n, q_n, drafts[rows, n_c]), p_n)
-    next_token = sample_from(dist, u_sample)  # [B]
-    return VerifyResult(n, next_token, relaxed, relaxable, position_statistic(rule, facts), refused)
+        facts = PositionFacts({rule.margin: torch.full((B, W), NOT_RELAXABLE, device=dev)}, strict_ok, strict_ok)
+    decision, refusals = guarded_decision(rule, facts, props.has, guard, relax_left)
+    # [B, W] the rule emits the proposal there (its own token always: a sampled MARS position
+    # it relaxes keeps a proposal in the top two, and one that is the draw all the same)
+    keep = (decision.ok | strict_ok) & props.has & props.reach
+    n = _prefix_len(keep[:, :K] & props.drafted)  # [B]
+    rows = torch.arange(B, device=dev)
+    next_token = torch.where(keep[rows, n], x[rows, n], own[rows, n])
+    emitted = torch.arange(W, device=dev).view(1, W) <= n.view(B, 1)
+    relaxed = keep & decision.relaxable & ~strict_ok & emitted
+    relaxable = decision.relaxable & props.has & props.reach
+    refused = None if refusals is None else refusals[rows, n]
+    regret = None
+    if facts.regret is not None and regret_carry is not None:
+        regret = torch.where(keep[rows, n], facts.regret[rows, n].double(),
+                             torch.zeros(B, dtype=torch.float64, device=dev))
+    return VerifyResult(n, next_token, relaxed, relaxable, position_statistic(rule, facts), refused,
+                        strict_ok, regret)
 
 
 def position_statistic(rule: Rule, facts: PositionFacts) -> torch.Tensor:
-    """[B, K] float32: what each position reports: a per-token rule's own statistic, else
+    """[B, W] float32: what each position reports: a per-token rule's own statistic, else
     (MARS, strict) the margin statistic."""
     return statistic(rule, facts).float() if per_token(rule) else facts.statistics[rule.margin]
 
 
 def mars_facts(
     rule: Rule,
-    logits_k: torch.Tensor,  # [B, K, V] raw target logits judging the drafts
-    drafts: torch.Tensor,  # [B, K] long
-    alive: torch.Tensor,  # [B, K] bool: p(draft) > 0
-    strict_ok: torch.Tensor,  # [B, K] bool
+    logits: torch.Tensor,  # [B, W, V] raw target logits judging the proposals
+    proposals: torch.Tensor,  # [B, W] long
+    alive: torch.Tensor,  # [B, W] bool: p(proposal) > 0
+    strict_ok: torch.Tensor,  # [B, W] bool
 ) -> PositionFacts:
     """MARS's facts (paper, Algorithm 1): the target's logits z1 >= z2 at each position, the
     margin statistic r (z2 / z1, relaxable only where z1 > 0; or exp(z2 - z1)) that ``decide``
-    compares with theta, and whether the draft is the top-1 or top-2 token."""
-    z1, z2, t1, t2 = top2(logits_k)  # each [B, K]
+    compares with theta, and whether the proposal is the top-1 or top-2 token."""
+    z1, z2, t1, t2 = top2(logits)  # each [B, W]
     stat = margin_statistic(z1, z2, rule.margin)
-    return PositionFacts({rule.margin: stat}, in_top2(drafts, t1, t2, alive), strict_ok)
+    return PositionFacts({rule.margin: stat}, in_top2(proposals, t1, t2, alive), strict_ok)
 
 
 def per_token_facts(
     rule: Rule,
-    logits_k: torch.Tensor,  # [B, K, V]
-    drafts: torch.Tensor,  # [B, K] long
-    probs_k: torch.Tensor,  # [B, K, V] target probabilities (sampling law; T = 1 if greedy)
-    strict_ok: torch.Tensor,  # [B, K] bool
-    valid: torch.Tensor,  # [B, K] bool
+    logits: torch.Tensor,  # [B, W, V]
+    proposals: torch.Tensor,  # [B, W] long
+    probs: torch.Tensor,  # [B, W, V] target probabilities (sampling law; T = 1 if greedy)
+    strict_ok: torch.Tensor,  # [B, W] bool
+    has: torch.Tensor,  # [B, W] bool
+    regret_carry: torch.Tensor | None = None,  # [B] float64
 ) -> PositionFacts:
-    """A per-token rule's facts of a chain step; the regret is summed along each row's drafts
-    (padding adds nothing: it is never accepted)."""
-    f = draft_facts(logits_k, drafts, probs_k, rule.needs)
+    """A per-token rule's facts at every position; the regret is summed along each row's
+    positions, after ``regret_carry`` (positions without a proposal add nothing)."""
+    f = draft_facts(logits, proposals, probs, rule.needs)
     if "regret" in f:
-        f["regret"] = torch.where(valid, f["regret"], torch.zeros_like(f["regret"])).cumsum(dim=1)
+        r = torch.where(has, f["regret"], torch.zeros_like(f["regret"])).cumsum(dim=1)
+        if regret_carry is not None:
+            r = r + regret_carry.to(r.device).double().view(-1, 1)
+        f["regret"] = r
     return PositionFacts({}, None, strict_ok, **f)
 
 
 def guarded_decision(
     rule: Rule,
-    facts: PositionFacts,  # [B, K] each
-    limits: StepLimits,
+    facts: PositionFacts,  # [B, W] each
+    valid: torch.Tensor,  # [B, W] bool: a proposal to judge
+    guard: torch.Tensor | None = None,  # [B, W] bool
+    relax_left: torch.Tensor | None = None,  # [B] long
 ) -> tuple[Decision, torch.Tensor | None]:
-    """The rule's decision with the loop guard and the relaxation budget applied, and
-    ``refused`` [B] bool (None without guard and budget): the row's first rejection is a
-    relaxation the guard or the budget refused (the rule alone would have accepted there)."""
-    valid, guard, relax_left = limits.valid, limits.guard, limits.relax_left
+    """The rule's decision with the loop guard and the relaxation budget applied, and the
+    refusals [B, W] bool (None without guard and budget): positions the rule alone would
+    have relaxed that the guard or the budget judges strictly."""
     decision = decide(rule, facts)
     if not rule.relaxes or (guard is None and relax_left is None):
         return decision, None
-    K = valid.shape[1]
     # Would-be relaxations (judged on their own) that the guard or the budget refuses.
-    wants = decision.ok & decision.relaxable & ~facts.strict_ok & valid  # [B, K]
+    wants = decision.ok & decision.relaxable & ~facts.strict_ok & valid  # [B, W]
     guarded = torch.zeros_like(wants) if guard is None else guard.to(wants.device) & valid
     if relax_left is not None:
         guarded = guarded | over_budget(wants, relax_left.to(wants.device))
     facts.guarded = guarded
-    decision = decide(rule, facts)
-    if K == 0:
-        return decision, None
-    n_ok = _prefix_len(decision.ok & valid)
-    at = n_ok.clamp(max=K - 1).unsqueeze(1)
-    return decision, (wants & guarded).gather(1, at).squeeze(1) & (n_ok < K)
-
-
-def accepted_prefix(
-    decision: Decision,
-    strict_ok: torch.Tensor,  # [B, K] bool
-    valid: torch.Tensor,  # [B, K] bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The accepted prefix of each row: n [B] long, relaxed [B, K] (accepted only thanks to
-    the rule) and relaxable [B, K] (the rule relaxed the check there)."""
-    relaxable = decision.relaxable & valid
-    n = _prefix_len(decision.ok & valid)
-    accepted = torch.arange(valid.shape[1], device=valid.device).unsqueeze(0) < n.unsqueeze(1)
-    return n, relaxed_positions(accepted, relaxable, strict_ok), relaxable
+    return decide(rule, facts), wants & guarded
 
 
 def verify_rows(
@@ -433,11 +405,13 @@ def verify_rows(
     draft_len: torch.Tensor,  # [B] long
     rule: Rule,
     sampling: Sequence[Any],  # per row: a SamplingParams (temperature, top_k, top_p)
-    u_accept: torch.Tensor | None = None,  # [B, K]: rows that sample; anything for greedy rows
-    u_sample: torch.Tensor | None = None,  # [B]
-    draft_probs: torch.Tensor | None = None,  # [B, K, V]
-    guard: torch.Tensor | None = None,  # [B, K] bool: never relax here (the loop guard)
+    *,
+    bonus: torch.Tensor | None = None,  # [B] long
+    seeds: torch.Tensor | None = None,  # [B] long
+    positions: torch.Tensor | None = None,  # [B] long
+    guard: torch.Tensor | None = None,  # [B, K+1] bool: never relax here (the loop guard)
     relax_left: torch.Tensor | None = None,  # [B] long: each row's remaining relaxations
+    regret_carry: torch.Tensor | None = None,  # [B] float64
 ) -> VerifyResult:
     """One verification for a whole batch whose rows may decode differently (per-record
     temperature, top-k, top-p). Rows sharing settings are verified together (one group in
@@ -452,24 +426,31 @@ def verify_rows(
         sel = (lambda t: t) if idx is None else (lambda t: None if t is None else t[idx])
         temperature, top_k, top_p = key
         return verify(sel(drafts), sel(logits), rule=rule, temperature=temperature, top_k=top_k,
-                      top_p=top_p, u_accept=None if temperature == 0.0 else sel(u_accept),
-                      u_sample=None if temperature == 0.0 else sel(u_sample),
-                      draft_probs=None if temperature == 0.0 else sel(draft_probs),
-                      draft_len=sel(draft_len), guard=sel(guard), relax_left=sel(relax_left))
+                      top_p=top_p, draft_len=sel(draft_len), bonus=sel(bonus),
+                      seeds=None if temperature == 0.0 else sel(seeds),
+                      positions=None if temperature == 0.0 else sel(positions),
+                      guard=sel(guard), relax_left=sel(relax_left), regret_carry=sel(regret_carry))
 
     if len(groups) == 1:
         return one(None, keys[0])
-    out = VerifyResult(torch.zeros(B, dtype=torch.long, device=drafts.device),
-                       torch.zeros(B, dtype=torch.long, device=drafts.device),
-                       torch.zeros(B, K, dtype=torch.bool, device=drafts.device),
-                       torch.zeros(B, K, dtype=torch.bool, device=drafts.device),
-                       torch.zeros(B, K, device=drafts.device),
-                       torch.zeros(B, dtype=torch.bool, device=drafts.device))
+    dev = drafts.device
+    parts = {key: one(idx, key) for key, idx in groups.items()}
+    first = next(iter(parts.values()))
+    out = VerifyResult(torch.zeros(B, dtype=torch.long, device=dev),
+                       torch.zeros(B, dtype=torch.long, device=dev),
+                       torch.zeros(B, K + 1, dtype=torch.bool, device=dev),
+                       torch.zeros(B, K + 1, dtype=torch.bool, device=dev),
+                       torch.zeros(B, K + 1, device=dev),
+                       torch.zeros(B, dtype=torch.bool, device=dev),
+                       torch.zeros(B, K + 1, dtype=torch.bool, device=dev),
+                       None if first.regret is None else torch.zeros(B, dtype=torch.float64, device=dev))
     for key, idx in groups.items():
-        part = one(idx, key)
-        ix = torch.tensor(idx, dtype=torch.long, device=drafts.device)
-        for name in ("num_accepted", "next_token", "relaxed", "relaxable", "statistic"):
+        part = parts[key]
+        ix = torch.tensor(idx, dtype=torch.long, device=dev)
+        for name in ("num_accepted", "next_token", "relaxed", "relaxable", "statistic", "strict_ok"):
             getattr(out, name)[ix] = getattr(part, name)
         if part.refused is not None:
             out.refused[ix] = part.refused
+        if out.regret is not None and part.regret is not None:
+            out.regret[ix] = part.regret
     return out

@@ -12,13 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from marscli.verification.chain import (
-    STRICT_RULE,
-    residual,
-    sample_from,
-    sampling_probs,
-    strict_sampling_accepts,
-)
+from marscli.verification.chain import STRICT_RULE, sampling_probs
+from marscli.verification.draws import coupled_draw, position_keys
 from marscli.verification.registry import SAMPLING_MODE, Rule
 from marscli.verification.rules import (
     PositionFacts,
@@ -148,8 +143,8 @@ def verify_tree(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    u_accept: torch.Tensor | None = None,  # [N] uniforms in [0, 1), one per node
-    u_sample: torch.Tensor | None = None,  # [] or [1] uniform in [0, 1) for the next token
+    seed: int | None = None,  # the record's seed (sampling)
+    position: int | None = None,  # the output position row 0 judges (sampling)
     guard: torch.Tensor | None = None,  # [N] bool: never relax node i (judged at its parent's row)
     relax_left: int | None = None,  # relaxations the record may still make (None: no budget)
 ) -> TreeVerifyResult:
@@ -160,13 +155,13 @@ def verify_tree(
     nodes, then the first in depth-first order with children in index order); the next token
     is the top-1 of the row after it.
 
-    Sampling: walk from the root. At a row the rule does not relax, with distribution p, try
-    the children in index order; a child the strict check rejects sets p to the residual (x
-    zeroed, renormalised: a deterministic drafter's one-hot q) for the next sibling. At a
-    relaxed row the first ok child that is the top-1 (else the top-2) is accepted; if there is
-    none, the correction comes from that row's p itself. A leaf's bonus comes from its row's
-    p. With a strict rule this reproduces the target's law exactly (SpecInfer's multi-draft
-    rejection with one-hot drafts).
+    Sampling: walk from the root. At each row the target's token is the position's draw
+    (marscli.verification.draws: from the seed and the row's output position); a child that
+    is the draw is accepted (strict). Otherwise, at a row the rule relaxes, the first ok child
+    that is the top-1 (else the top-2) is accepted (MARS), or the first child whose condition
+    holds (a per-token rule); else the walk ends and emits the draw. A leaf's bonus is its
+    row's draw. With a strict rule the path is the target's own draws: its law exactly, and
+    the same tokens whatever the tree.
 
     ``guard`` and ``relax_left`` as in ``verify``: a guarded node is judged strictly (in
     sampling, a row with a guarded child is walked strictly, as the chain's guarded position
@@ -213,13 +208,9 @@ def verify_tree(
         path, relaxed, nxt = _tree_greedy(tree, kids, logits, t1, t2, stat, rule, guard, budget,
                                           node_facts)
     else:
-        assert u_accept is not None and u_sample is not None, "sampling needs uniforms"
-        assert u_accept.shape == (n,), f"u_accept must be [N] = [{n}], got {tuple(u_accept.shape)}"
-        assert u_sample.numel() == 1, f"u_sample must be [] or [1], got {tuple(u_sample.shape)}"
-        u_accept, u_sample = u_accept.to(logits.device), u_sample.to(logits.device)
+        assert seed is not None and position is not None, "sampling needs the record's seed and position"
         path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, row_relaxable, rule,
-                                            u_accept, u_sample.reshape(1), budget,
-                                            node_facts, guard)
+                                            seed, position, budget, node_facts, guard)
     return TreeVerifyResult(path, nxt, relaxed, stat, row_relaxable, node_stat)
 
 
@@ -286,67 +277,51 @@ def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule, guard=None, budge
     return best_path, best_relaxed, int(t1[last_row])
 
 
-def _tree_sampling(tree, kids, p, t1, t2, stat, row_relaxable, rule: Rule, u_accept, u_sample,
+def _tree_sampling(tree, kids, p, t1, t2, stat, row_relaxable, rule: Rule, seed: int, position: int,
                    budget=math.inf, node_facts: PositionFacts | None = None, guard=None):
-    """The sampling walk: sequential strict rejection over siblings where the rule does not
-    relax the row; MARS's choice among the children where it does. A per-token rule
-    (``node_facts`` given) walks every row by strict rejection, except that a child whose
-    condition holds (on the row's original p; not guarded, budget left) is accepted outright."""
-    tokens = tree.tokens.to(p.device)
+    """The sampling walk over the rows' draws (verify_tree's docstring): the child that is the
+    draw, else MARS's choice among the children of a row it relaxes, else the first child a
+    per-token rule's condition keeps (on the row's p; not guarded, budget left)."""
+    tokens = tree.tokens.tolist()
+    depth = [0] + tree.depth().tolist()  # row r judges output position `position + depth[r]`
     path: list[int] = []
     relaxed: list[bool] = []
     row = 0
     while True:
+        key = position_keys(torch.tensor([seed]), torch.tensor([position + depth[row]]))
+        draw = int(coupled_draw(p[row].unsqueeze(0), key)[0])
         children = kids[row]
-        p_row = p[row].unsqueeze(0)  # [1, V]
-        if not children:
-            dist = p_row  # bonus: from the plain target distribution
-            break
-        if node_facts is None and bool(row_relaxable[row]) and sum(relaxed) < budget:
-            c_idx = torch.tensor(children, dtype=torch.long, device=p.device)
-            c_tok = tokens[c_idx]
-            M = len(children)
-            strict_ok = strict_sampling_accepts(c_tok.view(M, 1), p_row.expand(M, -1).unsqueeze(1),
-                                                u_accept[c_idx].view(M, 1))[:, 0]
-            alive = p_row[0, c_tok] > 0
-            d = decide(rule, _node_facts(c_tok, alive, t1[row].expand(M),
-                                        t2[row].expand(M), stat[row].expand(M), rule.margin, strict_ok))
-            ok, tok_list = d.ok.tolist(), c_tok.tolist()
-            chosen = None
-            for want in (int(t1[row]), int(t2[row])):  # the target's favourite first
-                chosen = next((j for j in range(M) if ok[j] and tok_list[j] == want), None)
-                if chosen is not None:
-                    break
-            if chosen is None:
-                dist = p_row  # a relaxed row: the correction comes from p itself, not a residual
-                break
-            path.append(children[chosen])
-            relaxed.append(bool(relaxed_positions(d.ok, d.relaxable, strict_ok)[chosen]))
-            row = children[chosen] + 1
+        strict = next((c for c in children if tokens[c] == draw), None)
+        if strict is not None:
+            path.append(strict)
+            relaxed.append(False)
+            row = strict + 1
             continue
-        accepted, was_relaxed = None, False
-        for c in children:
-            tok = tokens[c].view(1)
-            strict_ok = strict_sampling_accepts(tok.view(1, 1), p_row.unsqueeze(1), u_accept[c].view(1, 1))[:, 0]
-            if node_facts is not None:  # the condition on the row's original p, this child's
-                facts = PositionFacts({}, None, strict_ok, **{
-                    k: getattr(node_facts, k)[c].view(1) for k in rule.needs})
-                blocked = (guard is not None and bool(guard[c])) or sum(relaxed) >= budget
-                facts.guarded = torch.full_like(strict_ok, blocked)
-            else:
-                facts = _node_facts(tok, p_row[0, tok] > 0, t1[row].view(1), t2[row].view(1),
-                                    stat[row].view(1), rule.margin, strict_ok)
-                facts.guarded = torch.ones_like(strict_ok)  # a row walked strictly (guard, budget)
-            d = decide(rule, facts)
-            if bool(d.ok[0]):
-                accepted, was_relaxed = c, bool(d.relaxable[0] & ~strict_ok[0])
-                break
-            p_row = residual(p_row, None, tok)  # one-hot q at the rejected token
-        if accepted is None:
-            dist = p_row  # correction from the residual left after every sibling
-            break
-        path.append(accepted)
-        relaxed.append(was_relaxed)
-        row = accepted + 1
-    nxt = int(sample_from(dist, u_sample)[0])
-    return path, relaxed, nxt
+        chosen = None
+        if children and sum(relaxed) < budget:
+            if node_facts is None and bool(row_relaxable[row]):  # MARS: the row's top two
+                M = len(children)
+                c_tok = torch.tensor([tokens[c] for c in children], dtype=torch.long, device=p.device)
+                alive = p[row, c_tok] > 0
+                no = torch.zeros(M, dtype=torch.bool, device=p.device)
+                d = decide(rule, _node_facts(c_tok, alive, t1[row].expand(M), t2[row].expand(M),
+                                             stat[row].expand(M), rule.margin, no))
+                ok = d.ok.tolist()
+                for want in (int(t1[row]), int(t2[row])):  # the target's favourite first
+                    chosen = next((c for j, c in enumerate(children) if ok[j] and tokens[c] == want), None)
+                    if chosen is not None:
+                        break
+            elif node_facts is not None:
+                for c in children:
+                    if guard is not None and bool(guard[c]):
+                        continue
+                    facts = PositionFacts({}, None, torch.zeros(1, dtype=torch.bool), **{
+                        k: getattr(node_facts, k)[c].view(1) for k in rule.needs})
+                    if bool(decide(rule, facts).ok[0]):
+                        chosen = c
+                        break
+        if chosen is None:
+            return path, relaxed, draw
+        path.append(chosen)
+        relaxed.append(True)
+        row = chosen + 1

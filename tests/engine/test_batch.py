@@ -283,7 +283,7 @@ def test_out_of_memory_halves_the_batch_and_restarts(target, monkeypatch):
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     samplings = [sampling_for(i) for i in range(len(PROMPTS))]
     ref = singles(target, factory, STRICT, dcfg, PROMPTS, samplings)
-    real = Engine._step
+    real = Engine.step
     state = {"steps": 0, "raised": 0}
 
     def flaky(self):
@@ -302,7 +302,7 @@ def test_out_of_memory_halves_the_batch_and_restarts(target, monkeypatch):
 def test_out_of_memory_at_batch_one_fails_the_record(target, monkeypatch):
     dcfg = ngram_cfg()
     engine = engine_of(target, lambda: build_drafter(dcfg, target), STRICT, dcfg, 1)
-    real = Engine._step
+    real = Engine.step
     state = {"n": 0}
 
     def flaky(self):
@@ -422,7 +422,7 @@ def test_cli_batched_run_resumes_and_fails_fast(tiny_model_dir, tmp_path, monkey
     src = _cli_records(tmp_path)
     ref = tmp_path / "ref.jsonl"
     _gen(src, "--target", tiny_model_dir, "-o", ref, *CLI_RUN, "--fixed-k", "--no-job-corpus")
-    real = Engine._step
+    real = Engine.step
     calls = {"n": 0}
 
     def step(self):
@@ -479,7 +479,7 @@ def test_out_of_memory_in_a_prefill_halves_the_batch(target, monkeypatch):
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     samplings = [sampling_for(i) for i in range(len(PROMPTS))]
     ref = singles(target, factory, STRICT, dcfg, PROMPTS, samplings)
-    real = Engine._start_rows
+    real = Engine.start_rows
     calls = {"n": 0}
 
     def flaky(self, *a, **kw):
@@ -488,7 +488,7 @@ def test_out_of_memory_in_a_prefill_halves_the_batch(target, monkeypatch):
             raise torch.cuda.OutOfMemoryError("simulated")
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(Engine, "_start_rows", flaky)
+    monkeypatch.setattr(Engine, "start_rows", flaky)
     got, _, engine = batched(target, factory, STRICT, dcfg, PROMPTS, samplings, 4)
     assert engine.oom_retries == 1 and engine.batch_size == 2
     assert_same(ref, got)
@@ -504,13 +504,13 @@ def test_drained_queue_is_known_before_the_first_step(target):
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     engine = engine_of(target, factory, STRICT, dcfg, 3)
     seen = []
-    step = engine._step
+    step = engine.step
 
     def spy():
         seen.append(engine.drained)
         return step()
 
-    engine._step = spy
+    engine.step = spy
     got = {i: r for i, r in engine.run(range(3), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i]))}
     assert seen and all(seen)
     ref = singles(target, factory, STRICT, dcfg, prompts, samplings)
@@ -518,7 +518,7 @@ def test_drained_queue_is_known_before_the_first_step(target):
     # With more records than rows the queue drains only once the last one has joined.
     engine = engine_of(target, factory, STRICT, dcfg, 2)
     seen.clear()
-    engine._step = spy
+    engine.step = spy
     list(engine.run(range(3), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
     assert not seen[0] and seen[-1]
 

@@ -23,7 +23,7 @@ def test_one_forward_one_verification_one_transfer_per_step(target, monkeypatch,
     engine = build_engine(target, None, verify_cfg, DraftConfig(kind="ngram", num_draft_tokens=4),
                           batch_size)
     counts = {"steps": 0, "verify": 0, "host": 0, "forward": 0}
-    real_step, real_verify, real_host = engine._step, scheduler_mod.verify_rows, VerifyResult.host_rows
+    real_step, real_verify, real_host = engine.step, scheduler_mod.verify_rows, VerifyResult.host_rows
     real_forward = engine.kv.__class__.forward
 
     def count(name, fn):

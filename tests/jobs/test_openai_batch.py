@@ -220,7 +220,7 @@ def test_logprobs_do_not_change_the_output_and_cost_no_extra_transfer(target, mo
 
     engine = build_engine(target, None, VerifyConfig(), DraftConfig(kind="ngram", num_draft_tokens=4), 2)
     calls = {"host": 0, "steps": 0}
-    real_host, real_step = VerifyResult.host_rows, engine._step
+    real_host, real_step = VerifyResult.host_rows, engine.step
 
     def host(self, *a, **kw):
         calls["host"] += 1
@@ -337,20 +337,20 @@ def test_resume_after_sigterm_in_the_middle_of_a_requests_samples(runner, n_reco
     from marscli.engine.scheduler import Engine
 
     fmt, reference = n_reference
-    real = Engine._start_rows
+    real = Engine.start_rows
 
     def start_row(self, joiners, *a, **kw):
         if any(j.item.item.id == "r2" and j.item.index == 1 for j in joiners):
             os.kill(os.getpid(), signal.SIGTERM)
         return real(self, joiners, *a, **kw)
 
-    monkeypatch.setattr(Engine, "_start_rows", start_row)
+    monkeypatch.setattr(Engine, "start_rows", start_row)
     out = tmp_path / "out.jsonl"
     args = [str(n_records), "--target", str(tiny_model_dir), "-o", str(out), "--output-format", fmt, *RUN]
     r = runner.invoke(app, ["generate", *args])
     assert r.exit_code == EXIT_TERMINATED, r.stderr
     assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[:2])
-    monkeypatch.setattr(Engine, "_start_rows", real)
+    monkeypatch.setattr(Engine, "start_rows", real)
     r = runner.invoke(app, ["generate", *args, "--resume"])
     assert r.exit_code == EXIT_OK, r.stderr
     assert out.read_bytes() == reference

@@ -188,7 +188,7 @@ def failing_generation(monkeypatch):
     """Make the 2nd record's generation raise `exc` (set by the test)."""
     from marscli.engine.scheduler import Engine
 
-    real = Engine._start_rows
+    real = Engine.start_rows
     state = {"calls": 0, "exc": None}
 
     def start_row(self, *a, **kw):  # a record's generation starts with its row
@@ -197,7 +197,7 @@ def failing_generation(monkeypatch):
             raise state["exc"]
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(Engine, "_start_rows", start_row)
+    monkeypatch.setattr(Engine, "start_rows", start_row)
     return state
 
 
@@ -434,7 +434,7 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
                                              reference, monkeypatch):
     from marscli.engine.scheduler import Engine
 
-    real = Engine._start_rows
+    real = Engine.start_rows
     calls = {"n": 0}
 
     def start_row(self, *a, **kw):
@@ -443,7 +443,7 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
             os.kill(os.getpid(), signal.SIGTERM)
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(Engine, "_start_rows", start_row)
+    monkeypatch.setattr(Engine, "start_rows", start_row)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     out = tmp_path / "out.jsonl"
     r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN)
@@ -452,7 +452,7 @@ def test_sigterm_saves_results_and_exits_143(runner, records_file, tiny_model_di
     assert f"terminated (SIGTERM): 3 of {N_RECORDS} results are in" in r.stderr  # printed despite -q
     assert "rerun the same command with --resume" in r.stderr
     assert out.read_bytes() == b"".join(reference.splitlines(keepends=True)[:3])
-    monkeypatch.setattr(Engine, "_start_rows", real)
+    monkeypatch.setattr(Engine, "start_rows", real)
     r = gen(runner, records_file, "--target", tiny_model_dir, "-o", out, *RUN, "--resume")
     assert r.exit_code == EXIT_RECORDS_FAILED
     assert_complete(out.read_bytes(), reference)
