@@ -24,9 +24,23 @@ def encode(target, text: str) -> list[int]:
     return target.tokenizer(text).input_ids
 
 
+def position_chain(seq: list[int], k: int, bonus: bool, proposal) -> Proposal:
+    """k drafts and (with bonus) the proposal after them, each proposal(text) after the text
+    and the drafts before it: a position-wise drafter's chain."""
+    out, cur = [], list(seq)
+    with torch.no_grad():
+        for _ in range(max(k, 0) + bonus):
+            tok = proposal(cur)
+            out.append(tok)
+            cur.append(tok)
+    k = max(k, 0)
+    return Proposal(out[:k], out[k] if bonus else None)
+
+
 class RunnerUpDrafter(DrafterBase):
-    """Test drafter: proposes the target's own greedy path but puts the target's top-2 token
-    first, so every step offers the verifier a runner-up to relax."""
+    """Test drafter: proposes the target's own greedy token, but its top-2 where the text's
+    length is a multiple of 3, so the verifier meets a runner-up to relax every few positions;
+    a function of the text (a position-wise drafter)."""
 
     name = "runner-up"
 
@@ -36,17 +50,12 @@ class RunnerUpDrafter(DrafterBase):
     def start(self, prompt_ids, *_, **__):
         pass
 
-    def propose(self, seq, k_max):
-        k = min(self.k, k_max)
-        out, cur = [], list(seq)
-        with torch.no_grad():
-            for i in range(k):
-                logits = self.model(torch.tensor([cur])).logits[0, -1]
-                _, _, t1, t2 = top2(logits)
-                tok = int(t2 if i == 0 else t1)
-                out.append(tok)
-                cur.append(tok)
-        return Proposal(out)
+    def proposal(self, text: list[int]) -> int:
+        _, _, t1, t2 = top2(self.model(torch.tensor([text])).logits[0, -1])
+        return int(t2 if len(text) % 2 == 0 else t1)
+
+    def propose(self, seq, k_max, bonus=False):
+        return position_chain(seq, min(self.k, k_max), bonus, self.proposal)
 
     def accepted(self, proposed, accepted, seq):
         pass
@@ -67,29 +76,24 @@ def make_engine(target, kind: str, draft=None, *, k: int = 4, adaptive: bool = F
 
 
 class RankDrafter(DrafterBase):
-    """Test drafter: proposes the target's own tokens at ranks 1, 2, 3, 2, 1, ... along the
-    target's greedy path from the drafts so far, so every rule finds tokens of every rank to
-    judge."""
+    """Test drafter: proposes the target's own token of rank 1, 2, 3, 2, 1, ... by the text's
+    length, so every rule finds tokens of every rank to judge; a function of the text."""
 
     name = "rank"
 
     def __init__(self, model, k: int):
-        self.model, self.k, self.calls = model, k, 0
+        self.model, self.k = model, k
 
     def start(self, prompt_ids, *_, **__):
-        self.calls = 0
+        pass
 
-    def propose(self, seq, k_max):
-        out, cur = [], list(seq)
-        with torch.no_grad():
-            for i in range(min(self.k, k_max)):
-                z = self.model(torch.tensor([cur])).logits[0, -1]
-                rank = (1, 2, 3, 2)[(self.calls + i) % 4]
-                tok = int(torch.topk(z, rank).indices[-1])
-                out.append(tok)
-                cur.append(tok)
-        self.calls += 1
-        return Proposal(out)
+    def proposal(self, text: list[int]) -> int:
+        z = self.model(torch.tensor([text])).logits[0, -1]
+        rank = (1, 2, 3, 2)[len(text) % 4]
+        return int(torch.topk(z, rank).indices[-1])
+
+    def propose(self, seq, k_max, bonus=False):
+        return position_chain(seq, min(self.k, k_max), bonus, self.proposal)
 
     def accepted(self, proposed, accepted, seq):
         pass

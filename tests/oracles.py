@@ -61,42 +61,27 @@ def replay_mars(target, ids: list[int], out: list[int], theta: float, margin: st
     return relaxed
 
 
-#: no_cache_loop's verdicts on a draft.
-REJECT, TOP1, RELAXED = 0, 1, 2
-
-
-def no_cache_loop(model, ids: list[int], max_new: int, k: int, drafter, judge, eos: frozenset[int] = frozenset(),
-                  after_step=None) -> tuple[list[int], int]:
-    """A plain greedy speculative loop without a cache, step by step as the engine takes them:
-    the drafter's drafts (at most k, and fewer than the tokens left, so that the step's own
-    token fits), each judged on the target's logits from a full forward pass over the whole
-    sequence so far: judge(z, i, drafts, out, step, relaxed) says REJECT (the step ends), TOP1
-    or RELAXED (the draft is kept); then the target's own next token. The output ends at
-    max_new tokens or after its first token of eos; after_step(step) sees each step's tokens.
-    Returns (the output, how many drafts were kept as RELAXED)."""
+def position_loop(model, ids: list[int], max_new: int, proposal, judge, eos: frozenset[int] = frozenset(),
+                  after=None) -> tuple[list[int], int]:
+    """The position-wise rule as a plain loop without a cache: at every output position the
+    drafter's proposal for it (proposal(text) -> a token or None, text = prompt + output so
+    far) is judged on the target's logits from a full forward pass over the text:
+    judge(z, prop, out, relaxed) -> (the token emitted, whether the rule relaxed to it). The
+    output ends at max_new tokens or after its first token of eos; after(token) sees each
+    token. Returns (the output, how many tokens were relaxed). No step, no draft length: the
+    text the engine must compute whatever its schedule."""
     out: list[int] = []
     relaxed = 0
-
-    def row(prefix):
-        with torch.no_grad():
-            return model(torch.tensor([prefix])).logits[0, -1].float()
-
     while len(out) < max_new:
-        cap = min(k, max_new - len(out) - 1)
-        drafts = drafter.propose(ids + out, cap).tokens if cap > 0 else []
-        step: list[int] = []
-        for i, d in enumerate(drafts):
-            verdict = judge(row(ids + out + step), i, drafts, out, step, relaxed)
-            if verdict == REJECT:
-                break
-            step.append(d)
-            relaxed += verdict == RELAXED
-        step.append(int(row(ids + out + step).argmax()))
-        stop = next((i for i, t in enumerate(step) if t in eos), None)
-        step = step[: max_new - len(out)] if stop is None else step[: stop + 1]
-        out += step
-        if after_step is not None:
-            after_step(step)
-        if stop is not None:
+        text = ids + out
+        with torch.no_grad():
+            z = model(torch.tensor([text])).logits[0, -1].float()
+            prop = proposal(text)
+        tok, was_relaxed = judge(z, prop, out, relaxed)
+        out.append(tok)
+        relaxed += bool(was_relaxed)
+        if after is not None:
+            after(tok)
+        if tok in eos:
             break
     return out, relaxed

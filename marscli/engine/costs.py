@@ -15,10 +15,9 @@ does not check out is measured again). ``$MARSCLI_COSTS`` picks the source:
 - ``static``: a fixed synthetic curve (no timing at all: runs are reproducible anywhere);
 - a path to a costs JSON file written earlier.
 
-Only strict greedy rows follow these costs (their text cannot change with draft lengths).
-A row whose text does follow its draft lengths (a relaxed rule's verdicts, a sampled row's
-draws) chooses them by ``reference_costs``, a fixed curve of the models' bytes: no timing,
-no file, no batch enters its text (the reproducibility contract, docs/verification.md).
+Every row follows these costs: a record's text is defined position by position from its own
+text (marscli.verification.chain), so no measurement, batch or draft length enters it (the
+reproducibility contract, docs/verification.md); the costs decide only how fast it comes.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM
 from marscli.models.fastpath import signature as fastpath_signature
 from marscli.models.int8_decoder import SIGNATURE as INT8_DECODER
 from marscli.models.kvcache import HoleCache, rollback
-from marscli.models.quant import CPU_INT8, weight_bytes
+from marscli.models.quant import CPU_INT8
 from marscli.models.slots import SlotCache, step_on, supports
 from marscli.models.sources import cache_root
 
@@ -45,7 +44,6 @@ COSTS_ENV = "MARSCLI_COSTS"
 COSTS_MEASURE = "measure"
 COSTS_REMEASURE = "remeasure"
 COSTS_STATIC = "static"
-COSTS_REFERENCE = "reference"
 COSTS_FORMAT = 2  # 2: batched rows timed over the slot cache
 #: Context length (tokens already cached per row) the forwards are timed at.
 MEASURE_CONTEXT = 256
@@ -140,28 +138,6 @@ def static_costs(device_type: str = "cpu", draft_ratio: float = 0.0) -> StepCost
     return StepCosts(bs, ns, tuple(tuple(1.0 + c * (b * n - 1) for n in ns) for b in bs),
                      tuple(draft_ratio * (1.0 + c * (b - 1)) for b in bs),
                      {"static": device_type, "draft_ratio": draft_ratio}, COSTS_STATIC)
-
-
-def reference_costs(draft_ratio: float = 0.0) -> StepCosts:
-    """The fixed reference curve of the draft lengths of rows whose text depends on them
-    (relaxed rules, sampling: marscli.engine.scheduler.Engine.draft_lengths): the CPU static
-    curve whatever the device, t(1, n) = 1 + 0.04 (n - 1) one-token forwards, plus
-    draft_ratio per drafted position. No timing enters it, so those rows decode the same
-    text on every machine, at every batch size, after every re-measurement."""
-    costs = static_costs("cpu", draft_ratio)
-    return StepCosts(costs.batch_sizes, costs.new_tokens, costs.target_s, costs.draft_s,
-                     {"reference": True, "draft_ratio": draft_ratio}, COSTS_REFERENCE)
-
-
-def draft_ratio(target_model, draft_model) -> float:
-    """A drafted position's cost in target forwards, from the weights alone: the bytes of
-    the draft model's (or EAGLE-3 head's) parameters over the target's. Decoding one token
-    reads every weight once, so on a bandwidth-bound machine bytes are the cost; a function
-    of the models, never of a measurement. 0 for prompt lookup (no model)."""
-    if draft_model is None:
-        return 0.0
-    module = getattr(draft_model, "head", None) or getattr(draft_model, "model", draft_model)
-    return weight_bytes(module) / max(weight_bytes(target_model), 1)
 
 
 # --------------------------------------------------------------------------- measuring

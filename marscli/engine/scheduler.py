@@ -474,7 +474,7 @@ class Engine:
                 origin = (step_kinds(flags, n, k), [v.statistic[i] if flags[i] else None for i in range(n + 1)])
             if v.regret is not None:
                 seq.regret = v.regret
-            emitted = seq.commit(d[:n] + [v.next_token], k, n, sum(v.relaxed[: n + 1]),
+            emitted = seq.commit(d[:n] + [v.next_token], k, n, v.relaxed[: n + 1],
                                  sum(v.relaxable[: n + 1]), observation, refused=refused,
                                  span_refused=span_refused, origin=origin, decided=n + int(judged))
             if r.logprobs is not None:
@@ -552,7 +552,7 @@ class Engine:
                     stats.append(float(res.node_statistic[i]))
             origin = (step_kinds(res.relaxed, n, N, bonus=not kids[rows[-1]]), stats + [None])
         emitted = seq.commit([tokens[i] for i in path] + [res.next_token], depth, n,
-                             sum(res.relaxed), relaxable, observation, origin=origin)
+                             list(res.relaxed) + [False], relaxable, observation, origin=origin)
         if r.logprobs is not None and emitted:
             T = s.top_logprobs
             got = lp.gather(logits[rows[: len(emitted)]].unsqueeze(0),

@@ -290,12 +290,13 @@ class Sequence:
         """The most drafts the next step can use (the remaining budget less the bonus)."""
         return min(self.settings.k_max, self.max_new - len(self.out) - 1)
 
-    def commit(self, emitted: list[int], k: int, n: int, relaxed: int, relaxable: int,
+    def commit(self, emitted: list[int], k: int, n: int, relaxed: list[int] | list[bool], relaxable: int,
                observation: ObservationFactory | None = None, refused: int = 0,
                span_refused: int = 0, origin: tuple[str, list] | None = None,
                decided: int | None = None) -> list[int]:
         """Apply one verified step: `emitted` = the accepted drafts (chain) or path tokens
-        (tree), then the correction or bonus. Stopping rules, statistics, the observer and the
+        (tree), then the correction or bonus; `relaxed`: per emitted token, whether the rule
+        relaxed to it (counted for the tokens the step really adds). Stopping rules, statistics, the observer and the
         sequence update; returns the tokens the step really added. `refused`: the step's
         first rejection was a relaxation the loop guard or the budget refused; `span_refused`:
         one refused because it lay in a strict span (counted there only). `origin`: the
@@ -312,7 +313,8 @@ class Sequence:
             emitted = emitted[:stop_at]
             self.finish = FINISH_STOP
         emitted = emitted[:remaining]
-        self.stats.record_step(k, n, relaxed, relaxable, len(emitted), decided)
+        self.stats.record_step(k, n, sum(1 for f in relaxed[: len(emitted)] if f), relaxable, len(emitted),
+                               decided)
         self.stats.guard_refused += refused
         self.stats.span_refused += span_refused
         if self.provenance is not None and origin is not None:

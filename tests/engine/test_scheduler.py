@@ -32,7 +32,7 @@ def test_one_forward_one_verification_one_transfer_per_step(target, monkeypatch,
             return fn(*a, **kw)
         return wrapped
 
-    monkeypatch.setattr(engine, "_step", count("steps", real_step))
+    monkeypatch.setattr(engine, "step", count("steps", real_step))
     monkeypatch.setattr(scheduler_mod, "verify_rows", count("verify", real_verify))
     monkeypatch.setattr(VerifyResult, "host_rows", count("host", real_host))
     monkeypatch.setattr(engine.kv.__class__, "forward", count("forward", real_forward))

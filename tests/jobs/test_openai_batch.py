@@ -231,7 +231,7 @@ def test_logprobs_do_not_change_the_output_and_cost_no_extra_transfer(target, mo
         return real_step(*a, **kw)
 
     monkeypatch.setattr(VerifyResult, "host_rows", host)
-    monkeypatch.setattr(engine, "_step", step)
+    monkeypatch.setattr(engine, "step", step)
     ids = [target.tokenizer(p).input_ids for p in PROMPTS]
     plain = SamplingParams(max_tokens=16, temperature=0.9, seed=3)
     with_lp = SamplingParams(max_tokens=16, temperature=0.9, seed=3, logprobs=True)

@@ -35,7 +35,7 @@ from marscli.verification.registry import MARS, Rule
 from marscli.verification.rules import margin_statistic, top2
 from marscli.verification.tree import verify_tree
 from tests.engines import RunnerUpDrafter
-from tests.oracles import REJECT, RELAXED, TOP1, hf_greedy, no_cache_loop
+from tests.oracles import hf_greedy, position_loop
 
 # --------------------------------------------------------------------------- the statistic
 
@@ -93,10 +93,10 @@ def test_guarded_position_is_judged_strictly():
     drafts = torch.tensor([[2, 4]])  # both the top-2 at relaxable positions
     rule = Rule(MARS, 0.9)
     free = verify(drafts, logits, rule=rule)
-    assert int(free.num_accepted[0]) == 2 and free.relaxed[0].tolist() == [True, True]
+    assert int(free.num_accepted[0]) == 2 and free.relaxed[0].tolist() == [True, True, False]
     g = verify(drafts, logits, rule=rule, guard=torch.tensor([[False, True]]))
     assert int(g.num_accepted[0]) == 1 and int(g.next_token[0]) == 3  # the target's own token
-    assert bool(g.refused[0]) and g.relaxable[0].tolist() == [True, False]
+    assert bool(g.refused[0]) and g.relaxable[0].tolist() == [True, False, False]
     # A guard on a position the strict check accepts changes nothing.
     top1 = verify(torch.tensor([[1, 3]]), logits, rule=rule, guard=torch.tensor([[True, True]]))
     assert int(top1.num_accepted[0]) == 2 and not bool(top1.refused[0])
@@ -120,22 +120,22 @@ def test_budget_counts_only_relaxations_not_strict_acceptances():
     assert int(res.num_accepted[0]) == 3 and int(res.next_token[0]) == 7
 
 
-def test_sampling_guarded_rejection_draws_from_the_residual():
-    """A guarded position is strict in sampling too: its rejection draws from the residual
-    (never the rejected token), as strict speculative sampling does."""
+def test_sampling_guarded_position_emits_the_draw():
+    """A guarded position is strict in sampling too: its token is the position's draw, as
+    strict sampling's is, whatever was proposed there."""
     logits = _logits([(1, 2, 0.99), (3, 4, 0.5)])
     drafts = torch.tensor([[2]])
     hits = 0
     for s in range(200):
-        u = torch.rand(1, 1, generator=torch.Generator().manual_seed(s))
-        us = torch.rand(1, generator=torch.Generator().manual_seed(1000 + s))
-        res = verify(drafts, logits, rule=Rule(MARS, 0.9), temperature=1.0, u_accept=u, u_sample=us,
-                     guard=torch.tensor([[True]]))
-        strict = verify(drafts, logits, rule=Rule(), temperature=1.0, u_accept=u, u_sample=us)
+        kw = dict(temperature=1.0, seeds=torch.tensor([s]), positions=torch.tensor([0]))
+        res = verify(drafts, logits, rule=Rule(MARS, 0.9), guard=torch.tensor([[True]]), **kw)
+        strict = verify(drafts, logits, rule=Rule(), **kw)
+        free = verify(drafts, logits, rule=Rule(MARS, 0.9), **kw)
         assert int(res.num_accepted[0]) == int(strict.num_accepted[0])
         assert int(res.next_token[0]) == int(strict.next_token[0])
+        assert int(free.num_accepted[0]) == 1  # unguarded, the top-2 draft is kept
         hits += int(res.num_accepted[0])
-    assert 0 < hits < 200  # both branches ran
+    assert 0 < hits < 200  # the draw was the draft sometimes, another token other times
 
 
 def test_tree_guard_and_budget_match_the_chain():
@@ -161,29 +161,27 @@ def test_tree_guard_and_budget_match_the_chain():
 def reference_loop(model, ids, max_new, k, theta, margin, guard: GuardConfig,
                    eos: frozenset[int] = frozenset()) -> tuple[list[int], int]:
     """MARS greedy with the loop guard, the budget, the strict first tokens and the stop rule
-    (GuardConfig) in the no-cache loop (oracles.no_cache_loop), on the runner-up drafter's k
-    drafts a step. Every logit comes from a full forward pass over the whole sequence."""
+    (GuardConfig), position by position (oracles.position_loop) on the runner-up drafter's
+    proposal for each position. Every logit comes from a full forward pass over the text."""
     budget = guard.budget(max_new)
     index = NgramIndex(guard.repeat_ngram, guard.repeat_window) if guard.repeat_ngram else None
-    rep: list[bool] = []
+    drafter = RunnerUpDrafter(model, k)
 
-    def judge(z, i, drafts, out, step, relaxed):
-        if i == 0:  # which of the step's drafts repeat an n-gram of the output
-            rep[:] = index.repeats(drafts) if index is not None else [False] * len(drafts)
-        d = drafts[i]
+    def judge(z, d, out, relaxed):
         z1, z2, t1, t2 = top2(z)
         stat = float(margin_statistic(z1, z2, margin))
-        first = len(out) + len(step) < guard.strict_first  # the output's strict first tokens
+        rep = index.repeats([d])[0] if index is not None else False
+        first = len(out) < guard.strict_first  # the output's strict first tokens
         stops = guard.strict_stops and (d in eos or int(t1) in eos)  # never relax a stop
         if d == int(t1):
-            return TOP1
-        if (d == int(t2) and stat > theta and not rep[i] and not first and not stops
+            return d, False
+        if (d == int(t2) and stat > theta and not rep and not first and not stops
                 and (budget is None or relaxed < budget)):
-            return RELAXED
-        return REJECT
+            return d, True
+        return int(t1), False
 
-    return no_cache_loop(model, ids, max_new, k, RunnerUpDrafter(model, k), judge, eos,
-                         after_step=None if index is None else index.extend)
+    return position_loop(model, ids, max_new, drafter.proposal, judge, eos,
+                         after=None if index is None else (lambda t: index.extend([t])))
 
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog",
@@ -202,7 +200,7 @@ def test_guarded_engine_equals_the_no_cache_reference(target, guard):
     theta, margin, k, max_new = 0.3, "prob-ratio", 3, 40
     cfg = DraftConfig(kind="model", model="x", num_draft_tokens=k, adaptive=False)
     eos = frozenset(int(t) for t in target.eos_token_ids)
-    if guard.strict_stops:
+    if guard == STOPS_GUARD:
         # Stop tokens the unguarded rule relaxes to, so that the stop rule has work to do.
         free = Engine(target, RowDrafters(lambda: RunnerUpDrafter(target.model, k)),
                       Rule(MARS, theta, margin), cfg, guard=GUARD_OFF)
@@ -290,7 +288,7 @@ def test_replay_with_guard_and_budget_equals_the_guarded_verifier():
         drafts = order[torch.arange(K), col_ix].unsqueeze(0)
         guard = torch.rand(1, K, generator=gen) < 0.3
         res = verify(drafts, logits, rule=Rule())
-        col(StepObservation(drafts, logits, res, SamplingParams(max_tokens=100), None, None,
+        col(StepObservation(drafts, logits, res, SamplingParams(max_tokens=100),
                             int(res.num_accepted[0]) + 1, guard=guard))
         steps.append((drafts, logits, guard))
     for share in (1.0, 0.05):

@@ -29,7 +29,7 @@ from marscli.verification.registry import (
 )
 from marscli.verification.tree import DraftTree, verify_tree
 from tests.engines import RankDrafter
-from tests.oracles import REJECT, RELAXED, TOP1, no_cache_loop
+from tests.oracles import position_loop
 
 V = 10
 
@@ -321,25 +321,23 @@ def reference_condition(rule: Rule, z: torch.Tensor, x: int, regret_so_far: floa
 
 
 def reference_loop(model, ids, max_new, k, rule: Rule, eos: frozenset[int]) -> tuple[list[int], int]:
-    """A plain no-cache greedy loop of one rule (oracles.no_cache_loop): the RankDrafter's k
-    drafts per step, each judged on logits from a full forward over the whole sequence; the
-    regret sums over the drafts kept in the step."""
+    """The rule position by position (oracles.position_loop) on the RankDrafter's proposal
+    for each position: kept when it is the top-1 or the rule's condition holds, else the
+    top-1; the regret sums over the proposals kept since the last one replaced."""
     regret = [0.0]
+    drafter = RankDrafter(model, k)
 
-    def judge(z, i, drafts, out, step, relaxed):
-        if i == 0:
-            regret[0] = 0.0
-        d = drafts[i]
-        if d == int(z.argmax()):
-            verdict = TOP1
-        elif reference_condition(rule, z, d, regret[0]):
-            verdict = RELAXED
-        else:
-            return REJECT
-        regret[0] += float(z.max() - z[d])
-        return verdict
+    def judge(z, d, out, relaxed):
+        top = int(z.argmax())
+        if d == top:
+            return top, False
+        if reference_condition(rule, z, d, regret[0]):
+            regret[0] += float(z.max() - z[d])
+            return d, True
+        regret[0] = 0.0
+        return top, False
 
-    return no_cache_loop(model, ids, max_new, k, RankDrafter(model, k), judge, eos)
+    return position_loop(model, ids, max_new, drafter.proposal, judge, eos)
 
 
 ENGINE_RULES = [Rule("ratio", rho=0.3), Rule("topk", top_n=3, delta=0.3),
