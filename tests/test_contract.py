@@ -21,7 +21,6 @@ import torch
 from marscli.config import GUARD_OFF, RELAX_DRAFTED, DraftConfig, GuardConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, RowDrafters
 from marscli.drafters.factory import build_drafter, build_drafters
-from marscli.engine import build_engine
 from marscli.engine.costs import StepCosts, static_costs
 from marscli.engine.provenance import RELAXED
 from marscli.engine.scheduler import Engine
@@ -95,7 +94,8 @@ def make_engine(target, draft, kind: str, rule: Rule, batch_size: int, costs: St
     return Engine(target, drafters, rule, dcfg, batch_size, costs=costs, guard=guard, relax_at=relax_at)
 
 
-def run_all(engine: Engine, target, items: list[tuple[str, SamplingParams]], reverse: bool = False) -> dict[int, object]:
+def run_all(engine: Engine, target, items: list[tuple[str, SamplingParams]],
+            reverse: bool = False) -> dict[int, object]:
     got = {}
     order = list(range(len(items)))[::-1] if reverse else list(range(len(items)))
     for i, res in engine.run(order, lambda i: (target.tokenizer(items[i][0]).input_ids, items[i][1])):

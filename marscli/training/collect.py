@@ -200,13 +200,13 @@ class FeatureRecorder:
         self.rows = []
         self.inner.reset()
 
-    def add_row(self, prompt_ids, sampling, generator) -> None:
+    def add_row(self, prompt_ids, sampling) -> None:
         self.rows.append(_RecordedRow(list(prompt_ids)))
-        self.inner.add_row(prompt_ids, sampling, generator)
+        self.inner.add_row(prompt_ids, sampling)
 
-    def add_rows(self, prompts, samplings, generators) -> None:
+    def add_rows(self, prompts, samplings) -> None:
         self.rows.extend(_RecordedRow(list(p)) for p in prompts)
-        self.inner.add_rows(prompts, samplings, generators)
+        self.inner.add_rows(prompts, samplings)
 
     def keep(self, rows: list[int]) -> None:
         kept = set(rows)
@@ -219,8 +219,8 @@ class FeatureRecorder:
     def offers(self, seqs, k_caps):
         return self.inner.offers(seqs, k_caps)
 
-    def propose(self, seqs, ks):
-        return self.inner.propose(seqs, ks)
+    def propose(self, seqs, ks, bonus=False):
+        return self.inner.propose(seqs, ks, bonus)
 
     def propose_tree(self, row, seq, max_path):
         return self.inner.propose_tree(row, seq, max_path)

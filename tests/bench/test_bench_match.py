@@ -52,9 +52,10 @@ def independent_collection(path, start, target_dir):
     records, _, _ = read_prompt_records(str(path), None, start=start)
     target, _ = load_models(ModelConfig(str(target_dir)), None, kind="ngram")
     guard = GuardConfig()  # bench's default loop guard
-    # as calibrate collects: strict, without the job corpus the relaxed rules never get
+    # as calibrate collects: strict, proposing after the drafts as a relaxed rule's engine
+    # does (calibrating), without the job corpus the relaxed rules never get
     engine = build_engine(target, None, VerifyConfig(guard=guard), DraftConfig(kind="ngram"), 1,
-                         solo_lengths=True, job_corpus=False)
+                         job_corpus=False, calibrating=True)
     per = {}
 
     def observer_for(item):

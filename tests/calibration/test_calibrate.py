@@ -24,59 +24,132 @@ from marscli.calibration.policies import (
 from marscli.calibration.report import histogram_text
 from marscli.config import SamplingParams
 from marscli.engine.sequence import StepObservation
-from marscli.verification.registry import Rule
+from marscli.verification.chain import NO_PROPOSAL, sampled_draws, sampling_probs, verify
+from marscli.verification.registry import STRICT, Rule
 from tests.helpers import STEP_K as K
 from tests.helpers import STEP_V as V
 from tests.helpers import _step, synthetic
-from tests.verify_helpers import mars_greedy, speculative_sampling, strict_greedy
+from tests.verify_helpers import mars_greedy, rule_from_theta, strict_greedy
 
 
-def _observe(collector, drafts, logits, sampling, u_accept=None, u_sample=None):
-    if sampling.greedy:
-        res = strict_greedy(drafts, logits)
-    else:
-        res = speculative_sampling(drafts, logits, u_accept, u_sample, temperature=sampling.temperature)
-    collector(StepObservation(drafts, logits, res, sampling, u_accept, None, int(res.num_accepted[0]) + 1))
+def _steps(gen, n: int, scale: float = 3.0) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """n chain steps of one record: K drafts mixing the target's top-1, top-2 and other
+    tokens, the target's logits (tests.helpers._step), and the drafter's proposal for the
+    position after the drafts (judged on the logits' last row): the top-1 or top-2 mostly,
+    another token or none (NO_PROPOSAL) sometimes."""
+    out = []
+    for _ in range(n):
+        d, lg = _step(gen, scale)
+        order = lg[0, K].argsort(descending=True)
+        pick = int(torch.randint(0, 10, (1,), generator=gen))
+        out.append((d, lg, NO_PROPOSAL if pick < 2 else int(order[0 if pick < 5 else 1 if pick < 9 else 3])))
+    return out
+
+
+def _verify(step, position: int, rule: Rule, sampling: SamplingParams):
+    """``verify`` of one step by ``rule``, with its bonus proposal; sampled with the record's
+    seed at the step's output position."""
+    d, lg, bonus = step
+    sampled = not sampling.greedy
+    return verify(d, lg, rule=rule, temperature=sampling.temperature, bonus=torch.tensor([bonus]),
+                  seeds=torch.tensor([sampling.seed]) if sampled else None,
+                  positions=torch.tensor([position]) if sampled else None)
+
+
+def _observe(collector, steps, sampling) -> list[int]:
+    """A strict run over ``steps`` as the calibrating engine shows it to the collector (the
+    strict verdict, the proposal after the drafts); returns each step's output position
+    on the strict trajectory."""
+    positions, at = [], 0
+    for step in steps:
+        res = _verify(step, at, Rule(STRICT), sampling)
+        emitted = int(res.num_accepted[0]) + 1
+        bonus = step[2]
+        collector(StepObservation(step[0], step[1], res, sampling, emitted,
+                                  next_proposal=None if bonus == NO_PROPOSAL else bonus))
+        positions.append(at)
+        at += emitted
+    return positions
+
+
+def _replay_equals_verifier(data, steps, positions, sampling, thetas, margin="logit-ratio") -> list:
+    """For each theta: the replay's accepted drafts, relaxed tokens and emitted tokens are the
+    verifier's on the same steps (theta = inf: strict). Returns the verifier's results at
+    the first theta."""
+    first = None
+    for theta in thetas:
+        rep = data.replay(theta, margin)
+        want = [_verify(s, t, rule_from_theta(theta, margin), sampling) for s, t in zip(steps, positions)]
+        first = want if first is None else first
+        assert rep.num_accepted.tolist() == [int(r.num_accepted[0]) for r in want], theta
+        assert rep.relaxed == sum(int(r.relaxed.sum()) for r in want), theta
+        assert rep.emitted == sum(len(r.emitted(s[0], 0)) for r, s in zip(want, steps)), theta
+        if math.isinf(theta):  # strict: the collection run itself
+            assert rep.num_accepted.tolist() == data.step_n.tolist() and rep.relaxed == 0
+            assert rep.emitted == data.tokens
+    return first
 
 
 @pytest.mark.parametrize("margin", ["logit-ratio", "prob-ratio"])
 def test_greedy_replay_equals_mars_verifier(margin):
     gen = torch.Generator().manual_seed(0)
-    steps = [_step(gen) for _ in range(200)]
+    steps = _steps(gen, 200)
     col = MarginCollector()
     greedy = SamplingParams()
-    for d, lg in steps:
-        _observe(col, d, lg, greedy)
+    positions = _observe(col, steps, greedy)
     data = col.data(records=1)
-    assert data.steps == 200 and data.positions == 200 * K
-    for theta in (-0.5, 0.0, 0.3, 0.6, 0.8, 0.9, 0.95, 0.99, math.inf):
-        rep = data.replay(theta, margin)
-        want = [int(mars_greedy(d, lg, theta, margin).num_accepted[0]) if math.isfinite(theta)
-                else int(strict_greedy(d, lg).num_accepted[0]) for d, lg in steps]
-        assert rep.num_accepted.tolist() == want, theta
-        relaxed = (sum(int(mars_greedy(d, lg, theta, margin).relaxed.sum()) for d, lg in steps)
-                   if math.isfinite(theta) else 0)
-        assert rep.relaxed == relaxed
+    bonus = sum(b != NO_PROPOSAL for _, _, b in steps)
+    assert data.steps == 200 and data.positions == 200 * K + bonus and int(data.step_bonus.sum()) == bonus
+    want = _replay_equals_verifier(data, steps, positions, greedy,
+                                   (0.0, -0.5, 0.3, 0.6, 0.8, 0.9, 0.95, 0.99, math.inf), margin)
+    # The bonus position counts: relaxed there after every draft was kept.
+    assert any(bool(r.relaxed[0, K]) for r in want)
     # Relaxing must change something on this data, or the comparison above proves little.
     assert data.replay(0.0, margin).tau > data.replay(math.inf, margin).tau
 
 
 def test_sampling_replay_equals_mars_sampling_verifier():
+    """Sampled: the collector's strict_ok is the verifier's own verdict, the proposal equals
+    the position's draw (a function of the record's seed and the output position), and the
+    replay of MARS equals the MARS sampling verifier at those positions."""
     gen = torch.Generator().manual_seed(1)
-    sampling = SamplingParams(temperature=0.8)
+    sampling = SamplingParams(temperature=0.8, seed=7)
     col = MarginCollector()
-    steps = []
-    for _ in range(200):
-        d, lg = _step(gen, scale=1.5)
-        u_a, u_s = torch.rand(1, K, generator=gen), torch.rand(1, generator=gen)
-        steps.append((d, lg, u_a, u_s))
-        _observe(col, d, lg, sampling, u_a, u_s)
+    steps = _steps(gen, 200, scale=1.5)
+    positions = _observe(col, steps, sampling)
     data = col.data(records=1)
-    for theta in (0.0, 0.5, 0.8, 0.95):
-        rep = data.replay(theta, "logit-ratio")
-        want = [int(speculative_sampling(d, lg, ua, us, temperature=0.8, theta=theta).num_accepted[0])
-                for d, lg, ua, us in steps]
-        assert rep.num_accepted.tolist() == want
+    assert data.sampled
+    # strict_ok, position by position: the proposal is the draw there
+    ok = []
+    for (d, lg, bonus), t in zip(steps, positions):
+        draws = sampled_draws(sampling_probs(lg, 0.8), torch.tensor([sampling.seed]), torch.tensor([t]))[0]
+        props = d[0].tolist() + ([] if bonus == NO_PROPOSAL else [bonus])
+        ok += [float(x == int(draws[j])) for j, x in enumerate(props)]
+    assert data.strict_ok.tolist() == ok
+    assert 0 < sum(ok) < len(ok)
+    want = _replay_equals_verifier(data, steps, positions, sampling, (0.0, 0.5, 0.8, 0.95, math.inf))
+    assert sum(int(r.relaxed.sum()) for r in want) > 0
+
+
+def test_collector_records_the_proposal_after_the_drafts():
+    """A step judged at its drafts and at the proposal after them: one more position, its
+    rank and strict verdict the target's; a step without that proposal has none."""
+    logits = torch.zeros(1, 3, V)
+    logits[0, :, 3], logits[0, :, 4] = 5.0, 4.9  # top-1 token 3, top-2 token 4
+    drafts = torch.tensor([[3, 3]])
+    col = MarginCollector()
+    for nxt in (4, None, 3):
+        res = verify(drafts, logits, bonus=torch.tensor([NO_PROPOSAL if nxt is None else nxt]))
+        assert int(res.num_accepted[0]) == 2
+        col(StepObservation(drafts, logits, res, SamplingParams(), 3, next_proposal=nxt))
+    data = col.data(records=1)
+    assert data.step_k.tolist() == [2, 2, 2] and data.step_bonus.tolist() == [1, 0, 1]
+    assert data.positions == 8 and data.rank.tolist() == [1, 1, 2, 1, 1, 1, 1, 1]
+    assert data.strict_ok.tolist() == [1, 1, 0, 1, 1, 1, 1, 1]
+    assert data.logp_draft[2] == pytest.approx(data.logp2[2])
+    rep = data.replay(0.9)  # the top-2 after two kept drafts: relaxed, the step's last token
+    assert rep.num_accepted.tolist() == [2, 2, 2] and rep.relaxed == 1 and rep.emitted == 9
+    assert data.replay(math.inf).relaxed == 0
 
 
 def test_collector_refuses_a_replay_that_disagrees():
@@ -86,7 +159,7 @@ def test_collector_refuses_a_replay_that_disagrees():
     res = mars_greedy(drafts, logits, 0.9, "logit-ratio")  # relaxed: not what strict does
     assert int(res.num_accepted[0]) == 2 and int(strict_greedy(drafts, logits).num_accepted[0]) == 0
     with pytest.raises(RuntimeError, match="replay disagrees"):
-        MarginCollector()(StepObservation(drafts, logits, res, SamplingParams(), None, None, 3))
+        MarginCollector()(StepObservation(drafts, logits, res, SamplingParams(), 3))
 
 
 # --------------------------------------------------------------------------- synthetic data

@@ -61,7 +61,7 @@ def test_batched_windowed_drafts_are_each_rows_own(target, draft):
     prompts = [target.tokenizer(t).input_ids for t in PROMPTS]
     batched = BatchedModelDrafter(draft.model, 4, vocab_size=vocab, context=12)
     for ids in prompts:
-        batched.add_row(ids, SamplingParams(), None)
+        batched.add_row(ids, SamplingParams())
     with torch.inference_mode():
         props = batched.propose(prompts, [4, 4, 4])
     for ids, prop in zip(prompts, props):

@@ -45,14 +45,15 @@ def test_the_longer_match_wins_whether_its_own_or_the_corpus(n, earlier, seq, dr
     assert d.propose(seq, 2).tokens == drafts
 
 
-def test_a_sampled_record_does_not_draft_from_the_corpus():
-    """A seed's sample follows its drafts: drafting from other records would make it depend
-    on them. It still joins the corpus when it leaves."""
+def test_a_sampled_record_drafts_from_the_corpus_too():
+    """Strict sampling's text is the positions' draws whatever is drafted, so a sampled
+    record may draft from other records as a greedy one does (the engine keeps a corpus only
+    under strict verification). It joins the corpus when it leaves."""
     corpus = JobCorpus(3)
     corpus.add([1, 2, 3, 4, 5, 6, 7])
     d = NgramDrafter(8, ngram_max=3, corpus=corpus)
     d.start([9, 2, 3], SamplingParams(temperature=0.8))
-    assert d.offer([9, 2, 3, 4], 8).available == 0
+    assert d.offer([9, 2, 3, 4], 8).available == 3
     d.accepted(0, 0, [9, 2, 3, 4, 8])
     d.finish()
     assert corpus.records == 2
@@ -89,8 +90,8 @@ def test_old_records_leave_within_the_token_budget():
 def test_a_record_joins_the_corpus_when_its_row_leaves():
     corpus = JobCorpus(2)
     rows = RowDrafters(lambda: NgramDrafter(4, ngram_max=2, corpus=corpus), corpus=corpus)
-    rows.add_row([1, 2, 3], SamplingParams(), None)
-    rows.add_row([4, 5, 6], SamplingParams(), None)
+    rows.add_row([1, 2, 3], SamplingParams())
+    rows.add_row([4, 5, 6], SamplingParams())
     rows.offers([[1, 2, 3], [4, 5, 6]], [4, 4])
     rows.accepted(0, 0, 0, [1, 2, 3, 10])
     rows.accepted(1, 0, 0, [4, 5, 6, 11])
