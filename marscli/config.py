@@ -14,6 +14,7 @@ from marscli.drafters.kinds import MODEL, NGRAM
 from marscli.verification.guard import (
     DEFAULT_GUARD_NGRAM,
     DEFAULT_GUARD_WINDOW,
+    DEFAULT_LOOP_REWIND,
     DEFAULT_MAX_RELAXED_SHARE,
     DEFAULT_STRICT_FIRST,
 )
@@ -96,6 +97,10 @@ class GuardConfig:
     strict_stops: a relaxed rule never decides where an output ends: it never accepts a stop
     token (an EOS token, or a stop string's first token) the target did not choose, and never
     relaxes at a position whose target top-1 is a stop token (False: the paper's rule).
+    loop_rewind: take back a relaxation that derails: when the output falls into a loop
+    (guard.loop_period's test) whose periodic tail begins at most this many tokens after a
+    relaxed token, the record rewinds to that token and decides its position strictly (0:
+    never; the position-wise rules only: marscli.engine.sequence.Sequence.commit).
     None changes strict verification.
     """
 
@@ -104,6 +109,7 @@ class GuardConfig:
     max_relaxed_share: float = DEFAULT_MAX_RELAXED_SHARE
     strict_first: int = DEFAULT_STRICT_FIRST
     strict_stops: bool = True
+    loop_rewind: int = DEFAULT_LOOP_REWIND
 
     def __post_init__(self) -> None:
         if self.repeat_ngram != 0 and self.repeat_ngram < 2:
@@ -115,6 +121,8 @@ class GuardConfig:
             raise ValueError(f"--max-relaxed-share must be in [0, 1], got {self.max_relaxed_share}")
         if self.strict_first < 0:
             raise ValueError(f"--strict-first must be 0 (off) or more, got {self.strict_first}")
+        if self.loop_rewind < 0:
+            raise ValueError(f"--loop-rewind must be 0 (off) or more, got {self.loop_rewind}")
 
     @property
     def budgeted(self) -> bool:
@@ -127,11 +135,11 @@ class GuardConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"repeat_ngram": self.repeat_ngram, "repeat_window": self.repeat_window,
                 "max_relaxed_share": self.max_relaxed_share, "strict_first": self.strict_first,
-                "strict_stops": self.strict_stops}
+                "strict_stops": self.strict_stops, "loop_rewind": self.loop_rewind}
 
 
 #: Every guard off: a relaxed rule is the paper's rule alone (its Algorithm 1).
-GUARD_OFF = GuardConfig(0, DEFAULT_GUARD_WINDOW, 1.0, 0, False)
+GUARD_OFF = GuardConfig(0, DEFAULT_GUARD_WINDOW, 1.0, 0, False, 0)
 
 
 @dataclass(frozen=True)
@@ -210,6 +218,7 @@ class VerifyRequest:
     max_relaxed_share: float | None = None
     strict_first: int | None = None
     strict_stops: bool | None = None
+    loop_rewind: int | None = None
     #: The other rules' knobs as given (registry.OTHER_KNOBS: --rho, --top-n, ...).
     rho: float | None = None
     top_n: int | None = None
@@ -367,7 +376,8 @@ class GenerationOptions:
     repeat_window: int | None = _opt(None, "guard", PANEL_VERIFY, "Tokens of recent output the loop guard looks back over. Default: the profile's, else 256.", min=1)
     max_relaxed_share: float | None = _opt(None, "guard", PANEL_VERIFY, "Relaxation budget: a record relaxes at most this share of its max tokens, then is verified strictly (1 = no budget). Default: the profile's, else 0.25.", min=0.0, max=1.0)
     strict_first: int | None = _opt(None, "guard", PANEL_VERIFY, "Relaxed rules verify the first N generated tokens of every output strictly, like a strict span (0 = off). Default: the profile's, else 2.", min=0)
-    no_guard: bool = _opt(False, "guard", PANEL_VERIFY, "No loop guard, no budget, no strict first tokens, and relaxed stops allowed: the paper's rule alone (--strict-first N still applies when given).", "--no-guard")
+    loop_rewind: int | None = _opt(None, "guard", PANEL_VERIFY, "Take back a relaxation that derails: when the output falls into a loop within N tokens after a relaxed token, the record rewinds to that token and decides it strictly (0 = off). Default: the profile's, else 32.", min=0)
+    no_guard: bool = _opt(False, "guard", PANEL_VERIFY, "No loop guard, no budget, no strict first tokens, no loop rewinds, and relaxed stops allowed: the paper's rule alone (--strict-first N still applies when given).", "--no-guard")
     # the rule and its knobs (marscli.verification.registry)
     verify: str | None = _opt(None, "rule", PANEL_VERIFY, verify_help(), "--verify", "--rule")
     theta: float | None = _knob("theta")

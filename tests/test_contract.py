@@ -380,3 +380,89 @@ def test_guard_off_is_the_papers_rule():
     assert g.strict_first == 2 and g.strict_stops
     with pytest.raises(ValueError, match="--strict-first"):
         GuardConfig(strict_first=-1)
+
+
+# ---------------------------------------------------------------------------- loop rewinds
+
+REWIND_GUARD = GuardConfig(repeat_ngram=0, max_relaxed_share=1.0, strict_first=0, strict_stops=False, loop_rewind=32)
+
+
+def rewinding_oracle(model, ids: list[int], max_new: int, theta: float, window: int) -> tuple[list[int], int]:
+    """MARS greedy (prob-ratio) with loop rewinds, position by position without a cache, from
+    the rule's words: emit the MixedDrafter's proposal where it is the top-1, or the top-2 at
+    a close call (unless a rewind made the position strict), else the top-1; after each token,
+    if the output ends in a loop (guard.loop_period) whose periodic tail begins at most
+    `window` tokens after a relaxed token, go back to the latest such token and decide its
+    position strictly. Returns (the output, the rewinds)."""
+    from marscli.verification.guard import loop_period
+
+    drafter = MixedDrafter(model, 1)
+    out: list[int] = []
+    relaxed_at: list[int] = []
+    strict_at: set[int] = set()
+    rewinds = 0
+    while len(out) < max_new:
+        text = ids + out
+        with torch.no_grad():
+            z = model(torch.tensor([text])).logits[0, -1]
+            prop = drafter.proposal(text)
+        z1, z2, t1, t2 = top2(z)
+        close = float(torch.exp(z2 - z1)) > theta
+        t = len(out)
+        if prop == int(t1):
+            out.append(prop)
+        elif prop == int(t2) and close and t not in strict_at:
+            out.append(prop)
+            relaxed_at.append(t)
+        else:
+            out.append(int(t1))
+        p = loop_period(out)
+        if p is None:
+            continue
+        # the periodic tail: from where each token equals the one p before it
+        onset = len(out) - p
+        while onset > 0 and out[onset - 1] == out[onset - 1 + p]:
+            onset -= 1
+        back = [r for r in relaxed_at if r >= onset - window and r not in strict_at]
+        if back:
+            r = max(back)
+            del out[r:]
+            relaxed_at = [x for x in relaxed_at if x < r]
+            strict_at.add(r)
+            rewinds += 1
+    return out, rewinds
+
+
+def test_a_relaxation_that_derails_is_taken_back_as_the_oracle_does(target, draft):
+    """The engine's rewinds are the position-wise oracle's: the same text and rewinds."""
+    rule = Rule(MARS, 0.3, "prob-ratio")
+    engine = make_engine(target, draft, "mixed", rule, 1, wild_costs(0.04), REWIND_GUARD)
+    rewinds = 0
+    for text in PROMPTS:
+        ids = target.tokenizer(text).input_ids
+        res = engine.generate_ids(ids, SamplingParams(max_tokens=60))
+        want, n = rewinding_oracle(target.model, ids, 60, 0.3, 32)
+        assert res.token_ids == want, text
+        assert res.stats.rewinds == n
+        rewinds += n
+    assert rewinds > 0, "some record must rewind here"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_rewinding_record_keeps_one_text_whatever_the_schedule(target, draft, temperature):
+    """Records that rewind decode the same text at batch 1 and 16, at a fixed K of 2 and 8,
+    adaptive with dear costs, in reverse order; a rewind is counted and its relaxation is
+    gone from the count."""
+    rule = Rule(MARS, 0.3, "prob-ratio")
+    prompts = [p + f" {i}" for i in range(4) for p in PROMPTS]
+    items = [(p, SamplingParams(max_tokens=80, temperature=temperature, seed=i)) for i, p in enumerate(prompts)]
+    want = run_all(make_engine(target, draft, "mixed", rule, 1, wild_costs(0.04), REWIND_GUARD, k=2,
+                               adaptive=False), target, items)
+    assert sum(r.stats.rewinds for r in want.values()) > 0
+    for k, adaptive, batch, reverse, slope in ((8, False, 1, False, 0.04), (2, False, 16, True, 0.04),
+                                               (8, True, 16, False, 2.0)):
+        got = run_all(make_engine(target, draft, "mixed", rule, batch, wild_costs(slope), REWIND_GUARD, k=k,
+                                  adaptive=adaptive), target, items, reverse)
+        for i in want:
+            assert got[i].token_ids == want[i].token_ids, (k, batch, i)
+            assert (got[i].stats.relaxed, got[i].stats.rewinds) == (want[i].stats.relaxed, want[i].stats.rewinds)

@@ -219,6 +219,7 @@ THROUGHPUT_COLUMNS = (
     ("x hf-gen", "speedup_vs_hf_generate", ".2fx"),
     ("vs first batch", "speedup_vs_first_batch_size", ".2fx"),
     ("tau", "acceptance_length", ".2f"),
+    ("k/step", "mean_draft_length", ".2f"),
     ("same output", "outputs_equal_first_batch_size", "/prompts"),
     ("prefill s", "prefill_seconds", ".1f"),
     ("prefix reused", "prefix_tokens_reused", "d"),

@@ -348,6 +348,9 @@ class Bench:
                     "speedup_vs_hf_generate": None,  # once every row is in: hf-generate may come later
                     "acceptance_length": (metrics.ratio(sum(s.emitted for s in stats), sum(s.steps for s in stats))
                                           if stats and self.cfg.draft.kind != NONE and m.kind != AR else None),
+                    # the draft length the policy chose at this batch size: drafts per step
+                    "mean_draft_length": (metrics.ratio(sum(s.drafted for s in stats), sum(s.steps for s in stats))
+                                          if stats and self.cfg.draft.kind != NONE and m.kind != AR else None),
                     "outputs_equal_first_batch_size": sum(a == b for a, b in zip(outputs, ref)),
                     "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16],
                     "peak_rss_mib": round_or_none(peak_rss_mib(), 1),

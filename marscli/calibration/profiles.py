@@ -29,7 +29,7 @@ from marscli.config import GuardConfig
 from marscli.drafters.kinds import DRAFTERS, EAGLE3, MODEL, PROFILE_KINDS
 from marscli.errors import UsageError
 from marscli.io.results import atomic_write_text
-from marscli.verification.guard import DEFAULT_STRICT_FIRST
+from marscli.verification.guard import DEFAULT_LOOP_REWIND, DEFAULT_STRICT_FIRST
 from marscli.verification.registry import (
     ALL_KNOBS,
     LOGIT_RATIO,
@@ -278,7 +278,9 @@ _SCHEMA = _mapping({
             # issue 31 (absent in older profiles: the defaults apply)
             "strict_first": _integer(lo=0),
             "strict_stops": _boolean,
-        }, optional=("strict_first", "strict_stops")),
+            # issue 62 (absent in older profiles: the default applies)
+            "loop_rewind": _integer(lo=0),
+        }, optional=("strict_first", "strict_stops", "loop_rewind")),
     }, optional=("guard", "rule", "margin", *ALL_KNOBS)),
     "policy": _mapping({
         "name": _choice(*POLICIES),
@@ -464,7 +466,8 @@ class Profile:
             return None
         try:
             return GuardConfig(g["repeat_ngram"], g["repeat_window"], g["max_relaxed_share"],
-                               g.get("strict_first", DEFAULT_STRICT_FIRST), g.get("strict_stops", True))
+                               g.get("strict_first", DEFAULT_STRICT_FIRST), g.get("strict_stops", True),
+                               g.get("loop_rewind", DEFAULT_LOOP_REWIND))
         except ValueError as e:
             raise ProfileError(f"{self.describe()}: verification.guard: {e}") from None
 

@@ -189,6 +189,10 @@ class Drafter(Protocol):
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
         """Learn the outcome of the last proposal; `seq` is the committed sequence now."""
 
+    def rewind(self, seq: list[int]) -> None:
+        """The committed sequence was taken back to `seq` (a loop rewind): forget what
+        followed it."""
+
 
 class TreeDrafter(Drafter, Protocol):
     def propose_tree(self, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
@@ -208,6 +212,10 @@ class DrafterBase:
 
     def observe(self, features: torch.Tensor) -> None:
         pass
+
+    def rewind(self, seq: list[int]) -> None:
+        """Nothing to forget: a drafter that keeps no state past the committed sequence, or
+        that compares its own with it before every proposal (a draft model's cache)."""
 
 
 class BatchedDrafter(Protocol):
@@ -249,6 +257,9 @@ class BatchedDrafter(Protocol):
 
     def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
         """Row `row` kept `accepted` of `proposed` drafts; seq is its committed sequence."""
+
+    def rewind(self, row: int, seq: list[int]) -> None:
+        """Row `row`'s committed sequence was taken back to `seq` (a loop rewind)."""
 
 
 class RowDrafters:
@@ -306,3 +317,6 @@ class RowDrafters:
 
     def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
         self.rows[row].accepted(proposed, accepted, seq)
+
+    def rewind(self, row: int, seq: list[int]) -> None:
+        self.rows[row].rewind(seq)

@@ -311,6 +311,9 @@ class BatchedEagle3Drafter:
     def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
         self.rows[row].accepted(proposed, accepted, seq)
 
+    def rewind(self, row: int, seq: list[int]) -> None:
+        raise NotImplementedError("EAGLE-3 rows keep the drafted-positions rule: they never rewind")
+
     def offers(self, seqs: list[list[int]], k_caps: list[int]) -> list[DraftOffer]:
         return [r.tracker.offer(cap) for r, cap in zip(self.rows, k_caps)]
 

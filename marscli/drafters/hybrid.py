@@ -88,5 +88,8 @@ class HybridDrafter(DrafterBase):
         self.tracker.update(proposed, accepted)
         self.ngram.accepted(0, 0, seq)
 
+    def rewind(self, seq: list[int]) -> None:
+        self.ngram.rewind(seq)  # (the draft model's cache catches up with seq by itself)
+
     def finish(self) -> None:
         self.ngram.finish()

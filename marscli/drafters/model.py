@@ -296,6 +296,10 @@ class BatchedModelDrafter(DraftModelSettings):
     def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
         self.rows[row].tracker.update(proposed, accepted)
 
+    def rewind(self, row: int, seq: list[int]) -> None:
+        """Nothing to do: the row's cache is compared with its sequence before every
+        proposal (reusable_prefix) and cut where they part."""
+
     def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
         """One forward: row b appends feeds[b] (possibly none) -> logits [B, S, V_draft]."""
         B = len(self.rows)

@@ -218,6 +218,12 @@ class NgramDrafter(DrafterBase):
             # Drafted nothing: the shadow check of its proposal for the position.
             tracker.update(1, int(seq[length] == chain[0]))
 
+    def rewind(self, seq: list[int]) -> None:
+        """The index holds n-grams of text that is gone: index seq again from scratch."""
+        self._index = {n: {} for n in self._index}
+        self._indexed = 0
+        self._match = None
+
     def finish(self) -> None:
         """The record left the batch: its prompt and output join the job's corpus."""
         if self.corpus is not None and self._seq is not None:

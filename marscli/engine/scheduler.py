@@ -171,7 +171,8 @@ class Engine:
         self.guard = guard
         self.spans = SpanRule.from_config(spans)  # None: no strict span
         self.settings = RowSettings(target.tokenizer, frozenset(int(t) for t in target.eos_token_ids),
-                                    k_max, target.context_length, guard, rule.relaxes, self.spans)
+                                    k_max, target.context_length, guard, rule.relaxes, self.spans,
+                                    loop_rewind=guard.loop_rewind if self.bonus else 0)
         # A drafter that drafts from the target's hidden states (EAGLE-3) names the layers it
         # reads; every target forward pass then captures them (no second pass).
         self.tap = None
@@ -456,7 +457,7 @@ class Engine:
             extra = lp.pack(*lp.gather(logits, lp.emitted_tokens(d_t, res.num_accepted, res.next_token), T))
         verdicts = res.host_rows(with_stat, extra)
         # 4. commit
-        finished = []
+        finished, rewound = [], []
         for b, (r, d) in enumerate(zip(rows, drafts)):
             k, v, seq = ks[b], verdicts[b], r.seq
             n = v.num_accepted
@@ -484,9 +485,17 @@ class Engine:
             self.drafters.accepted(b, k, n, seq.seq)
             new_mask[b, 1 + n:] = 0
             r.npos += 1 + n
+            if seq.rewound_at is not None:  # a relaxation taken back: the row follows its text
+                rewound.append(b)
+                r.npos = len(seq.seq) - 1
+                if r.logprobs is not None:
+                    del r.logprobs[len(seq.out):]
+                self.drafters.rewind(b, seq.seq)
             if seq.done:
                 finished.append(b)
         self.kv.commit(new_mask)
+        for b in rewound:
+            self.kv.truncate_row(b, rows[b].npos)
         if not finished:
             self.kv.trim()
         return finished

@@ -16,7 +16,7 @@ import torch
 
 from marscli.config import GUARD_OFF, GuardConfig, SamplingParams
 from marscli.engine.provenance import Provenance
-from marscli.verification.guard import NgramIndex
+from marscli.verification.guard import LoopWatch, NgramIndex
 from marscli.verification.spans import SpanTracker
 
 FINISH_STOP = "stop"
@@ -65,6 +65,11 @@ class SpecStats:
     # guard_refused (the loop guard or the budget).
     spans: bool = False
     span_refused: int = 0
+    # Loop rewinds (only reported when they are on): relaxations taken back because the output
+    # fell into a loop after them, and the tokens those rewinds discarded.
+    rewinding: bool = False
+    rewinds: int = 0
+    rewound_tokens: int = 0
 
     def __post_init__(self) -> None:
         k = max(self.k_max, 0)
@@ -109,6 +114,7 @@ class SpecStats:
             **({"guard_refused": self.guard_refused, "budget_spent_at": self.budget_spent_at}
                if self.guarded else {}),
             **({"span_refused": self.span_refused} if self.spans else {}),
+            **({"rewinds": self.rewinds, "rewound_tokens": self.rewound_tokens} if self.rewinding else {}),
         }
 
 
@@ -204,6 +210,11 @@ class RowSettings:
     #: Strict spans (a marscli.verification.spans.SpanRule; None: none). A Sequence tracks them when the
     #: rule relaxes or the record has an observer, as it keeps the n-gram index.
     spans: Any = None
+    #: Loop rewinds (GuardConfig.loop_rewind; 0: off): when the output falls into a loop within
+    #: this many tokens after a relaxed token, the record rewinds to that token and decides its
+    #: position strictly (``Sequence.commit``). On only where every position is judged from
+    #: the text (the engine's position-wise rows).
+    loop_rewind: int = 0
 
 
 #: Builds a step's StepObservation from the number of tokens the step really added; called
@@ -250,6 +261,13 @@ class Sequence:
         self.spans = SpanTracker(settings.tokenizer, settings.spans) if track else None
         self.stats.spans = settings.spans is not None and settings.relaxing
         self.provenance = Provenance() if sampling.provenance else None
+        # Loop rewinds: the loop test kept token by token, the output positions of relaxed
+        # tokens, the positions a rewind made strict, and where the last commit rewound to.
+        self.loops = LoopWatch() if settings.loop_rewind and settings.relaxing else None
+        self.stats.rewinding = self.loops is not None
+        self.relaxed_at: list[int] = []
+        self.strict_at: set[int] = set()
+        self.rewound_at: int | None = None
         # The relaxed rules' strict first tokens and stop tokens (GuardConfig.strict_first,
         # strict_stops), read where the n-gram index is: a relaxed rule or an observer.
         judged = settings.relaxing or observer is not None
@@ -273,6 +291,11 @@ class Sequence:
         ``strict_first`` tokens, which relaxed rules verify strictly."""
         left = self.strict_first - len(self.out)
         return [d <= left for d in depths]
+
+    def rewound_flags(self, n: int) -> list[bool]:
+        """Per proposal for the next n output positions: a rewind made its position strict."""
+        at = len(self.out)
+        return [at + j in self.strict_at for j in range(n)]
 
     def strict_spans_tree(self, tokens: list[int], parents: list[int]) -> list[bool]:
         """The same per node of a draft tree (parents before children, -1: the root)."""
@@ -313,6 +336,10 @@ class Sequence:
             emitted = emitted[:stop_at]
             self.finish = FINISH_STOP
         emitted = emitted[:remaining]
+        self.rewound_at = None
+        rewind_to = None
+        if self.loops is not None:
+            emitted, rewind_to = self._watch(emitted, relaxed)
         self.stats.record_step(k, n, sum(1 for f in relaxed[: len(emitted)] if f), relaxable, len(emitted),
                                decided)
         self.stats.guard_refused += refused
@@ -346,8 +373,61 @@ class Sequence:
                 self.finish = FINISH_STOP
             else:
                 self.checked_chars = len(decoded)  # the loop's last decode was the whole completion
+        if rewind_to is not None:
+            self.rewind(rewind_to)
         self.done = self.finish == FINISH_STOP or len(out) >= self.max_new
         return emitted
+
+    def _watch(self, emitted: list[int], relaxed) -> tuple[list[int], int | None]:
+        """Push a step's tokens through the loop test one at a time, as if they came one
+        position at a time: at the first token after which the output ends in a loop whose
+        periodic tail begins at most ``loop_rewind`` tokens after a relaxed token (one a
+        rewind has not already decided strictly), the step's tokens end there and the
+        record will rewind to the most recent such relaxed token. Returns (the tokens to
+        commit, the position to rewind to or None)."""
+        W = self.settings.loop_rewind
+        base = len(self.out)
+        for i, t in enumerate(emitted):
+            if relaxed[i] if i < len(relaxed) else False:
+                self.relaxed_at.append(base + i)
+            p = self.loops.push(t)
+            if p is None or t in self.settings.eos:
+                continue
+            onset = self.loops.onset(p)  # the stream is the output: an output position
+            back = [r for r in self.relaxed_at if r >= onset - W and r not in self.strict_at]
+            if back:
+                return emitted[: i + 1], max(back)
+        return emitted, None
+
+    def rewind(self, r: int) -> None:
+        """Take the output back to its first r tokens: the relaxed token at position r and
+        everything after it are gone, and position r is decided strictly from now on. Every
+        part of the record's state that follows its text follows it back; the engine moves
+        the caches and the drafter (``rewound_at``)."""
+        removed = len(self.out) - r
+        self.stats.relaxed -= sum(1 for x in self.relaxed_at if x >= r)
+        self.stats.rewinds += 1
+        self.stats.rewound_tokens += removed
+        self.relaxed_at = [x for x in self.relaxed_at if x < r]
+        self.strict_at.add(r)
+        del self.out[r:]
+        del self.seq[self.prompt_len + r:]
+        self.loops.truncate(r)
+        if self.ngrams is not None:
+            self.ngrams = NgramIndex(self.ngrams.n, self.ngrams.window)
+            self.ngrams.extend(self.out)
+        if self.spans is not None:
+            self.spans = SpanTracker(self.settings.tokenizer, self.settings.spans)
+            self.spans.commit(self.out)
+        if self.provenance is not None:
+            self.provenance.truncate(r)
+        if self.relax_budget is not None and self.stats.relaxed < self.relax_budget:
+            self.stats.budget_spent_at = None
+        self.regret = 0.0  # the regret rule's run restarts at the rewound position
+        self.checked_chars = 0
+        self.finish = FINISH_LENGTH
+        self.text = None
+        self.rewound_at = r
 
     def result(self) -> GenerationResult:
         text = self.text

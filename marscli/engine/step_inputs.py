@@ -78,6 +78,8 @@ def chain_inputs(seqs: Seq[Sequence], drafts: list[list[int]], nexts: list[int |
             flags = [a or c for a, c in zip(flags, span)]
         if s.strict_first > len(s.out):
             flags = [a or c for a, c in zip(flags, s.strict_first_flags(list(range(1, len(p) + 1))))]
+        if s.strict_at:  # positions a loop rewind decided strictly
+            flags = [a or c for a, c in zip(flags, s.rewound_flags(len(p)))]
         m[b, : len(p)] = torch.tensor(flags, dtype=torch.bool)
     guard = m.to(dev)
     stops = [s.stop_tokens for s in seqs]

@@ -91,7 +91,7 @@ def run_fingerprint(
         fp["verify"]["guard"] = guard.to_dict()  # it decides which drafts are relaxed
     elif guard is None:
         asked = {k: getattr(v, k, None) for k in ("repeat_ngram", "repeat_window", "max_relaxed_share",
-                                                  "strict_first", "strict_stops")}
+                                                  "strict_first", "strict_stops", "loop_rewind")}
         if any(x is not None for x in asked.values()):
             fp["verify"]["guard"] = asked
     # Newer settings join only when set, so the sidecars of runs without them still match.

@@ -396,7 +396,8 @@ def resolve_guard(req: VerifyRequest, profile) -> GuardConfig:
             base.repeat_window if req.repeat_window is None else req.repeat_window,
             base.max_relaxed_share if req.max_relaxed_share is None else req.max_relaxed_share,
             base.strict_first if req.strict_first is None else req.strict_first,
-            base.strict_stops if req.strict_stops is None else req.strict_stops)
+            base.strict_stops if req.strict_stops is None else req.strict_stops,
+            base.loop_rewind if req.loop_rewind is None else req.loop_rewind)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -404,15 +405,15 @@ def resolve_guard(req: VerifyRequest, profile) -> GuardConfig:
 def guard_request(o: GenerationOptions) -> dict[str, Any]:
     """The guard options of generate, calibrate and bench -> VerifyRequest fields."""
     repeat_guard, repeat_window, max_relaxed_share = o.repeat_guard, o.repeat_window, o.max_relaxed_share
-    strict_first, strict_stops = o.strict_first, None
+    strict_first, strict_stops, loop_rewind = o.strict_first, None, o.loop_rewind
     if o.no_guard:  # the paper's rule alone; an explicit --strict-first N still applies
-        if repeat_guard not in (None, 0) or max_relaxed_share not in (None, 1.0):
-            raise UsageError("--no-guard excludes --repeat-guard and --max-relaxed-share")
-        repeat_guard, max_relaxed_share, strict_stops = 0, 1.0, False
+        if repeat_guard not in (None, 0) or max_relaxed_share not in (None, 1.0) or loop_rewind not in (None, 0):
+            raise UsageError("--no-guard excludes --repeat-guard, --max-relaxed-share and --loop-rewind")
+        repeat_guard, max_relaxed_share, strict_stops, loop_rewind = 0, 1.0, False, 0
         strict_first = 0 if strict_first is None else strict_first
     return {"repeat_ngram": repeat_guard, "repeat_window": repeat_window,
             "max_relaxed_share": max_relaxed_share, "strict_first": strict_first,
-            "strict_stops": strict_stops}
+            "strict_stops": strict_stops, "loop_rewind": loop_rewind}
 
 
 def span_config(strict_in: str | None = None, strict_regex: str | None = None) -> SpanConfig:

@@ -235,6 +235,9 @@ class FeatureRecorder:
         self.rows[row].seq = seq
         self.inner.accepted(row, proposed, accepted, seq)
 
+    def rewind(self, row: int, seq: list[int]) -> None:
+        raise NotImplementedError("train-head records strict runs: they never rewind")
+
     def take(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor | None:
         """The recorded features of the finished record whose prompt is prompt_ids and whose
         committed tokens start with `tokens` (prompt + answer): [len(tokens) - 1, F + H], or

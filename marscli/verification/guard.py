@@ -40,6 +40,10 @@ DEFAULT_MAX_RELAXED_SHARE = 0.25
 #: verifying the first 1-2 tokens exactly).
 DEFAULT_STRICT_FIRST = 2
 
+#: Loop rewinds (GuardConfig.loop_rewind): a relaxed token at most this many tokens before
+#: the periodic tail of a loop the output falls into is taken back (docs/calibration.md, "Loops").
+DEFAULT_LOOP_REWIND = 32
+
 #: A loop at the end of an output: a block of at most LOOP_MAX_PERIOD tokens repeated at least
 #: LOOP_MIN_REPEATS times, covering at least LOOP_MIN_SPAN tokens, up to the last token (the
 #: last copy may be cut short, as at max tokens). For text (scoring a results file without
@@ -135,6 +139,45 @@ def loop_period(tokens: Sequence[int] | str, max_period: int | None = LOOP_MAX_P
         if all(tail[i] == tail[i - p] for i in range(p, span)):
             return p
     return None
+
+
+class LoopWatch:
+    """``loop_period`` of a growing token stream, kept up to date in O(max_period) a token:
+    run[p] is how many of the last tokens each equal the token p before them, so the stream
+    ends in a loop of period p exactly when run[p] >= max(min_repeats p, min_span) - p (and
+    the stream is that long). ``truncate`` rebuilds it for a shorter stream (a rewind)."""
+
+    def __init__(self, max_period: int = LOOP_MAX_PERIOD, min_repeats: int = LOOP_MIN_REPEATS,
+                 min_span: int = LOOP_MIN_SPAN):
+        self.max_period, self.min_repeats, self.min_span = max_period, min_repeats, min_span
+        self.tokens: list[int] = []
+        self.run = [0] * (max_period + 1)  # run[0] unused
+
+    def push(self, token: int) -> int | None:
+        """Append a token; the smallest period p of the loop the stream now ends in, or None."""
+        toks = self.tokens
+        toks.append(int(token))
+        n, run, found = len(toks), self.run, None
+        for p in range(1, self.max_period + 1):
+            if n > p and toks[-1] == toks[-1 - p]:
+                run[p] += 1
+                span = max(self.min_repeats * p, self.min_span)
+                if found is None and run[p] >= span - p and span <= n:
+                    found = p
+            else:
+                run[p] = 0
+        return found
+
+    def onset(self, p: int) -> int:
+        """Where the periodic tail of period p begins (an index into the stream)."""
+        return len(self.tokens) - self.run[p] - p
+
+    def truncate(self, n: int) -> None:
+        tokens = self.tokens[:n]
+        self.tokens = []
+        self.run = [0] * (self.max_period + 1)
+        for t in tokens:
+            self.push(t)
 
 
 def ends_in_loop(tokens: Sequence[int] | str, **kw) -> bool:

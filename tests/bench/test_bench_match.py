@@ -92,6 +92,8 @@ def test_match_fits_every_relaxed_method_on_the_records_after_the_measured_ones(
     rep = json.loads(out.read_text())
     data, fitted, noguard = independent_fit(prompts, 2, tiny_model_dir)
     assert data.positions > 0 and any(f.relaxes for f in fitted)
+    # calibrating: the strict collection judged the proposal after the drafts too
+    assert data.step_bonus.any() and data.positions == int((data.step_k + data.step_bonus).sum())
     mars, ratio, topk, typical, typical_fixed, regret = fitted
     labels = [mars.label(), f"mars-noguard@{noguard.theta:g}", ratio.label(), topk.label(),
               typical.label(), typical_fixed.label(), regret.label()]

@@ -360,8 +360,11 @@ def test_calibrate_with_a_draft_model_and_sampling(runner, tiny_model_dir, tiny_
 
 @pytest.mark.parametrize("extra", [[], ["--temperature", "0.8", "--seed", "3"]], ids=["greedy", "sampling"])
 def test_batched_calibration_writes_the_same_profile(runner, tiny_model_dir, calib_prompts, tmp_path, extra):
-    """Per-record collectors merged in input order: the batch size changes no count, and
-    floats only by the last bits of batched float32 matmuls (the logits are not bit-equal)."""
+    """Per-record collectors merged in input order: with draft lengths that do not follow
+    the batch (--fixed-k) the batch size changes no count, and floats only by the last bits
+    of batched float32 matmuls (the logits are not bit-equal). With adaptive lengths (they
+    follow the batch's step costs) the steps may differ, the strict text may not: the same
+    records and tokens."""
     from marscli.calibration.profiles import load_profile
     from marscli.cli import app
 
@@ -369,20 +372,26 @@ def test_batched_calibration_writes_the_same_profile(runner, tiny_model_dir, cal
         f.write("{broken\n")  # a skipped record keeps its count
         f.write(json.dumps({"id": "short", "prompt": "x", "max_tokens": 5}) + "\n")
     data = {}
-    for bs in (1, 3):
-        out = tmp_path / f"p{bs}.yaml"
-        r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
-                                     "--relax-rate", "0.3", "-o", str(out), "--quiet", "--batch-size", str(bs),
-                                     *extra])
-        assert r.exit_code == 3, r.stderr  # profile written, one record failed
-        d = load_profile(out).data
-        for volatile in ("created_at", "seconds", "calibration_seconds", "environment"):
-            d.pop(volatile, None)
-        d.get("calibration_data", {}).pop("seconds", None)
-        d["summary"].pop("measured_tokens_per_s")
-        data[bs] = d
-    assert data[1]["calibration_data"]["positions"] > 0
-    assert data[3] == _approx(data[1])
+    for lengths in (["--fixed-k"], []):
+        for bs in (1, 3):
+            out = tmp_path / f"p{bs}{lengths}.yaml"
+            r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
+                                    "--relax-rate", "0.3", "-o", str(out), "--quiet", "--batch-size", str(bs),
+                                    *lengths, *extra])
+            assert r.exit_code == 3, r.stderr  # profile written, one record failed
+            d = load_profile(out).data
+            for volatile in ("created_at", "seconds", "calibration_seconds", "environment"):
+                d.pop(volatile, None)
+            d.get("calibration_data", {}).pop("seconds", None)
+            d["summary"].pop("measured_tokens_per_s")
+            data[bs, bool(lengths)] = d
+    assert data[1, True]["calibration_data"]["positions"] > 0
+    assert data[3, True] == _approx(data[1, True])
+    adaptive = [data[bs, False]["calibration_data"] for bs in (1, 3)]
+    for c in adaptive:
+        c.pop("steps"), c.pop("positions")
+    assert adaptive[0] == adaptive[1]
+    assert adaptive[0]["tokens"] == data[1, True]["calibration_data"]["tokens"]  # any schedule: one text
 
 
 def _approx(x):

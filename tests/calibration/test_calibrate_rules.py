@@ -1,12 +1,14 @@
 """Calibrating every rule (issue 14): one collection serves all rules; the replay of each rule
-equals its chain verifier on the recorded logits (with the loop guard and the relaxation
-budget); the policies pick the right knob on hand-made data; a profile per rule round-trips
-and old profiles still load as mars; match_relax_rate sets every rule to the same relax rate."""
+equals its chain verifier on the recorded logits, greedy and sampled, the proposal after
+each step's drafts included (with the loop guard and the relaxation budget); the policies
+pick the right knob on hand-made data; a profile per rule round-trips and old profiles
+still load as mars; match_relax_rate sets every rule to the same relax rate."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -38,9 +40,10 @@ from marscli.config import DraftConfig, GuardConfig, SamplingParams
 from marscli.drafters.base import RowDrafters
 from marscli.engine.scheduler import Engine
 from marscli.engine.sequence import StepObservation
-from marscli.verification.chain import verify
+from marscli.verification.chain import NO_PROPOSAL, verify
 from marscli.verification.registry import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule
 from tests.engines import RankDrafter
+from tests.helpers import STEP_V as V
 from tests.helpers import _step
 from tests.verify_helpers import toward_strict
 
@@ -57,26 +60,111 @@ RULES_AT = {
 ALL_RULES = [r for rs in RULES_AT.values() for r in rs]
 
 
-def _collect(steps, sampling: SamplingParams, guards=None) -> MarginCollector:
-    col = MarginCollector()
-    for i, (d, lg, ua, us) in enumerate(steps):
-        if sampling.greedy:
-            res = verify(d, lg, rule=Rule())
-        else:
-            res = verify(d, lg, rule=Rule(), temperature=sampling.temperature, u_accept=ua, u_sample=us)
-        col(StepObservation(d, lg, res, sampling, ua, None, int(res.num_accepted[0]) + 1,
-                            guard=None if guards is None else guards[i]))
-    return col
+@dataclass
+class Step:
+    """One chain step of a record, made by hand: the drafts, the target's logits, the
+    drafter's proposal for the position after the drafts, and the loop guard's verdicts."""
+
+    drafts: torch.Tensor  # [1, k] long, 0 <= k <= K
+    logits: torch.Tensor  # [1, k+1, V]
+    bonus: int  # the proposal after the drafts (NO_PROPOSAL: none)
+    record: int = 0
+    guard: torch.Tensor | None = None  # [1, k+1] bool
+    position: int = 0  # output position of logits row 0 on the strict trajectory (_collect sets it)
 
 
-def _random_steps(n: int, seed: int, sampled: bool = False):
+def _random_steps(n: int, seed: int, sampled: bool = False, records: int = 1, guard: float = 0.0) -> list[Step]:
+    """n steps over ``records`` records (in order): mostly K drafts, sometimes fewer or none,
+    mixing the target's top-1, top-2 and other tokens (tests.helpers._step), and a proposal
+    after them for most steps (the target's top-1 or top-2 mostly); each position guarded
+    with probability ``guard``."""
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         d, lg = _step(gen, scale=1.5 if sampled else 3.0)
-        ua, us = (torch.rand(1, K, generator=gen), torch.rand(1, generator=gen)) if sampled else (None, None)
-        out.append((d, lg, ua, us))
+        k = K if torch.rand(1, generator=gen) < 0.6 else int(torch.randint(0, K, (1,), generator=gen))
+        d, lg = d[:, :k], lg[:, : k + 1]
+        order = lg[0, k].argsort(descending=True)
+        pick = int(torch.randint(0, 10, (1,), generator=gen))
+        bonus = NO_PROPOSAL if pick < 2 else int(order[0 if pick < 5 else 1 if pick < 9 else 3])
+        gd = torch.rand(1, k + 1, generator=gen) < guard if guard else None
+        out.append(Step(d, lg, bonus, record=i * records // n, guard=gd))
     return out
+
+
+def _record_sampling(sampling: SamplingParams, record: int) -> SamplingParams:
+    """Each record's settings: its own seed and max tokens (the base of its budget)."""
+    return replace(sampling, seed=sampling.seed + record, max_tokens=sampling.max_tokens + 20 * record)
+
+
+def _verify(step: Step, rule: Rule, sampling: SamplingParams, **kw):
+    """``verify`` of one step by ``rule`` with its proposal after the drafts; sampled with
+    the record's seed at the step's output position."""
+    s = _record_sampling(sampling, step.record)
+    sampled = not s.greedy
+    return verify(step.drafts, step.logits, rule=rule, temperature=s.temperature, bonus=torch.tensor([step.bonus]),
+                  seeds=torch.tensor([s.seed]) if sampled else None,
+                  positions=torch.tensor([step.position]) if sampled else None, **kw)
+
+
+def _collect(steps: list[Step], sampling: SamplingParams) -> MarginCollector:
+    """A strict run over ``steps`` as the calibrating engine shows it to calibration: one
+    collector per record (its steps' strict verdicts, the proposal after the drafts and the
+    guard's verdicts), merged in input order. Sets each step's output position."""
+    merged, col, at = MarginCollector(), None, 0
+    for i, step in enumerate(steps):
+        if i == 0 or step.record != steps[i - 1].record:
+            if col is not None:
+                merged.extend(col)
+            col, at = MarginCollector(), 0
+        step.position = at
+        res = _verify(step, Rule(), sampling)
+        emitted = int(res.num_accepted[0]) + 1
+        col(StepObservation(step.drafts, step.logits, res, _record_sampling(sampling, step.record), emitted,
+                            next_proposal=None if step.bonus == NO_PROPOSAL else step.bonus, guard=step.guard))
+        at += emitted
+    if col is not None:
+        merged.extend(col)
+    return merged
+
+
+def _verifier_run(steps: list[Step], rule: Rule, sampling: SamplingParams, guard: GuardConfig | None = None):
+    """Every step verified by ``rule`` (the record's seed and the step's position when
+    sampled), with the step's loop guard verdicts and the record's relaxation budget when
+    ``guard`` is given: each record's relaxations so far counted from the verdicts. The
+    regret sum starts afresh at each step (no regret_carry), as the replay has it."""
+    out, made = [], 0
+    for i, step in enumerate(steps):
+        if i == 0 or step.record != steps[i - 1].record:
+            made = 0
+        kw = {}
+        if guard is not None:
+            budget = guard.budget(_record_sampling(sampling, step.record).max_tokens)
+            kw = dict(guard=step.guard, relax_left=None if budget is None else torch.tensor([max(budget - made, 0)]))
+        r = _verify(step, rule, sampling, **kw)
+        made += int(r.relaxed.sum())
+        out.append(r)
+    return out
+
+
+def _assert_replay_is_the_verifier(data: MarginData, steps: list[Step], rule: Rule, want: list,
+                                   relaxable: bool = True) -> None:
+    """The replay of ``rule``: each step's accepted drafts, the relaxed tokens (the position
+    after the drafts included), the tokens emitted and (``relaxable``) the relaxable
+    positions are the verifier's."""
+    rep = data.replay(rule)
+    label = rule.label()
+    assert rep.num_accepted.tolist() == [int(r.num_accepted[0]) for r in want], label
+    assert rep.relaxed == sum(int(r.relaxed.sum()) for r in want), label
+    assert rep.emitted == sum(len(r.emitted(s.drafts, 0)) for r, s in zip(want, steps)), label
+    if relaxable:
+        count = sum(int(r.relaxable.sum()) for r in want)
+        assert rep.relaxable_share == pytest.approx(count / data.positions), label
+
+
+def _judged(steps: list[Step]) -> int:
+    """Positions the steps judged: the drafts, and each proposal after them."""
+    return sum(s.drafts.shape[1] + (s.bonus != NO_PROPOSAL) for s in steps)
 
 
 # --------------------------------------------------------------------------- replay == verifier
@@ -86,21 +174,25 @@ def _random_steps(n: int, seed: int, sampled: bool = False):
 def test_greedy_replay_equals_the_chain_verifier(rule):
     steps = _random_steps(150, seed=5)
     data = _collect(steps, SamplingParams()).data(records=1)
-    rep = data.replay(rule)
-    want = [verify(d, lg, rule=rule) for d, lg, _, _ in steps]
-    assert rep.num_accepted.tolist() == [int(r.num_accepted[0]) for r in want]
-    assert rep.relaxed == sum(int(r.relaxed.sum()) for r in want)
+    assert data.positions == _judged(steps) and data.step_bonus.tolist() == [s.bonus != NO_PROPOSAL for s in steps]
+    want = _verifier_run(steps, rule, SamplingParams())
+    _assert_replay_is_the_verifier(data, steps, rule, want)
+    if rule.relaxes and rule != Rule(REGRET, budget=0.0):  # the comparison saw relaxations
+        assert sum(int(r.relaxed.sum()) for r in want) > 0
 
 
 @pytest.mark.parametrize("rule", [r for r in ALL_RULES if r.name != REGRET], ids=lambda r: r.label())
 def test_sampling_replay_equals_the_chain_verifier(rule):
-    steps = _random_steps(150, seed=6, sampled=True)
-    sp = SamplingParams(temperature=0.8)
-    data = _collect(steps, sp).data(records=1)
-    rep = data.replay(rule)
-    want = [int(verify(d, lg, rule=rule, temperature=0.8, u_accept=ua, u_sample=us).num_accepted[0])
-            for d, lg, ua, us in steps]
-    assert rep.num_accepted.tolist() == want
+    """Two sampled records (each its own seed, positions from 0): strict keeps a proposal
+    where it is the position's draw, the others where it is or their condition holds."""
+    steps = _random_steps(150, seed=6, sampled=True, records=2)
+    sp = SamplingParams(temperature=0.8, seed=11)
+    data = _collect(steps, sp).data(records=2)
+    assert data.sampled and data.positions == _judged(steps)
+    want = _verifier_run(steps, rule, sp)
+    _assert_replay_is_the_verifier(data, steps, rule, want)
+    if rule.relaxes:  # the comparison saw relaxations
+        assert sum(int(r.relaxed.sum()) for r in want) > 0
 
 
 def test_regret_refuses_sampled_data():
@@ -109,25 +201,54 @@ def test_regret_refuses_sampled_data():
         data.replay(Rule(REGRET, budget=1.0))
 
 
-@pytest.mark.parametrize("name", [RATIO, TOPK, TYPICAL, REGRET])
-def test_replay_with_guard_and_budget_equals_the_guarded_verifier(name):
-    steps = _random_steps(200, seed=7)
-    gen = torch.Generator().manual_seed(8)
-    guards = [torch.rand(1, K, generator=gen) < 0.3 for _ in steps]
-    col = _collect(steps, SamplingParams(max_tokens=100), guards)
+GUARDED = [(name, 0.0) for name in (MARS, RATIO, TOPK, TYPICAL, REGRET)] + \
+    [(name, 0.8) for name in (MARS, RATIO, TOPK, TYPICAL)]  # regret: greedy only
+
+
+@pytest.mark.parametrize("name,temperature", GUARDED, ids=[f"{n}-T{t}" for n, t in GUARDED])
+def test_replay_with_guard_and_budget_equals_the_guarded_verifier(name, temperature):
+    """Two records, each with its own budget; the guard's verdicts at every position, the
+    one after the drafts included. (With a budget, the relaxable positions past a step's
+    first rejection may differ: the verifier counts a would-be relaxation the loop guard
+    refuses against the budget of the positions after it, the replay does not. Those
+    positions decide nothing; every reached one agrees.)"""
+    steps = _random_steps(200, seed=7, sampled=bool(temperature), records=2, guard=0.3)
+    sp = SamplingParams(temperature=temperature, max_tokens=100, seed=4)
+    col = _collect(steps, sp)
+    relaxed = {}
     for share in (1.0, 0.05):
         g = GuardConfig(3, 64, share)
-        data = col.data(records=1, guard=g)
+        data = col.data(records=2, guard=g)
         for rule in RULES_AT[name][:3]:
-            rep = data.replay(rule)
-            made, want, budget = 0, [], g.budget(100)
-            for (d, lg, _, _), gd in zip(steps, guards):
-                left = None if budget is None else torch.tensor([max(budget - made, 0)])
-                r = verify(d, lg, rule=rule, guard=gd, relax_left=left)
-                want.append(int(r.num_accepted[0]))
-                made += int(r.relaxed.sum())
-            assert rep.num_accepted.tolist() == want, (share, rule.label())
-            assert rep.relaxed == made
+            want = _verifier_run(steps, rule, sp, g)
+            _assert_replay_is_the_verifier(data, steps, rule, want, relaxable=share == 1.0)
+            relaxed[share, rule] = data.replay(rule).relaxed
+    # The budget bites: 5 and 6 relaxations for the two records, fewer than without it.
+    assert any(relaxed[0.05, r] < relaxed[1.0, r] for r in RULES_AT[name][:3])
+    assert all(relaxed[0.05, r] <= 5 + 6 for r in RULES_AT[name][:3])
+
+
+def test_the_regret_replay_sums_within_a_step_only():
+    """An accepted approximation: the verifier carries the regret rule's sum across steps
+    (regret_carry: a step that ends on a kept proposal after its drafts goes on summing),
+    calibration's replay starts each step afresh. Here the first step's proposal (a top-2 of
+    regret 1) is relaxed; the next step's top-2 draft (regret 1 again) fits the budget 1.5
+    on its own, as the replay has it, not after the carried 1, as the verifier has it."""
+    z = torch.zeros(V)
+    z[3], z[4] = 5.0, 4.0  # top-1 token 3, top-2 token 4: regret z1 - z2 = 1
+    first = Step(torch.zeros(1, 0, dtype=torch.long), z.view(1, 1, V).clone(), 4)
+    second = Step(torch.tensor([[4]]), z.expand(1, 2, V).clone(), NO_PROPOSAL)
+    data = _collect([first, second], SamplingParams()).data(records=1)
+    rule = Rule(REGRET, budget=1.5)
+    rep = data.replay(rule)
+    assert rep.num_accepted.tolist() == [0, 1] and rep.relaxed == 2
+    a = verify(first.drafts, first.logits, rule=rule, bonus=torch.tensor([4]),
+               regret_carry=torch.zeros(1, dtype=torch.float64))
+    assert int(a.next_token[0]) == 4 and float(a.regret[0]) == pytest.approx(1.0)
+    b = verify(second.drafts, second.logits, rule=rule, bonus=torch.tensor([NO_PROPOSAL]), regret_carry=a.regret)
+    assert int(b.num_accepted[0]) == 0  # carried: 1 + 1 > 1.5
+    fresh = verify(second.drafts, second.logits, rule=rule, bonus=torch.tensor([NO_PROPOSAL]))
+    assert int(fresh.num_accepted[0]) == 1  # what the replay judges
 
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog", "one two three four five six seven",
@@ -135,24 +256,27 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog", "one two three four fi
 
 
 class Recorder(MarginCollector):
-    """A collector that also keeps each step's drafts and logits, to verify them again."""
+    """A collector that also keeps each step (drafts, logits, the proposal after the
+    drafts), to verify it again."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.seen: list[Step] = []
 
     def __call__(self, obs) -> None:
         super().__call__(obs)
-        self.seen.append((obs.drafts.clone(), obs.logits.clone()))
+        nxt = NO_PROPOSAL if obs.next_proposal is None else obs.next_proposal
+        self.seen.append(Step(obs.drafts.clone(), obs.logits.clone(), nxt))
 
 
 @pytest.fixture(scope="module")
 def collected(target):
-    """Strict greedy runs of the tiny model with a drafter offering ranks 1, 2, 3: each
-    record's recorder, and the merged data."""
+    """Strict greedy runs of the tiny model with a drafter offering ranks 1, 2, 3, the
+    engine calibrating (proposing after each step's drafts, as a relaxed rule's engine
+    does): each record's recorder, and the merged data."""
     k = 3
     cfg = DraftConfig(kind="model", model="x", num_draft_tokens=k, adaptive=False)
-    engine = Engine(target, RowDrafters(lambda: RankDrafter(target.model, k)), Rule(), cfg)
+    engine = Engine(target, RowDrafters(lambda: RankDrafter(target.model, k)), Rule(), cfg, calibrating=True)
     merged, recorders = MarginCollector(), []
     for text in PROMPTS:
         rec = Recorder()
@@ -167,14 +291,13 @@ def test_replay_of_a_tiny_model_run_equals_the_verifier(collected, name):
     recorders, data = collected
     seen = [s for rec in recorders for s in rec.seen]
     assert data.steps == len(seen) and data.positions > 50
+    assert data.positions == _judged(seen) and data.step_bonus.sum() > 0  # the engine proposed after the drafts
     assert (data.target_rank >= 3).any() and (data.target_rank == 2).any()  # ranks 1, 2, 3 offered
     relaxed_any = False
     for rule in RULES_AT[name]:
-        rep = data.replay(rule)
-        want = [verify(d, lg, rule=rule) for d, lg in seen]
-        assert rep.num_accepted.tolist() == [int(r.num_accepted[0]) for r in want], rule.label()
-        assert rep.relaxed == sum(int(r.relaxed.sum()) for r in want)
-        relaxed_any |= rep.relaxed > 0
+        want = _verifier_run(seen, rule, SamplingParams())
+        _assert_replay_is_the_verifier(data, seen, rule, want)
+        relaxed_any |= data.replay(rule).relaxed > 0
     assert relaxed_any  # the comparison saw relaxations
 
 

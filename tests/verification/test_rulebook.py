@@ -1,5 +1,8 @@
 """The rulebook's seams: Rule, its per-position decision on torch and numpy alike, and the
-batch-wide verification call (hand-written logits over a 10-token vocabulary)."""
+batch-wide verification call (``verify_rows``: rows that decode differently in one call,
+each row's verdicts what ``verify`` gives it alone, a sampled row's a function of its own
+seed and position; the regret rule's carried sum; the verdicts' host layout), on random
+logits over a 10-token vocabulary."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ import pytest
 import torch
 
 from marscli.config import SamplingParams, VerifyConfig
-from marscli.verification.chain import step_uniforms, verify, verify_rows
-from marscli.verification.registry import LOGIT_RATIO, MARS, PROB_RATIO, RULEBOOK, STRICT, Rule
+from marscli.verification.chain import NO_PROPOSAL, RowVerdict, VerifyResult, verify, verify_rows
+from marscli.verification.registry import LOGIT_RATIO, MARS, PROB_RATIO, RATIO, REGRET, RULEBOOK, STRICT, Rule
 from marscli.verification.rules import PositionFacts, decide, relaxable
 
 V = 10
@@ -49,46 +52,148 @@ def test_decide_is_the_same_on_numpy_and_torch():
         assert (a.ok == expect).all()
 
 
-def test_step_uniforms_take_n_plus_one_draws():
-    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    u_acc, u_smp = step_uniforms(g1, 4)
-    both = torch.rand(5, generator=g2)
-    assert u_acc.tolist() == both[:4].tolist() and u_smp.tolist() == both[4:].tolist()
-
-
 def _random_step(B: int, K: int, seed: int):
+    """A step of B rows: drafts mostly the argmax, sometimes the runner-up, sometimes anything;
+    random draft lengths; a bonus proposal (or none) after each row's drafts; each row's record
+    seed and output position."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, K + 1, V, generator=g) * 2
     argmax = logits.argmax(-1)
-    # drafts: mostly the argmax, sometimes the runner-up, sometimes anything
     runner_up = logits.scatter(-1, argmax.unsqueeze(-1), -math.inf).argmax(-1)
-    pick = torch.randint(0, 3, (B, K), generator=g)
-    drafts = torch.where(pick == 0, argmax[:, :K], torch.where(pick == 1, runner_up[:, :K],
-                                                               torch.randint(0, V, (B, K), generator=g)))
+    pick = torch.randint(0, 3, (B, K + 1), generator=g)
+    anything = torch.randint(0, V, (B, K + 1), generator=g)
+    tokens = torch.where(pick == 0, argmax, torch.where(pick == 1, runner_up, anything))
     draft_len = torch.randint(0, K + 1, (B,), generator=g)
-    u_acc = torch.rand(B, K, generator=g)
-    u_smp = torch.rand(B, generator=g)
-    return drafts, logits, draft_len, u_acc, u_smp
+    bonus = tokens[torch.arange(B), draft_len]
+    bonus = torch.where(torch.rand(B, generator=g) < 0.2, torch.full_like(bonus, NO_PROPOSAL), bonus)
+    seeds = torch.randint(0, 2**40, (B,), generator=g)
+    positions = torch.randint(0, 500, (B,), generator=g)
+    return tokens[:, :K], logits, draft_len, bonus, seeds, positions
 
 
-@pytest.mark.parametrize("rule", [Rule(STRICT), Rule(MARS, 0.2, PROB_RATIO), Rule(MARS, 0.5, LOGIT_RATIO)])
+SETTINGS = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3),
+            SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.2, top_p=0.8),
+            SamplingParams(temperature=1.0, top_k=3)]
+
+
+def _alone(drafts, logits, draft_len, rule, s: SamplingParams, b: int, **kw):
+    """Row b verified on its own, with its own settings (its seed and position when sampled)."""
+    one = {k: (None if v is None else v[b: b + 1]) for k, v in kw.items()}
+    if s.greedy:
+        one.pop("seeds", None)
+        one.pop("positions", None)
+    return verify(drafts[b: b + 1], logits[b: b + 1], rule=rule, temperature=s.temperature, top_k=s.top_k,
+                  top_p=s.top_p, draft_len=draft_len[b: b + 1], **one)
+
+
+@pytest.mark.parametrize("rule", [Rule(STRICT), Rule(MARS, 0.2, PROB_RATIO), Rule(MARS, 0.5, LOGIT_RATIO),
+                                  Rule(RATIO, rho=0.5)], ids=lambda r: r.label())
 def test_verify_rows_with_mixed_settings_equals_each_row_alone(rule):
+    """verify_rows verifies rows that decode differently (greedy, tempered, filtered) in one
+    call; every row's verdicts, read back on the host (RowVerdict: W = K + 1 positions, the
+    statistic's float32 bits), are what ``verify`` gives that row alone, with the bonus, the
+    guard and the relaxation budget."""
     B, K = 7, 4
-    drafts, logits, draft_len, u_acc, u_smp = _random_step(B, K, seed=11)
-    settings = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3),
-                SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.2, top_p=0.8),
-                SamplingParams(temperature=1.0, top_k=3)]
-    res = verify_rows(drafts, logits, draft_len, rule, settings, u_accept=u_acc, u_sample=u_smp)
-    rows = res.host_rows()
-    for b, s in enumerate(settings):
-        one = verify(drafts[b: b + 1], logits[b: b + 1], rule=rule, temperature=s.temperature,
-                     top_k=s.top_k, top_p=s.top_p, u_accept=None if s.greedy else u_acc[b: b + 1],
-                     u_sample=None if s.greedy else u_smp[b: b + 1], draft_len=draft_len[b: b + 1])
+    drafts, logits, draft_len, bonus, seeds, positions = _random_step(B, K, seed=11)
+    g = torch.Generator().manual_seed(12)
+    guard = torch.rand(B, K + 1, generator=g) < 0.15
+    relax_left = torch.randint(1, 4, (B,), generator=g)
+    kw = dict(bonus=bonus, seeds=seeds, positions=positions, guard=guard, relax_left=relax_left)
+    res = verify_rows(drafts, logits, draft_len, rule, SETTINGS, **kw)
+    rows = res.host_rows(statistic=True)
+    assert res.relaxed.shape == res.strict_ok.shape == (B, K + 1)
+    relaxed = 0
+    for b, s in enumerate(SETTINGS):
+        one = _alone(drafts, logits, draft_len, rule, s, b, **kw)
         assert rows[b].num_accepted == int(one.num_accepted[0]) and rows[b].next_token == int(one.next_token[0]), b
         assert rows[b].relaxed == one.relaxed[0].long().tolist()
         assert rows[b].relaxable == one.relaxable[0].long().tolist()
-        assert rows[b].refused == 0  # no guard: nothing refused
+        assert rows[b].refused == (0 if one.refused is None else int(one.refused[0]))
+        assert rows[b].statistic == one.statistic[0].tolist()  # float32 values, bit for bit
+        assert torch.equal(res.strict_ok[b], one.strict_ok[0])
         assert int(one.num_accepted[0]) <= int(draft_len[b])
+        relaxed += sum(rows[b].relaxed)
+    # the relaxing rules do relax some rows here, and the guard or the budget refuses some
+    assert rule.relaxes == (relaxed > 0) == any(r.refused for r in rows)
+
+
+def test_verify_rows_without_guard_refuses_nothing():
+    B, K = 7, 4
+    drafts, logits, draft_len, bonus, seeds, positions = _random_step(B, K, seed=13)
+    res = verify_rows(drafts, logits, draft_len, Rule(MARS, 0.2, PROB_RATIO), SETTINGS, bonus=bonus, seeds=seeds,
+                      positions=positions)
+    assert all(r.refused == 0 for r in res.host_rows())
+
+
+def test_a_sampled_row_depends_on_its_own_seed_and_position_only():
+    """A row's draws are a function of its seed and position: reordering the batch, or giving
+    the other rows other seeds and positions, changes nothing for it; its own seed does."""
+    B, K = 7, 4
+    drafts, logits, draft_len, bonus, seeds, positions = _random_step(B, K, seed=17)
+    rule = Rule(MARS, 0.5, LOGIT_RATIO)
+    kw = dict(bonus=bonus, seeds=seeds, positions=positions)
+    base = verify_rows(drafts, logits, draft_len, rule, SETTINGS, **kw).host_rows(statistic=True)
+    perm = torch.tensor([3, 0, 6, 1, 5, 2, 4])
+    shuffled = verify_rows(drafts[perm], logits[perm], draft_len[perm], rule, [SETTINGS[i] for i in perm],
+                           **{k: v[perm] for k, v in kw.items()}).host_rows(statistic=True)
+    for j, i in enumerate(perm.tolist()):
+        assert shuffled[j] == base[i]
+    others = dict(kw, seeds=seeds + 1_000, positions=positions + 7)
+    for b in range(B):
+        mixed = dict(others, seeds=others["seeds"].clone(), positions=others["positions"].clone())
+        mixed["seeds"][b], mixed["positions"][b] = seeds[b], positions[b]
+        assert verify_rows(drafts, logits, draft_len, rule, SETTINGS, **mixed).host_rows(statistic=True)[b] == base[b]
+    # the sampled rows' own seeds do matter (their draws move), the greedy rows' never
+    a = verify_rows(drafts, logits, draft_len, rule, SETTINGS, **kw)
+    moved = verify_rows(drafts, logits, draft_len, rule, SETTINGS, **others)
+    sampled = torch.tensor([not s.greedy for s in SETTINGS])
+    assert not torch.equal(moved.strict_ok[sampled], a.strict_ok[sampled])
+    assert torch.equal(moved.strict_ok[~sampled], a.strict_ok[~sampled])
+    assert [moved.host_rows()[b] for b in range(B) if not sampled[b]] == [a.host_rows()[b] for b in range(B)
+                                                                          if not sampled[b]]
+
+
+def test_verify_rows_regret_carries_and_refuses_sampling():
+    """The regret rule through verify_rows: each greedy row's carried sum goes in, the sum
+    the next position starts from comes back (float64 bits through RowVerdict); a sampled row
+    is refused."""
+    B, K = 5, 3
+    drafts, logits, draft_len, bonus, _, _ = _random_step(B, K, seed=19)
+    rule = Rule(REGRET, budget=2.0)
+    carry = torch.tensor([0.0, 0.5, 1.25, 1.9, 3.0], dtype=torch.float64)
+    greedy = [SamplingParams()] * B
+    res = verify_rows(drafts, logits, draft_len, rule, greedy, bonus=bonus, regret_carry=carry)
+    rows = res.host_rows()
+    for b in range(B):
+        one = _alone(drafts, logits, draft_len, rule, greedy[b], b, bonus=bonus, regret_carry=carry)
+        assert (rows[b].num_accepted, rows[b].next_token) == (int(one.num_accepted[0]), int(one.next_token[0]))
+        assert rows[b].regret == float(one.regret[0]) == float(res.regret[b])
+    assert any(r.regret > 0 for r in rows)  # some row kept the proposal after its drafts
+    assert verify_rows(drafts, logits, draft_len, rule, greedy, bonus=bonus).regret is None
+    with pytest.raises(ValueError, match="greedy"):
+        verify_rows(drafts, logits, draft_len, rule, [SamplingParams(temperature=0.7)] + greedy[1:],
+                    bonus=bonus, seeds=torch.zeros(B, dtype=torch.long), positions=torch.zeros(B, dtype=torch.long),
+                    regret_carry=carry)
+
+
+def test_row_verdicts_pack_and_unpack_by_name():
+    """RowVerdict.pack lays a result out as [B, 3 + 2W (+ W) (+ 1) (+ X)] longs; unpack reads
+    each field back: W = K + 1 positions, the statistic's float32 bits, the regret's float64
+    bits, then the caller's extra columns."""
+    W = 3
+    res = VerifyResult(torch.tensor([2, 0]), torch.tensor([7, 4]),
+                       torch.tensor([[True, False, True], [False, False, False]]),
+                       torch.tensor([[True, True, True], [False, True, False]]),
+                       torch.tensor([[0.3, -math.inf, 1.0], [0.1, 0.2, 0.30000001]]),
+                       torch.tensor([False, True]), None, torch.tensor([2.5, 1e-300], dtype=torch.float64))
+    extra = torch.tensor([[11, -12], [13, 14]])
+    packed = RowVerdict.pack(res, statistic=True, extra=extra)
+    assert packed.shape == (2, 3 + 2 * W + W + 1 + 2) and packed.dtype == torch.long
+    rows = res.host_rows(statistic=True, extra=extra)
+    assert rows[0] == RowVerdict(2, 7, [1, 0, 1], [1, 1, 1], 0, res.statistic[0].tolist(), [11, -12], 2.5)
+    assert rows[1] == RowVerdict(0, 4, [0, 0, 0], [0, 1, 0], 1, res.statistic[1].tolist(), [13, 14], 1e-300)
+    plain = RowVerdict.unpack(RowVerdict.pack(res).tolist()[1], W, regret=True)
+    assert (plain.statistic, plain.regret, plain.extra) == (None, 1e-300, [])
 
 
 def test_theta_is_compared_in_float64():

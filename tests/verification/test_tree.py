@@ -1,16 +1,22 @@
 """Tests of marscli.engine.tree_forward: the draft tree, the tree forward and cache compaction on tiny random
 models, and tree verification.
 
-Verification is checked three ways: hand-made logits over a 10-token vocabulary for each branch;
-hypothesis against marscli.verification.chain on chain trees (a chain must give exactly the chain rule's
-result) and against a plain-Python enumeration of root-to-leaf paths for greedy MARS on random
-trees; and a seeded distribution test that strict tree sampling reproduces the target law,
-which a deliberately broken variant fails.
+Verification is checked three ways: hand-made logits over a 10-token vocabulary for each branch
+(greedy, and sampled over many records' seeds: the walk takes the child that is each row's
+draw, else MARS's top-1/top-2 child at a relaxable row); hypothesis against
+marscli.verification.chain on chain trees (a chain must give exactly the chain rule's result,
+greedy and sampled with the same seed and position), against a plain-Python enumeration of
+root-to-leaf paths for greedy MARS on random trees and against the sampled walk written from
+verify_tree's docstring; a toy target shows that strict tree sampling emits the same text
+whatever the tree; and seeded distribution tests show that strict tree sampling reproduces
+the target law, that MARS's follows its own, and that deliberately broken draws fail the
+same check.
 """
 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -20,7 +26,8 @@ from hypothesis import strategies as st
 import marscli.verification.tree as mvt
 from marscli.engine.tree_forward import check_tree_support, tree_forward, tree_inputs
 from marscli.models.kvcache import compact_cache
-from marscli.verification.chain import sample_from, sampling_probs, verify
+from marscli.verification.chain import sampling_probs, verify
+from marscli.verification.draws import coupled_draw, position_keys, uniforms
 from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
 from marscli.verification.rules import NOT_RELAXABLE
 from marscli.verification.tree import ROOT, DraftTree, verify_tree
@@ -429,115 +436,135 @@ def test_mars_greedy_z1_non_positive_and_neg_inf_rows():
 
 P_ROOT = [0.06, 0.30, 0.25, 0.20, 0.10, 0.05, 0.02, 0.01, 0.005, 0.005]
 P_FLAT = [0.1] * V
+SEEDS = range(200)
 
 
 def plogits(*ps) -> torch.Tensor:
     return torch.log(torch.tensor(ps, dtype=torch.float64)).float()
 
 
-def sample_tree(t, logits, u_acc, u_s, **kw):
+def draw_at(logits_row: torch.Tensor, seed: int, position: int, temperature: float = 1.0, top_k: int = 0,
+            top_p: float = 1.0) -> int:
+    """The draw of output position `position` from a row's sampling law (the record's seed)."""
+    p = sampling_probs(logits_row.unsqueeze(0), temperature, top_k, top_p)
+    return int(coupled_draw(p, position_keys(torch.tensor([seed]), torch.tensor([position])))[0])
+
+
+def sample_tree(t, logits, seed, position=0, **kw):
     return verify_tree(t, logits, temperature=kw.pop("temperature", 1.0),
-                       rule=rule_from_theta(kw.pop("theta", INF)),
-                       u_accept=torch.tensor(u_acc, dtype=torch.float64),
-                       u_sample=torch.tensor(u_s, dtype=torch.float64), **kw)
+                       rule=rule_from_theta(kw.pop("theta", INF), kw.pop("margin", LOGIT_RATIO)),
+                       seed=seed, position=position, **kw)
 
 
-def test_strict_sampling_tries_siblings_against_the_renormalised_residual():
+def test_strict_sampling_accepts_the_child_that_is_the_draw():
+    """Strict: at a row the child that is its position's draw is accepted, whichever sibling
+    it is; when no child is, the walk ends and emits the draw. A leaf's next token is its
+    row's draw, for the next position. So a row accepts with probability the p-mass of its
+    children (0.75 here), more than any single child."""
     t = tree_of([1, 2, 3], [-1, -1, -1])
     logits = plogits(P_ROOT, P_FLAT, P_FLAT, P_FLAT)
-    # first child accepted iff u < p(1) = 0.3
-    r = sample_tree(t, logits, [0.29, 0.99, 0.99], 0.55)
-    assert r.path == [0] and r.relaxed == [False]
-    assert r.next_token == 5  # bonus from the leaf's row (flat): u = 0.55 -> token 5
-    # rejected: token 2 is tried against 0.25 / 0.7 = 0.357, not against 0.25
-    r = sample_tree(t, logits, [0.31, 0.35, 0.99], 0.0)
-    assert r.path == [1]
-    r = sample_tree(t, logits, [0.31, 0.36, 0.99], 0.0)
-    assert r.path != [1]
-    # then token 3 against 0.2 / 0.45 = 0.444
-    r = sample_tree(t, logits, [0.31, 0.36, 0.44], 0.0)
-    assert r.path == [2]
-    # all rejected: the correction comes from p with 1, 2, 3 zeroed
-    resid = torch.tensor(P_ROOT)
-    resid[[1, 2, 3]] = 0
-    for u in (0.0, 0.3, 0.5, 0.9, 0.999):
-        r = sample_tree(t, logits, [0.31, 0.36, 0.45], u)
-        assert r.path == [] and r.relaxed == []
-        assert r.next_token == int(sample_from(resid.unsqueeze(0), torch.tensor([u])))
-        assert r.next_token not in (1, 2, 3)
+    hits = 0
+    for s in SEEDS:
+        d0 = draw_at(logits[0], s, 5)
+        r = sample_tree(t, logits, s, 5)
+        if d0 in (1, 2, 3):
+            hits += 1
+            node = d0 - 1
+            assert r.path == [node] and r.relaxed == [False]
+            assert r.next_token == draw_at(logits[node + 1], s, 6)
+        else:
+            assert r.path == [] and r.next_token == d0
+    assert not r.relaxable.any()
+    n = len(SEEDS)
+    assert abs(hits / n - 0.75) < 5 * math.sqrt(0.75 * 0.25 / n) and hits < n
 
 
-def test_strict_sampling_walks_down_and_emits_the_bonus_or_correction():
+def test_strict_sampling_walks_down_the_draws():
+    """Row r judges output position `position + depth(r)`: the walk follows the draws down
+    the tree and emits them; a child of probability 0 is never accepted."""
     # root -> {0: 1 -> {2: 4, 3: 0}, 1: 2}
     t = tree_of([1, 2, 4, 0], [-1, -1, 0, 0])
     p_row1 = [0.5, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
     logits = plogits(P_ROOT, p_row1, P_FLAT, P_FLAT, P_FLAT)
-    r = sample_tree(t, logits, [0.1, 0.0, 0.7, 0.3], 0.25)
-    # node 2 (token 4, p 0.5) rejected at 0.7; node 3 (token 0) vs residual one-hot(0): taken
-    assert r.path == [0, 3] and r.emitted(t) == [1, 0, 2]
-    # a token of probability 0 is never accepted, whatever the uniform
+    paths = set()
+    for s in SEEDS:
+        r = sample_tree(t, logits, s, 40)
+        d0 = draw_at(logits[0], s, 40)
+        if d0 == 1:  # node 0; row 1's law is {0, 4}: one of its children is always the draw
+            d1 = draw_at(logits[1], s, 41)
+            node = 2 if d1 == 4 else 3
+            assert r.path == [0, node] and r.emitted(t) == [1, d1, draw_at(logits[node + 1], s, 42)]
+        elif d0 == 2:
+            assert r.path == [1] and r.emitted(t) == [2, draw_at(logits[2], s, 41)]
+        else:
+            assert r.path == [] and r.emitted(t) == [d0]
+        paths.add(tuple(r.path))
+    assert paths == {(0, 2), (0, 3), (1,), ()}
+    # token 5 has p = 0 under node 0: never accepted, whatever the seed
     t = tree_of([1, 5], [-1, 0])
-    r = sample_tree(t, plogits(P_ROOT, p_row1, P_FLAT), [0.0, 0.0], 0.75)
-    assert r.path == [0] and r.next_token == 4  # correction from p_row1 minus token 5 (p 0)
+    for s in SEEDS:
+        r = sample_tree(t, plogits(P_ROOT, p_row1, P_FLAT), s, 40)
+        assert 1 not in r.path and r.next_token in ((0, 4) if r.path else tuple(range(V)))
 
 
 def test_mars_sampling_branches():
     close = close_call(1, 3, ratio=0.95)  # logit ratio 0.95 between tokens 1 and 3
-    flat = row({6: 1.0}, fill=0.0)
+    flat = row({6: 1.0}, fill=0.0)  # logit ratio 0: never relaxable
 
     def logits_for(t):
         return lg(close, *[flat] * len(t))
 
-    p0 = sampling_probs(lg(close)[0], 1.0)
-    # children [4, 3, 1]: top-1 (node 2) preferred over top-2 (node 1), outright
-    t = tree_of([4, 3, 1], [-1, -1, -1])
-    r = sample_tree(t, logits_for(t), [0.0, 0.0, 0.99], 0.5, theta=0.9)
-    assert r.path == [2] and r.relaxed == [True]  # strict would reject (0.99 >= p(1))
-    r = sample_tree(t, logits_for(t), [0.99, 0.99, 0.01], 0.5, theta=0.9)
-    assert r.path == [2] and r.relaxed == [False]
-    assert r.relaxable.tolist() == [True, False, False, False]
-    # no top-1 child: the top-2 child is taken
-    t = tree_of([4, 3], [-1, -1])
-    r = sample_tree(t, logits_for(t), [0.0, 0.99], 0.5, theta=0.9)
-    assert r.path == [1] and r.relaxed == [True]
-    # neither: the correction is drawn from p itself, so a rejected child can come back
-    t = tree_of([4, 0], [-1, -1])
-    cdf = p0.double().cumsum(0)
-    u = float((cdf[3] + cdf[4]) / 2)  # inside token 4's interval of p
-    r = sample_tree(t, logits_for(t), [0.0, 0.0], u, theta=0.9)
-    assert r.path == [] and r.next_token == 4
-    # strict with the same uniform: token 4 is accepted or zeroed, never drawn as correction
-    r = sample_tree(t, logits_for(t), [0.99, 0.99], u, theta=INF)
-    assert r.path == [] and r.next_token not in (4, 0)
-    # not relaxable (theta above the statistic): strict, the top-2 child can be rejected
-    t = tree_of([3], [-1])
-    r = sample_tree(t, logits_for(t), [0.99], 0.5, theta=0.96)
-    assert r.path == [] and not r.relaxable.any()
-    # top-2 filtered out by top-k: never accepted, even at a relaxable row
-    r = sample_tree(t, logits_for(t), [0.0], 0.5, theta=0.9, top_k=1)
-    assert r.path == [] and r.next_token == 1
-    # below a relaxed node, a non-relaxable row stays strict
-    t = tree_of([3, 6], [-1, 0])
-    p1 = float(sampling_probs(lg(flat)[0], 1.0)[6])
-    r = sample_tree(t, logits_for(t), [0.99, p1 + 0.01], 0.5, theta=0.9)
-    assert r.path == [0] and r.relaxed == [True]
-    r = sample_tree(t, logits_for(t), [0.99, p1 - 0.01], 0.5, theta=0.9)
-    assert r.path == [0, 1] and r.relaxed == [True, False]
+    d0 = {s: draw_at(lg(close)[0], s, 0) for s in SEEDS}
+    d1 = {s: draw_at(lg(flat)[0], s, 1) for s in SEEDS}
+    assert {1, 3, 4} <= set(d0.values()) and len(set(d0.values())) > 3  # every branch below is taken
+    for s in SEEDS:
+        # children [4, 3, 1]: the child that is the draw (strict), else the top-1 (relaxed)
+        t = tree_of([4, 3, 1], [-1, -1, -1])
+        r = sample_tree(t, logits_for(t), s, theta=0.9)
+        want = ([[4, 3, 1].index(d0[s])], [False]) if d0[s] in (4, 3, 1) else ([2], [True])
+        assert (r.path, r.relaxed) == want, s
+        assert r.next_token == d1[s]
+        assert r.relaxable.tolist() == [True, False, False, False]
+        # ... judged strictly when the budget is spent or a child is guarded
+        for kw in (dict(relax_left=0), dict(guard=torch.tensor([False, False, True]))):
+            r = sample_tree(t, logits_for(t), s, theta=0.9, **kw)
+            assert r.path == ([[4, 3, 1].index(d0[s])] if d0[s] in (4, 3, 1) else []) and not any(r.relaxed)
+        # no top-1 child: the top-2 child
+        t = tree_of([4, 3], [-1, -1])
+        r = sample_tree(t, logits_for(t), s, theta=0.9)
+        assert (r.path, r.relaxed) == (([0], [False]) if d0[s] == 4 else ([1], [d0[s] != 3])), s
+        # neither: the draw's child, else the walk ends with the draw (as strict does)
+        t = tree_of([4, 0], [-1, -1])
+        for theta in (0.9, INF):
+            r = sample_tree(t, logits_for(t), s, theta=theta)
+            assert r.emitted(t) == ([d0[s], d1[s]] if d0[s] in (4, 0) else [d0[s]]) and not any(r.relaxed)
+        # not relaxable (theta above the statistic): the top-2 child only as the draw
+        t = tree_of([3], [-1])
+        r = sample_tree(t, logits_for(t), s, theta=0.96)
+        assert r.path == ([0] if d0[s] == 3 else []) and not r.relaxable.any()
+        # top-2 filtered out by top-k: never accepted, even at a relaxable row
+        r = sample_tree(t, logits_for(t), s, theta=0.9, top_k=1)
+        assert r.path == [] and r.next_token == 1 and bool(r.relaxable[0])
+        # below a relaxed node, a non-relaxable row stays strict
+        t = tree_of([3, 6], [-1, 0])
+        r = sample_tree(t, logits_for(t), s, theta=0.9)
+        assert r.path[0] == 0 and r.relaxed[0] == (d0[s] != 3)
+        assert r.path == ([0, 1] if d1[s] == 6 else [0]) and r.relaxed[1:] == [False] * (len(r.path) - 1)
 
 
-def test_sampling_needs_uniforms_of_the_right_shape():
+def test_sampling_needs_the_records_seed_and_position():
     t = tree_of([1, 2], [-1, -1])
     logits = plogits(P_ROOT, P_FLAT, P_FLAT)
-    with pytest.raises(AssertionError, match="uniforms"):
+    with pytest.raises(AssertionError, match="seed and position"):
         verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0)
-    with pytest.raises(AssertionError, match=r"u_accept must be \[N\]"):
-        verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0, u_accept=torch.zeros(3),
-                    u_sample=torch.zeros(1))
+    with pytest.raises(AssertionError, match="seed and position"):
+        verify_tree(t, logits, rule=rule_from_theta(0.5), temperature=1.0, seed=3)
+    with pytest.raises(AssertionError, match="seed and position"):
+        verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0, position=3)
     with pytest.raises(AssertionError, match=r"logits must be \[N\+1, V\]"):
         verify_tree(t, logits[:2], rule=rule_from_theta(INF))
-    r = verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0, u_accept=torch.zeros(2),
-                    u_sample=torch.tensor(0.5))  # [] works as well as [1]
-    assert r.path == [0]
+    r = verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0, seed=0, position=0)
+    assert r.emitted(t)[0] == draw_at(logits[0], 0, 0)
 
 
 # ---------------------------------------- chain trees equal marscli.verification.chain
@@ -547,7 +574,6 @@ any_logit = st.one_of(grid_logit, grid_logit, grid_logit, st.floats(-6, 6, width
                       st.just(NINF))
 finite_row = st.lists(any_logit, min_size=V, max_size=V).filter(
     lambda r: any(math.isfinite(z) for z in r))
-unif = st.floats(0.0, 1.0, exclude_max=True, width=32)
 
 
 def pick_tokens(draw, rows: torch.Tensor, n: int) -> list[int]:
@@ -575,33 +601,49 @@ def chain_case(draw):
         "top_k": draw(st.sampled_from([0, 1, 2, 3, V])),
         "top_p": draw(st.sampled_from([1.0, 0.9, 0.5, 0.2])),
     }
-    u_acc = torch.tensor(draw(st.lists(unif, min_size=K, max_size=K)), dtype=torch.float32)
-    u_s = torch.tensor([draw(unif)], dtype=torch.float32)
-    return drafts, logits, u_acc, u_s, params
+    seed = draw(st.integers(0, 2**62))
+    position = draw(st.integers(0, 10**6))
+    if params["temperature"] > 0 and K and draw(st.booleans()):
+        # drafts that are the positions' draws now and then, so that strict acceptance is common
+        p = sampling_probs(logits, params["temperature"], params["top_k"], params["top_p"])
+        draws = coupled_draw(p[:K], position_keys(torch.full((K,), seed), position + torch.arange(K)))
+        keep = draw(st.lists(st.booleans(), min_size=K, max_size=K))
+        drafts = [int(draws[i]) if k else x for i, (x, k) in enumerate(zip(drafts, keep))]
+    guard = draw(st.lists(st.booleans(), min_size=K, max_size=K)) if draw(st.booleans()) else None
+    relax_left = draw(st.sampled_from([None, None, 0, 1, 2]))
+    return drafts, logits, seed, position, params, guard, relax_left
 
 
 @HYP
 @given(chain_case())
 def test_property_chain_tree_equals_chain_verify(case):
-    drafts, logits, u_acc, u_s, params = case
-    K = len(drafts)
+    """A tree that is one chain is verified as that chain: same accepted nodes, next token,
+    relaxed flags, statistic and relaxable rows (sampled: the same seed and position, the
+    chain's position j and the tree's row j sharing their draw), with the loop guard on some
+    nodes (the chain's positions) and a relaxation budget."""
+    drafts, logits, seed, position, params, guard, relax_left = case
     sampling = params["temperature"] > 0
     kw = dict(params) if sampling else {k: params[k] for k in ("theta", "margin")}
     kw["rule"] = rule_from_theta(kw.pop("theta"), kw.pop("margin"))
-    uni = {"u_accept": u_acc, "u_sample": u_s} if sampling else {}
-    chain = verify(L([drafts]), logits.unsqueeze(0), **kw,
-                   **({"u_accept": u_acc.unsqueeze(0), "u_sample": u_s} if sampling else {}))
-    r = verify_tree(DraftTree.chain(drafts), logits, **kw, **uni)
+    K = len(drafts)
+    chain = verify(L([drafts]).view(1, K), logits.unsqueeze(0), **kw,
+                   guard=None if guard is None else torch.tensor([guard], dtype=torch.bool).view(1, K),
+                   relax_left=None if relax_left is None else L([relax_left]),
+                   **({"seeds": L([seed]), "positions": L([position])} if sampling else {}))
+    r = verify_tree(DraftTree.chain(drafts), logits, **kw,
+                    guard=None if guard is None else torch.tensor(guard, dtype=torch.bool).view(K),
+                    relax_left=relax_left, **({"seed": seed, "position": position} if sampling else {}))
     n = int(chain.num_accepted[0])
     assert r.path == list(range(n))
     assert r.next_token == int(chain.next_token[0])
     assert r.relaxed == chain.relaxed[0, :n].tolist()
     assert not chain.relaxed[0, n:].any()
-    strict_greedy = not sampling and math.isinf(params["theta"])
-    if not strict_greedy:  # strict_greedy reports no statistic; the tree always does
-        assert torch.equal(r.statistic[:K], chain.statistic[0])
-        assert torch.equal(r.relaxable[:K], chain.relaxable[0])
-    assert not bool(r.relaxable[K])  # the last row scores no draft
+    if not math.isinf(params["theta"]):  # strict reports no statistic; the tree always does
+        assert torch.equal(r.statistic, chain.statistic[0])
+    if relax_left is None:  # the chain's relaxable flags count the budget, the tree's rows do not
+        assert torch.equal(r.relaxable, chain.relaxable[0])  # [K+1] both: the drafts, then the row after
+    assert sum(r.relaxed) <= (K if relax_left is None else relax_left)
+    assert not bool(r.relaxable[K])  # the last row scores no draft (and the chain had no bonus)
     assert r.statistic.shape == (K + 1,) and r.relaxable.shape == (K + 1,)
 
 
@@ -699,17 +741,47 @@ def test_property_mars_greedy_tree_matches_reference(case, theta, margin):
         assert len(r.path) >= len(strict.path)
 
 
+def ref_tree_sampling(tokens, parents, logits, *, seed, position, theta, margin, temperature, top_k):
+    """The sampled walk written from verify_tree's docstring (strict/MARS): from the root, at
+    each row the target's token is the draw of output position `position + depth(row)`; the
+    first child that is the draw is accepted (strict); else, at a relaxable row, the first
+    child that is the top-1 (else the top-2) with p > 0 (relaxed); else the walk ends and
+    emits the draw (a leaf: its row's draw)."""
+    kids = [[] for _ in range(len(tokens) + 1)]
+    for i, par in enumerate(parents):
+        kids[par + 1].append(i)
+    p = sampling_probs(logits, temperature, top_k)
+    path, relaxed, row, depth = [], [], 0, 0
+    while True:
+        d = draw_at(logits[row], seed, position + depth, temperature, top_k)
+        child = next((c for c in kids[row] if tokens[c] == d), None)
+        was_relaxed = False
+        if child is None and kids[row] and ref_relaxable(logits[row].tolist(), theta, margin):
+            t1, t2, _, _ = ref_top2(logits[row].tolist())
+            for want in (t1, t2):
+                child = next((c for c in kids[row] if tokens[c] == want and float(p[row, want]) > 0), None)
+                if child is not None:
+                    was_relaxed = True
+                    break
+        if child is None:
+            return path, relaxed, d
+        path.append(child)
+        relaxed.append(was_relaxed)
+        row, depth = child + 1, depth + 1
+
+
 @HYP
 @given(tree_case(finite=True), st.sampled_from([INF, 0.0, 0.5, 0.9]),
        st.sampled_from([LOGIT_RATIO, PROB_RATIO]), st.sampled_from([0.5, 1.0]),
-       st.sampled_from([0, 2]), st.data())
-def test_property_sampling_tree_is_well_formed(case, theta, margin, temperature, top_k, data):
+       st.sampled_from([0, 2]), st.integers(0, 2**62), st.integers(0, 10**6))
+def test_property_sampling_tree_matches_the_reference_walk(case, theta, margin, temperature, top_k, seed, position):
     t, logits = case
-    n = len(t)
-    u_acc = torch.tensor(data.draw(st.lists(unif, min_size=n, max_size=n)), dtype=torch.float32)
-    u_s = torch.tensor([data.draw(unif)])
     r = verify_tree(t, logits, rule=rule_from_theta(theta, margin), temperature=temperature,
-                    top_k=top_k, u_accept=u_acc, u_sample=u_s)
+                    top_k=top_k, seed=seed, position=position)
+    path, relaxed, nxt = ref_tree_sampling(t.tokens.tolist(), t.parents.tolist(), logits, seed=seed,
+                                           position=position, theta=theta, margin=margin,
+                                           temperature=temperature, top_k=top_k)
+    assert (r.path, r.relaxed, r.next_token) == (path, relaxed, nxt)
     p = sampling_probs(logits, temperature, top_k)
     if r.path:
         assert path_to(t, r.path[-1]) == r.path
@@ -718,9 +790,49 @@ def test_property_sampling_tree_is_well_formed(case, theta, margin, temperature,
         assert float(p[rw, tok]) > 0  # nothing the target could not sample
     for node, was_relaxed in zip(r.path, r.relaxed):
         assert not was_relaxed or bool(r.relaxable[int(t.parents[node]) + 1])
-    if math.isinf(theta):
+    if math.isinf(theta):  # strict: the emitted tokens are the draws along the walk, in order
         assert not any(r.relaxed)
-    assert len(r.relaxed) == len(r.path)
+        assert r.emitted(t) == [draw_at(logits[rw], seed, position + k, temperature, top_k)
+                                for k, rw in enumerate(rows)]
+
+
+def world(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A toy target: logits [V], a fixed random function of the text so far."""
+    g = torch.Generator().manual_seed(hash(prefix) % (2**31))
+    return torch.randn(V, generator=g) * 2.0
+
+
+def test_strict_tree_sampling_emits_the_same_text_whatever_the_tree():
+    """Drafter invariance for trees: the rows' logits are the toy target's at each node's
+    text, and strict sampling emits a prefix of the text strict sampling produces position
+    by position (each position's draw), with any tree; as long a prefix as the tree holds."""
+    rng = random.Random(0)
+    lengths = set()
+    for case in range(25):
+        seed, position, prompt = case, 13 * case, (case, 1)
+        text: list[int] = []
+        for k in range(12):
+            text.append(draw_at(world(prompt + tuple(text)), seed, position + k))
+        for _ in range(4):
+            n = rng.randrange(0, 11)
+            parents = [rng.randrange(-1, i) for i in range(n)]
+            depth = [0] * n
+            for i, par in enumerate(parents):
+                depth[i] = 1 if par == -1 else depth[par] + 1
+            tokens = [text[depth[i] - 1] if rng.random() < 0.6 else rng.randrange(V) for i in range(n)]
+            t = tree_of(tokens, parents)
+            rows = [world(prompt)] + [world(prompt + tuple(tokens[j] for j in path_to(t, i))) for i in range(n)]
+            r = verify_tree(t, torch.stack(rows), rule=rule_from_theta(INF), temperature=1.0, seed=seed,
+                            position=position)
+            emitted = r.emitted(t)
+            assert emitted == text[: len(emitted)], (case, tokens, parents)
+            # the walk goes as deep as the tree follows the text (the first such child at each row)
+            kids, row, deep = t.child_lists(), 0, 0
+            while (c := next((c for c in kids[row] if tokens[c] == text[deep]), None)) is not None:
+                row, deep = c + 1, deep + 1
+            assert len(r.path) == deep
+            lengths.add(deep)
+    assert len(lengths) >= 3  # trees of several depths along the text were walked
 
 
 # ---------------------------------------- distribution
@@ -742,35 +854,96 @@ def tv_bound(n: int, v: int = V) -> float:
     return 1.5 * math.sqrt(v / n)
 
 
-def first_tokens(n: int, seed: int, **kw) -> list[int]:
-    """The first token each of n independent steps emits."""
-    g = torch.Generator().manual_seed(seed)
-    u_acc = torch.rand(n, len(DIST_TREE), generator=g)
-    u_s = torch.rand(n, generator=g)
-    out = []
+def fits(tokens: list[int], law: torch.Tensor) -> bool:
+    """A chi-square test of `law` at about the 0.9999 level (cells expecting fewer than 5
+    tokens pooled); a token outside the law's support fails outright."""
+    cnt = torch.bincount(L(tokens), minlength=law.numel()).double()
+    law = law.double()
+    if bool((cnt[law <= 0] > 0).any()):
+        return False
+    exp = law * len(tokens)
+    big = exp >= 5
+    obs = torch.cat([cnt[big], cnt[~big].sum().view(1)])
+    want = torch.cat([exp[big], exp[~big].sum().view(1)])
+    keep = want > 0
+    chi = float(((obs[keep] - want[keep]) ** 2 / want[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return chi < dof + 4.0 * math.sqrt(2.0 * dof) + 10.0
+
+
+def walk_tokens(n: int, seed: int, theta: float = INF, **kw) -> tuple[list[int], list[int]]:
+    """The first token each of n records (seeds seed * 100_003 + i) emits from DIST_TREE, and
+    the second token of those whose walk accepted node 0 (token 1)."""
+    first, second = [], []
     for i in range(n):
-        r = verify_tree(DIST_TREE, DIST_LOGITS, rule=rule_from_theta(INF), temperature=1.0, u_accept=u_acc[i],
-                        u_sample=u_s[i : i + 1], **kw)
-        out.append(r.emitted(DIST_TREE)[0])
-    return out
+        r = verify_tree(DIST_TREE, DIST_LOGITS, rule=rule_from_theta(theta), temperature=1.0,
+                        seed=seed * 100_003 + i, position=17, **kw)
+        out = r.emitted(DIST_TREE)
+        first.append(out[0])
+        if r.path[:1] == [0]:
+            second.append(out[1])
+    return first, second
 
 
-def residual_not_renormalised(p, q, draft):
-    return p.scatter(1, draft.unsqueeze(1), 0.0)
-
-
-def test_strict_tree_sampling_reproduces_target_and_broken_variant_does_not(monkeypatch):
+def test_strict_tree_sampling_reproduces_target():
     n = 6_000
-    tokens = first_tokens(n, seed=7)
+    first, second = walk_tokens(n, seed=7)
+    assert fits(first, P_TARGET)
     # prefixes of one run: TV under the exact-sampler bound at each size, and shrinking
-    tvs = [tv(tokens[:m], P_TARGET) for m in (n // 16, n // 4, n)]
+    tvs = [tv(first[:m], P_TARGET) for m in (n // 16, n // 4, n)]
     for m, t in zip((n // 16, n // 4, n), tvs):
         assert t < tv_bound(m), (m, t)
     assert tvs[-1] < tvs[0] / 2, tvs  # ~ 1/sqrt(N): expected ratio 4
-    # Not renormalising the residual tries later siblings against too small a probability
-    # (token 3: 0.25 instead of 0.25 / 0.65): the law is off by about 0.16 in TV.
-    monkeypatch.setattr(mvt, "residual", residual_not_renormalised)
-    bad_tokens = first_tokens(n, seed=7)
-    for m in (n // 4, n):
-        bad = tv(bad_tokens[:m], P_TARGET)
-        assert bad > tv_bound(m), (m, bad)
+    # below node 0 the next position has the row's law too (its own draw, not the root's)
+    assert len(second) > 1500 and fits(second, P_TARGET)
+    # with filtering: the filtered law, and nothing outside it
+    p3 = sampling_probs(TARGET_LOGITS, 1.0, top_k=3)
+    first, _ = walk_tokens(3_000, seed=8, top_k=3)
+    assert fits(first, p3)
+
+
+def test_negative_control_a_draw_that_ignores_the_filters_fails(monkeypatch):
+    real = mvt.sampling_probs
+    p3 = sampling_probs(TARGET_LOGITS, 1.0, top_k=3)
+    unfiltered = lambda logits, temperature, top_k=0, top_p=1.0: real(logits, temperature)  # noqa: E731
+    monkeypatch.setattr(mvt, "sampling_probs", unfiltered)
+    first, _ = walk_tokens(3_000, seed=8, top_k=3)
+    assert not fits(first, p3)
+
+
+def test_negative_control_noise_that_is_not_gumbel_fails(monkeypatch):
+    """argmax(log p + U) with uniform U favours the likely tokens: not a draw from p."""
+    def broken(probs, keys, token_ids=None):
+        idx = torch.arange(probs.shape[1]).view(1, -1)
+        return (torch.log(probs.double()) + uniforms(keys.view(-1, 1), idx)).argmax(-1)
+
+    monkeypatch.setattr(mvt, "coupled_draw", broken)
+    first, _ = walk_tokens(3_000, seed=7)
+    assert not fits(first, P_TARGET)
+
+
+def test_negative_control_rows_drawn_at_the_roots_position_fail(monkeypatch):
+    """Each row must draw at its own output position: with the root's noise at every depth
+    and one law everywhere, node 0 accepted (the draw was 1) would be followed by 1 again."""
+    real = mvt.position_keys
+    monkeypatch.setattr(mvt, "position_keys", lambda seeds, positions: real(seeds, torch.full_like(positions, 17)))
+    _, second = walk_tokens(3_000, seed=7)
+    assert len(second) > 500 and not fits(second, P_TARGET)
+
+
+def test_mars_tree_sampling_follows_its_analytic_law():
+    """MARS at a relaxable root with children [4, 3] (3 the top-2, no top-1 child): the first
+    token is 4 where the draw is 4, else 3 (the draw or the relaxed top-2): law p(4) on 4,
+    1 - p(4) on 3; the check tells it from p, and strict on the same tree gives p."""
+    close = torch.tensor(row({1: 4.0, 3: 3.8, 4: 3.0}, fill=0.0))  # logit ratio 0.95; p(4) ~ 0.16
+    t = tree_of([4, 3], [-1, -1])
+    logits = torch.stack([close, close, close])
+    p = sampling_probs(close.unsqueeze(0), 1.0)[0]
+    first = [verify_tree(t, logits, rule=rule_from_theta(0.9), temperature=1.0, seed=s, position=0).emitted(t)[0]
+             for s in range(3_000)]
+    law = torch.zeros(V)
+    law[4], law[3] = p[4], 1 - p[4]
+    assert fits(first, law) and not fits(first, p)
+    strict = [verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0, seed=s, position=0).emitted(t)[0]
+              for s in range(3_000)]
+    assert fits(strict, p)
