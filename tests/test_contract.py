@@ -40,7 +40,7 @@ PROMPTS = [
 #: Every rule at knobs that relax on the tiny model.
 RULES = [Rule(STRICT), Rule(MARS, 0.3, "prob-ratio"), Rule(RATIO, rho=0.3), Rule(TOPK, top_n=3, delta=0.3),
          Rule(TYPICAL, epsilon=0.3), Rule(REGRET, budget=2.0)]
-GUARD = GuardConfig(repeat_ngram=0, max_relaxed_share=1.0, strict_first=0, strict_stops=False)
+GUARD = GuardConfig(repeat_ngram=0, max_relaxed_share=1.0, strict_first=0, strict_stops=False, loop_rewind=0)
 
 
 class MixedDrafter(DrafterBase):

@@ -153,7 +153,8 @@ class Engine:
         schedule_free = relax_at == RELAX_EVERY and draft_cfg.kind != EAGLE3 and drafters.tree is None
         relaxing = (rule.relaxes or calibrating) and kind.drafts
         self.bonus = relaxing and schedule_free
-        self.fixed_lengths = relaxing and not schedule_free
+        # (calibration drafts a fixed K too: its steps, and so its profile, follow no batch)
+        self.fixed_lengths = (relaxing and not schedule_free) or (calibrating and kind.drafts)
         #: draft positions a paid drafter runs beyond a step's drafts (its proposal after them)
         self.bonus_drafts = 1 if self.bonus and (draft_cfg.kind == MODEL or draft_cfg.hybrid) else 0
         self.prompts = PromptEncoder(target.tokenizer, target.context_length)

@@ -7,7 +7,7 @@ The calibration split is never measured: the records of --calibrate-on FILE, or 
 input after the measured ones (after --limit); up to --calibration-records of them either
 way, and any whose prompt tokens equal a measured prompt's are dropped. The same input
 given as --calibrate-on is read as if it were not given (its records after --limit). The
-split is decoded strictly, as calibrate does (batch size 1, solo draft lengths), by the
+split is decoded strictly, as calibrate does (batch size 1, a fixed K), by the
 bench's target and drafter at its max tokens, temperature and first seed; the replay then
 applies the bench's loop guard (none for mars-noguard, which runs without one).
 """

@@ -393,8 +393,8 @@ def guarded_decision(
     # Would-be relaxations (judged on their own) that the guard or the budget refuses.
     wants = decision.ok & decision.relaxable & ~facts.strict_ok & valid  # [B, W]
     guarded = torch.zeros_like(wants) if guard is None else guard.to(wants.device) & valid
-    if relax_left is not None:
-        guarded = guarded | over_budget(wants, relax_left.to(wants.device))
+    if relax_left is not None:  # (a relaxation the guard refuses spends no budget)
+        guarded = guarded | over_budget(wants & ~guarded, relax_left.to(wants.device))
     facts.guarded = guarded
     return decide(rule, facts), wants & guarded
 

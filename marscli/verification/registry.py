@@ -33,12 +33,11 @@ LOGIT_RATIO = "logit-ratio"
 PROB_RATIO = "prob-ratio"
 MARGINS = (LOGIT_RATIO, PROB_RATIO)
 
-#: Decoding modes a rule may define: greedy; sampling with a deterministic drafter (one-hot
-#: q: n-gram lookup, greedy draft models, EAGLE); sampling with the drafter's probabilities q.
+#: Decoding modes a rule may define: greedy, and sampling (each position's coupled draw:
+#: marscli.verification.draws; a drafter's law never enters the verdict).
 GREEDY_MODE = "greedy"
 SAMPLING_MODE = "sampling"
-SAMPLING_Q_MODE = "sampling-q"
-MODES = (GREEDY_MODE, SAMPLING_MODE, SAMPLING_Q_MODE)
+MODES = (GREEDY_MODE, SAMPLING_MODE)
 
 #: The MARS paper's global threshold (Shi et al., arXiv 2601.15498).
 PAPER_THETA = 0.9

@@ -86,12 +86,11 @@ def stop_positions(drafts: torch.Tensor, logits: torch.Tensor, stops: torch.Tens
 # position relaxes (``condition``), the number a position is judged by (``statistic``) and
 # the knob values where a replay can change (``critical_values``, for calibration's walk).
 #
-# The per-token rules (every rule but MARS): a draft is accepted when the strict check accepts
-# it OR the condition holds (unless the loop guard or the budget forbids relaxing there). A
-# rejection is always judged by the strict check, so the next token comes from the strict
-# residual. With a deterministic drafter (one-hot q) the law of the token emitted at a
-# position whose draft is x is therefore: x itself when the condition holds, else exactly p
-# (the strict law).
+# The per-token rules (every rule but MARS): a proposal is kept when it is the target's own
+# token there (greedy: the top-1; sampling: the position's draw) OR the condition holds
+# (unless the loop guard or the budget forbids relaxing there); otherwise the target's own
+# token is emitted. The law of the token emitted at a position whose proposal is x is
+# therefore: x itself when the condition holds, else exactly p (the strict law).
 
 
 class RuleBehaviour:
@@ -167,7 +166,7 @@ def subsample(v: np.ndarray) -> np.ndarray:
 @behaviour(STRICT)
 class Strict(RuleBehaviour):
     """strict: keep a draft only where the target agrees (greedy: its argmax; sampling:
-    Leviathan et al.'s u < min(1, p(x) / q(x))): lossless. Never relaxes."""
+    the position's draw, marscli.verification.draws): lossless. Never relaxes."""
 
     per_token = False
 
@@ -177,9 +176,10 @@ class Mars(RuleBehaviour):
     """MARS (Shi et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): with
     target logits z1 >= z2 at a position, r = z2 / z1 (logit-ratio; or p2 / p1 = exp(z2 - z1),
     prob-ratio). The position is relaxable when z1 > 0 and r > theta (``relaxable``); there a
-    draft that is the target's top-1 or top-2 token (with p > 0) is accepted outright,
-    elsewhere the strict check decides, and a rejection at a relaxable position draws the next
-    token from p itself."""
+    proposal that is the target's top-1 or top-2 token (with p > 0) is kept outright,
+    elsewhere the strict check decides; a proposal not kept gives way to the target's own
+    token (greedy: its top-1; sampling: the position's draw: where the reference code rejects
+    outright, a relaxed sampled position falls back to the draw)."""
 
     per_token = False
 
@@ -376,7 +376,7 @@ class PositionFacts:
 @dataclass
 class Decision:
     ok: Any  # bool: the rule accepts the draft at this position (judged on its own)
-    relaxable: Any  # bool: the check was relaxed here (a rejection draws from p, not a residual)
+    relaxable: Any  # bool: the check was relaxed here
 
 
 def over_budget(wants: Any, relax_left: Any) -> Any:

@@ -432,6 +432,32 @@ def test_relax_rate_counts_only_positions_strict_rejects():
     assert pick_knob(data, RuleFamily.of(Rule(RATIO)), "relax-rate", 0.4) == 1.0  # strict
 
 
+def test_the_position_after_the_drafts_ends_its_step():
+    """Each step's last position is the proposal after its drafts (step_bonus): kept, it is
+    the step's last token (no draft more: min(kept, k) drafts accepted, one token after
+    them), relaxed only when every draft was kept; after a rejected draft it decides
+    nothing, though the relax rate, judging every position on its own, counts it."""
+    # Step 0: a top-1 draft, then a runner-up (p(x) / p1 = 0.8) after it. Step 1: a runner-up
+    # draft at 0.2, then a runner-up at 0.8. Ratio at rho 0.5 relaxes the 0.8s only.
+    p1 = np.full(4, 0.5)
+    px = np.array([0.5, 0.4, 0.1, 0.4])
+    data = MarginData(
+        step_k=np.array([1, 1]), step_bonus=np.array([1, 1]), step_n=np.array([1, 0]), tokens=3, records=1,
+        failed_records=0, logit_ratio=np.full(4, 0.9), prob_ratio=px / p1, z1=np.full(4, 5.0),
+        rank=np.array([1.0, 2, 2, 2]), logp1=np.log(p1), logp2=np.log(px), logp_draft=np.log(px),
+        strict_ok=np.array([1.0, 0, 0, 0]), p_draft=px, p1=p1, entropy=np.full(4, 1.0))
+    assert data.positions == 4
+    strict = data.replay(Rule(STRICT))
+    assert strict.num_accepted.tolist() == [1, 0] and strict.emitted == 3 and strict.relaxed == 0
+    rep = data.replay(Rule(RATIO, rho=0.5))
+    assert rep.num_accepted.tolist() == [1, 0]  # the kept proposal after the drafts is no draft
+    assert rep.emitted == 3 and rep.relaxed == 1  # step 0's last token, relaxed
+    assert rep.relaxing == 2 and rep.relax_rate == 0.5  # step 1's counts, judged on its own
+    assert rep.nll_increase == pytest.approx(math.log(0.5 / 0.4) / 3)
+    loose = data.replay(Rule(RATIO, rho=0.1))  # step 1's draft relaxed too: its bonus then
+    assert loose.num_accepted.tolist() == [1, 1] and loose.relaxed == 3 and loose.emitted == 4
+
+
 def test_regret_budget_is_summed_along_the_step():
     # One step: runner-ups of regret 1.0 then 1.5 (summed 2.5): budget 2 keeps only the first.
     data = MarginData(

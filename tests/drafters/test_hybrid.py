@@ -115,7 +115,8 @@ def test_relaxed_hybrid_rows_decode_one_text_whatever_the_schedule(target, draft
     tiny models; sampled rows' drafts mostly agree with the coupled draws instead, which
     tests/test_contract.py's drafter relaxes against.)"""
     verify = VerifyConfig.from_rule(Rule(MARS, 0.3, "prob-ratio"),
-                                    GuardConfig(repeat_ngram=0, max_relaxed_share=1.0, strict_first=0))
+                                    GuardConfig(repeat_ngram=0, max_relaxed_share=1.0, strict_first=0,
+                                                loop_rewind=0))
     prompts = [target.tokenizer(t).input_ids for t in PROMPTS * 2]
     settings = [SamplingParams(temperature=temperature, max_tokens=30, seed=20 + i) for i in range(len(prompts))]
     want = None

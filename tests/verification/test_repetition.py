@@ -189,12 +189,14 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog",
            "a margin aware rule"]
 
 
-STOPS_GUARD = GuardConfig(0, 64, 1.0, 0, True)
+STOPS_GUARD = GuardConfig(0, 64, 1.0, 0, True, loop_rewind=0)
 
 
-@pytest.mark.parametrize("guard", [GuardConfig(2, 64, 1.0, 0, False), GuardConfig(0, 64, 0.1, 0, False),
-                                   GuardConfig(3, 32, 0.15, 0, False), GuardConfig(0, 64, 1.0, 5, False),
-                                   STOPS_GUARD, GuardConfig(3, 32, 0.05), GUARD_OFF],
+@pytest.mark.parametrize("guard", [GuardConfig(2, 64, 1.0, 0, False, loop_rewind=0),
+                                   GuardConfig(0, 64, 0.1, 0, False, loop_rewind=0),
+                                   GuardConfig(3, 32, 0.15, 0, False, loop_rewind=0),
+                                   GuardConfig(0, 64, 1.0, 5, False, loop_rewind=0),
+                                   STOPS_GUARD, GuardConfig(3, 32, 0.05, loop_rewind=0), GUARD_OFF],
                          ids=["ngram", "budget", "both", "first", "stops", "default", "off"])
 def test_guarded_engine_equals_the_no_cache_reference(target, guard):
     theta, margin, k, max_new = 0.3, "prob-ratio", 3, 40
@@ -231,7 +233,7 @@ def test_guarded_engine_equals_the_no_cache_reference(target, guard):
 def test_budget_switches_the_record_to_strict_at_the_right_token(target, oracle):
     """After the budget is spent, the output is the target's own greedy continuation of what
     came before (transformers' generate() as the oracle)."""
-    guard = GuardConfig(0, 64, 0.1)  # 4 relaxations in 40 tokens, no n-gram guard
+    guard = GuardConfig(0, 64, 0.1, loop_rewind=0)  # 4 relaxations in 40 tokens, no n-gram guard
     cfg = DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False)
     engine = Engine(target, RowDrafters(lambda: RunnerUpDrafter(target.model, 3)),
                     Rule(MARS, 0.3, "prob-ratio"), cfg, guard=guard)
@@ -250,7 +252,7 @@ def test_budget_switches_the_record_to_strict_at_the_right_token(target, oracle)
 
 
 def test_relaxed_tokens_never_complete_a_repeated_ngram(target):
-    guard = GuardConfig(3, 64, 1.0)
+    guard = GuardConfig(3, 64, 1.0, loop_rewind=0)
     cfg = DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False)
     engine = Engine(target, RowDrafters(lambda: RunnerUpDrafter(target.model, 3)),
                     Rule(MARS, 0.3, "prob-ratio"), cfg, guard=guard)
@@ -365,7 +367,7 @@ def test_guard_travels_from_calibrate_to_profile_to_results(runner, tiny_model_d
     prof = load_profile(next(user_profile_dir().glob("*.yaml")))
     assert prof.data["verification"]["guard"] == {"repeat_ngram": 3, "repeat_window": 32,
                                                   "max_relaxed_share": 0.5, "strict_first": 1,
-                                                  "strict_stops": True}
+                                                  "strict_stops": True, "loop_rewind": 32}
     assert prof.guard == GuardConfig(3, 32, 0.5, 1)
 
     # --verify mars: the profile's theta and guard, even where it predicts relaxing does not pay
