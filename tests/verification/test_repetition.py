@@ -385,7 +385,7 @@ def test_guard_travels_from_calibrate_to_profile_to_results(runner, tiny_model_d
                             "--verify", "mars"])
     spec = json.loads(g.stdout.splitlines()[0])["spec"]
     assert spec["guard"] == {"repeat_ngram": 0, "repeat_window": 32, "max_relaxed_share": 1.0,
-                             "strict_first": 0, "strict_stops": False}
+                             "strict_first": 0, "strict_stops": False, "loop_rewind": 0}
     g = runner.invoke(app, ["generate", str(src), "--target", str(tiny_model_dir), "--no-guard",
                             "--strict-first", "3", "--verify", "mars"])
     assert json.loads(g.stdout.splitlines()[0])["spec"]["guard"]["strict_first"] == 3
@@ -396,6 +396,8 @@ def test_guard_travels_from_calibrate_to_profile_to_results(runner, tiny_model_d
 
 @pytest.mark.parametrize("args,fragment", [
     (["--no-guard", "--repeat-guard", "3"], "--no-guard excludes"),
+    (["--no-guard", "--loop-rewind", "8"], "--no-guard excludes"),
+    (["--loop-rewind", "-1"], "--loop-rewind"),
     (["--repeat-guard", "1"], "--repeat-guard must be 0 (off) or at least 2"),
     (["--strict-first", "-1"], "--strict-first"),
     (["--repeat-guard", "8", "--repeat-window", "4"], "--repeat-window (4) must be at least"),
