@@ -242,6 +242,15 @@ _speed = _mapping({
                             optional=KNOB_KEYS)),
 })
 
+#: Optional (profiles before it load unchanged): the derailment check (issue 62): the rule at
+#: each knob value tried, run for real on the calibration records, and the records it ended
+#: in a loop where strict decoding did not (marscli.jobs.calibrate).
+_derailment = _mapping({
+    "strict_loops": _count,
+    "checks": _list(_mapping({**{k: _number(finite=False) for k in KNOB_KEYS}, "relax_rate": _share,
+                              "loops": _count, "derailed": _count, "rewinds": _count}, optional=KNOB_KEYS)),
+})
+
 _SCHEMA = _mapping({
     "schema_version": _integer(),  # checked first, separately, for a clear message
     "name": _string,
@@ -322,7 +331,8 @@ _SCHEMA = _mapping({
     }),
     "curve": _list(_curve_row),
     "speed": _speed,
-}, optional=("speed",))
+    "derailment": _derailment,
+}, optional=("speed", "derailment"))
 
 
 def _check_verification(v: dict, path: str) -> None:

@@ -1,5 +1,13 @@
 """The calibrate job: collect margins under strict verification, choose a rule's knob (MARS's
-theta by default; `--rule`), write and show the profile.
+theta by default; `--rule`), check that the rule at that knob does not derail, write and show
+the profile.
+
+The policies judge a knob on the replay of the strict run (marscli.calibration.policies),
+which cannot see a relaxed continuation falling into a loop: a loop is likely text, so a
+derailed record's NLL per token even falls. So the chosen rule is then run for real on the
+calibration records (``derailment_check``): when it ends more records in a loop than strict
+decoding does, the knob moves towards strict (half the relax rate) and is checked again, at
+most MAX_DERAILMENT_CHECKS times; the profile records every check.
 
 Under a launcher each process collects the margins of its shard of the records; the main
 process gathers them, merges them in input order (so the profile is the one a single
@@ -21,6 +29,7 @@ from marscli.calibration.policies import (
     RuleFamily,
     analyse,
     curve_values,
+    walk,
 )
 from marscli.calibration.profiles import (
     POLICY_FIXED,
@@ -72,6 +81,7 @@ from marscli.jobs.setup import (
     load_setup,
     resolve_guard,
 )
+from marscli.verification.guard import ends_in_loop
 from marscli.verification.registry import (
     ALL_KNOBS,
     LOGIT_RATIO,
@@ -92,11 +102,16 @@ def run_calibrate(cfg: CalibrateConfig, log: Log) -> int:
             group.close()
 
 
-def collect_margins(engine, items, sampling, observer_for, skipped, tick) -> None:
+#: Knob values the derailment check runs at most (each one generation of the records).
+MAX_DERAILMENT_CHECKS = 3
+
+
+def collect_margins(engine, items, sampling, observer_for, skipped, tick, loops: dict | None = None) -> None:
     """Generate every record under strict verification with a margin observer each.
 
     Records that cannot be parsed or generated are `skipped(item, message)`; a failure of
     the run itself (not of one record) is raised. Every batch size goes through engine.run.
+    loops: filled with each record's index -> whether its output ends in a loop.
     """
 
     valid = []
@@ -115,7 +130,35 @@ def collect_margins(engine, items, sampling, observer_for, skipped, tick) -> Non
         elif isinstance(res, BaseException):
             raise res
         else:
+            if loops is not None:
+                loops[item.index] = ends_in_loop(res.token_ids)
             tick(res.completion_tokens)
+
+
+def derailment_check(cfg: CalibrateConfig, target, draft_loaded, items, strict_loops: dict[int, bool]):
+    """check(rule) -> {"loops", "derailed", "rewinds"}: ``rule`` (with cfg's guard, loop
+    rewinds included) run for real on the records, how many end in a loop, how many of those
+    strict decoding did not end in one (``strict_loops``: the collection run's), and the
+    relaxations the run took back."""
+
+    def check(rule: Rule) -> dict[str, int]:
+        engine = build_engine(target, draft_loaded, VerifyConfig.from_rule(rule, cfg.guard), cfg.setup.draft,
+                              cfg.setup.batch_size, compile_mode=cfg.setup.compile)
+        valid = [it for it in items if not isinstance(it, RecordError) and it.index in strict_loops]
+        loops = rewinds = 0
+        derailed = 0
+
+        def prepare(it):
+            return engine.prompts.encode(it), cfg.sampling.with_overrides(it.overrides)
+        for item, res in engine.run(valid, prepare):
+            if isinstance(res, BaseException):
+                continue  # it failed under strict decoding too, or is left out of the count
+            looped = ends_in_loop(res.token_ids)
+            loops += looped
+            derailed += looped and not strict_loops[item.index]
+            rewinds += res.stats.rewinds
+        return {"loops": loops, "derailed": derailed, "rewinds": rewinds}
+    return check
 
 
 def choose_policy(max_nll_increase: float | None = None, relax_rate: float | None = None,
@@ -191,9 +234,11 @@ def calibrate_config(input: str, o: GenerationOptions, sampling: SamplingParams,
 
 
 def margins_profile(collector, failed: int, records: int, seconds: float, cfg: CalibrateConfig, target,
-                    draft_loaded, *, input_name: str, input_sha256: str | None, costs=None) -> dict:
+                    draft_loaded, *, input_name: str, input_sha256: str | None, costs=None,
+                    derails=None, strict_loops: int = 0) -> dict:
     """The profile document for the margins collected (theta chosen by cfg's policy; with
-    the engine's step costs, its predicted speed too: marscli.calibration.speed)."""
+    the engine's step costs, its predicted speed too: marscli.calibration.speed). derails:
+    a derailment_check; the knob then moves towards strict while the rule derails."""
 
     data = collector.data(records=records - failed, failed=failed, guard=cfg.guard)
     if data.positions == 0:
@@ -207,6 +252,27 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
     speed = None
     if costs is not None:
         cal, speed = speed_objective(cal, data, cfg, family, costs, seconds)
+    derailment = None
+    if derails is not None and cal.rule.relaxes:
+        checks = []
+        for attempt in range(MAX_DERAILMENT_CHECKS):
+            got = derails(cal.rule)
+            checks.append({family.knob: cal.theta, "relax_rate": cal.summary["relax_rate"], **got})
+            if got["derailed"] == 0 or attempt + 1 == MAX_DERAILMENT_CHECKS:
+                break
+            half = cal.summary["relax_rate"] / 2
+            value = walk(data, family, lambda r, h=half: r.relax_rate <= h)
+            cal = dataclasses.replace(analyse(data, family, POLICY_FIXED, value, seconds),
+                                      policy=cal.policy, policy_value=cal.policy_value)
+        # the knob checked that derails least (ties: the most relaxing, checked first)
+        best = min(range(len(checks)), key=lambda i: (checks[i]["derailed"], i))
+        if best != len(checks) - 1:
+            cal = dataclasses.replace(analyse(data, family, POLICY_FIXED, checks[best][family.knob], seconds),
+                                      policy=cal.policy, policy_value=cal.policy_value)
+        if costs is not None and len(checks) > 1:
+            speed = speed_section(data, family, cal.theta, cfg.objective, costs, SPEED_BATCH_SIZE,
+                                  curve_values(data, family, (cal.theta,)))
+        derailment = {"strict_loops": int(strict_loops), "checks": checks}
     ident = target.identity
     name = cfg.name or default_profile_name(
         str(ident.get("name")), cfg.setup.draft.kind, draft_loaded.identity.get("name") if draft_loaded else None,
@@ -218,6 +284,8 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
     )
     if speed is not None:
         doc["speed"] = speed
+    if derailment is not None:
+        doc["derailment"] = derailment
     return doc
 
 
@@ -269,6 +337,7 @@ def collect_profile(cfg: CalibrateConfig, engine, items, target, draft_loaded, l
     # One collector per record, merged in input order: the profile does not depend on the
     # batch size or on how many processes shared the records.
     per_record: dict[int, MarginCollector] = {}
+    strict_loops: dict[int, bool] = {}
     progress = Progress(log, total, label="calibrating")
     failed = 0
     t0 = time.perf_counter()
@@ -295,7 +364,7 @@ def collect_profile(cfg: CalibrateConfig, engine, items, target, draft_loaded, l
         pump = ProgressPump(group, progress.set)
     try:
         with pump:
-            collect_margins(engine, items, cfg.sampling, observer_for, skipped, tick)
+            collect_margins(engine, items, cfg.sampling, observer_for, skipped, tick, strict_loops)
             if group is not None:
                 group.mark_done({"failed": failed})
                 group.wait_all_done()
@@ -310,8 +379,13 @@ def collect_profile(cfg: CalibrateConfig, engine, items, target, draft_loaded, l
     collector = MarginCollector()
     for index in sorted(per_record):
         collector.extend(per_record[index])
+    derails = None
+    if group is None:  # (under a launcher the records are shared out: no check)
+        derails = derailment_check(cfg, target, draft_loaded, items, strict_loops)
+        log.info("checking the chosen rule for derailment on the calibration records")
     doc = margins_profile(collector, failed, total, time.perf_counter() - t0, cfg, target, draft_loaded,
-                          input_name=input_name, input_sha256=input_sha256, costs=engine.costs)
+                          input_name=input_name, input_sha256=input_sha256, costs=engine.costs,
+                          derails=derails, strict_loops=sum(strict_loops.values()))
     return doc
 
 

@@ -42,7 +42,7 @@ DEFAULT_STRICT_FIRST = 2
 
 #: Loop rewinds (GuardConfig.loop_rewind): a relaxed token at most this many tokens before
 #: the periodic tail of a loop the output falls into is taken back (docs/calibration.md, "Loops").
-DEFAULT_LOOP_REWIND = 32
+DEFAULT_LOOP_REWIND = 64
 
 #: A loop at the end of an output: a block of at most LOOP_MAX_PERIOD tokens repeated at least
 #: LOOP_MIN_REPEATS times, covering at least LOOP_MIN_SPAN tokens, up to the last token (the

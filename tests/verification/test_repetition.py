@@ -367,7 +367,7 @@ def test_guard_travels_from_calibrate_to_profile_to_results(runner, tiny_model_d
     prof = load_profile(next(user_profile_dir().glob("*.yaml")))
     assert prof.data["verification"]["guard"] == {"repeat_ngram": 3, "repeat_window": 32,
                                                   "max_relaxed_share": 0.5, "strict_first": 1,
-                                                  "strict_stops": True, "loop_rewind": 32}
+                                                  "strict_stops": True, "loop_rewind": 64}
     assert prof.guard == GuardConfig(3, 32, 0.5, 1)
 
     # --verify mars: the profile's theta and guard, even where it predicts relaxing does not pay
