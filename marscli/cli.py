@@ -341,7 +341,7 @@ def profile_list() -> None:
             drafter = f"eagle3:{d['drafter']['model']['name']}" + (" (tree)" if d["drafter"].get("tree") else "")
         quant = d["target"]["quantization"]
         table.add_row(p.name, d["target"]["name"], d["target"]["dtype"] + (f"/{quant}" if quant else ""),
-                      drafter, p.rule_name if p.rule_name != "mars" else f"mars ({p.margin})",
+                      drafter, p.rule_name + (f" ({p.margin})" if RULEBOOK[p.rule_name].uses_margin else ""),
                       f"{p.knob[0]} {p.knob[1]:.6g}", f"{d['policy']['name']} {d['policy']['value']:g}", str(f))
     con = Console(highlight=False)
     if not con.is_terminal:

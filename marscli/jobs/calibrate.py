@@ -328,10 +328,12 @@ def calibration_engine(cfg: CalibrateConfig, target, draft_loaded, note=None):
 
 
 def collect_profile(cfg: CalibrateConfig, engine, items, target, draft_loaded, log: Log, *, input_name: str,
-                    input_sha256: str | None, total: int | None = None, group=None) -> dict | None:
+                    input_sha256: str | None, total: int | None = None, group=None,
+                    all_items=None) -> dict | None:
     """Collect the margins of ``items`` (this process's share of ``total`` records under a
     launcher) and build the profile document (marscli.calibration.policies chooses the
-    knob); None on a process other than the main one, which gathers and builds it.
+    knob, and checks it for derailment on all_items, the whole input: items by default); None on
+    a process other than the main one, which gathers and builds it.
     KeyboardInterrupt propagates: nothing is written."""
     total = len(items) if total is None else total
     # One collector per record, merged in input order: the profile does not depend on the
@@ -371,18 +373,19 @@ def collect_profile(cfg: CalibrateConfig, engine, items, target, draft_loaded, l
     finally:
         progress.close()
     if group is not None:
-        gathered = group.gather((per_record, failed), "gathering the margins")
+        gathered = group.gather((per_record, failed, strict_loops), "gathering the margins")
         if gathered is None:
             return None  # the main process builds the profile
-        per_record = {i: c for part, _ in gathered for i, c in part.items()}
-        failed = sum(f for _, f in gathered)
+        per_record = {i: c for part, _, _ in gathered for i, c in part.items()}
+        failed = sum(f for _, f, _ in gathered)
+        strict_loops = {i: v for _, _, part in gathered for i, v in part.items()}
     collector = MarginCollector()
     for index in sorted(per_record):
         collector.extend(per_record[index])
-    derails = None
-    if group is None:  # (under a launcher the records are shared out: no check)
-        derails = derailment_check(cfg, target, draft_loaded, items, strict_loops)
-        log.info("checking the chosen rule for derailment on the calibration records")
+    # the main process checks every record (under a launcher too: the same profile)
+    derails = derailment_check(cfg, target, draft_loaded, all_items if all_items is not None else items,
+                               strict_loops)
+    log.info("checking the chosen rule for derailment on the calibration records")
     doc = margins_profile(collector, failed, total, time.perf_counter() - t0, cfg, target, draft_loaded,
                           input_name=input_name, input_sha256=input_sha256, costs=engine.costs,
                           derails=derails, strict_loops=sum(strict_loops.values()))
@@ -413,6 +416,7 @@ def _calibrate(cfg: CalibrateConfig, log: Log, group) -> int:
     mine = items if group is None else shard(items, group.rank, group.world_size)
     try:
         doc = collect_profile(cfg, engine, mine, target, draft_loaded, log, total=len(items), group=group,
+                              all_items=items,
                               input_name="-" if cfg.input == "-" else os.path.basename(cfg.input),
                               input_sha256=input_sha)
     except KeyboardInterrupt:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from marscli.verification.draws import coupled_draw, position_keys
-from marscli.verification.registry import MARS, SAMPLING_MODE, STRICT, Rule
+from marscli.verification.registry import SAMPLING_MODE, STRICT, Rule
 from marscli.verification.rules import (
     NOT_RELAXABLE,
     Decision,
@@ -48,6 +48,7 @@ from marscli.verification.rules import (
     per_token,
     statistic,
     top2,
+    uses_margin_facts,
 )
 
 #: The walks' rule when none is given.
@@ -313,7 +314,7 @@ def verify(
     strict_ok = props.has & (x == own)
     if per_token(rule):
         facts = per_token_facts(rule, logits, x, probs, strict_ok, props.has, regret_carry)
-    elif rule.name == MARS:
+    elif uses_margin_facts(rule):  # MARS
         facts = mars_facts(rule, logits, x, alive, strict_ok)
     else:  # strict, or a rule at its strict end: no statistic needed, none computed
         facts = PositionFacts({rule.margin: torch.full((B, W), NOT_RELAXABLE, device=dev)}, strict_ok, strict_ok)

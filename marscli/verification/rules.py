@@ -4,7 +4,8 @@ The facts a rule judges a verified draft position by (``PositionFacts``: margin 
 p(x), p1, rank, entropy, summed regret; built by ``top2``/``margin_statistic`` and
 ``draft_facts``), each rule's behaviour in one block (a ``RuleBehaviour`` registered under
 its registry name: its condition with the formula and source, its statistic, its critical
-values for calibration) and ``decide``, elementwise, so the verifier's walks
+values for calibration, whether the margin facts judge it and its margin check, MARS's
+``relaxable``) and ``decide``, elementwise, so the verifier's walks
 (marscli.verification.chain, marscli.verification.tree) and calibration's numpy replay
 (marscli.calibration.collect) call the very same function. A rule's name and knobs (the
 ``Rule`` value) are the registry's (marscli.verification.registry); the words are fixed in
@@ -52,12 +53,23 @@ MAX_CANDIDATES = 4096
 
 
 def relaxable(rule: Rule, stat: Any) -> Any:
-    """MARS's margin check (``Mars``): the position is relaxable where its margin statistic
-    exceeds ``theta``. All False for a rule that never relaxes this way (every rule but MARS,
-    and MARS at theta = +inf)."""
+    """The rule's margin check (``RuleBehaviour.relaxable``): MARS's (``Mars``) relaxes the
+    position where its margin statistic exceeds ``theta``. All False for a rule that never
+    relaxes this way (every rule but MARS, and MARS at theta = +inf)."""
+    return BEHAVIOURS[rule.name].relaxable(rule, stat)
+
+
+def uses_margin_facts(rule: Rule) -> bool:
+    """Does ``rule`` judge a position by its margin facts (``RuleBehaviour.margin_facts``:
+    MARS), so that the walks gather them (``top2``, ``margin_statistic``, ``in_top2``)?"""
+    return BEHAVIOURS[rule.name].margin_facts
+
+
+def _exceeds(stat: Any, threshold: float) -> Any:
+    """Elementwise ``stat > threshold``, a torch statistic compared in float64."""
     if isinstance(stat, torch.Tensor):
         stat = stat.double()
-    return stat > (rule.theta if rule.relaxes and rule.name == MARS else math.inf)
+    return stat > threshold
 
 
 def stop_positions(drafts: torch.Tensor, logits: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
@@ -84,7 +96,9 @@ def stop_positions(drafts: torch.Tensor, logits: torch.Tensor, stops: torch.Tens
 # Each rule is ONE block here: a RuleBehaviour registered under its registry name (its name,
 # knobs, bounds and when it relaxes at all are its registry.RuleSpec). A block says when a
 # position relaxes (``condition``), the number a position is judged by (``statistic``) and
-# the knob values where a replay can change (``critical_values``, for calibration's walk).
+# the knob values where a replay can change (``critical_values``, for calibration's walk);
+# MARS's block also says that the walks judge it by the margin facts (``margin_facts``) and
+# where its margin check relaxes (``relaxable``).
 #
 # The per-token rules (every rule but MARS): a proposal is kept when it is the target's own
 # token there (greedy: the top-1; sampling: the position's draw) OR the condition holds
@@ -102,6 +116,16 @@ class RuleBehaviour:
     #: A per-token rule: a condition on each position's own facts (MARS is not one: it relaxes
     #: by the row's margin statistic and accepts only the target's top two there).
     per_token: bool = True
+    #: Judged by the margin facts (MARS): the target's top two at each position, the margin
+    #: statistic and ``relaxable``; the walks build them (chain.mars_facts) rather than a
+    #: per-token rule's ``draft_facts``.
+    margin_facts: bool = False
+
+    @staticmethod
+    def relaxable(rule: Rule, stat: Any) -> Any:
+        """Elementwise bool: the margin check relaxes the position, its margin statistic
+        ``stat`` exceeding the rule's threshold. All False but for MARS (``Mars.relaxable``)."""
+        return _exceeds(stat, math.inf)
 
     @staticmethod
     def condition(rule: Rule, facts: PositionFacts) -> Any:
@@ -175,17 +199,24 @@ class Strict(RuleBehaviour):
 class Mars(RuleBehaviour):
     """MARS (Shi et al., arXiv 2601.15498, Algorithm 1 and the authors' sampling code): with
     target logits z1 >= z2 at a position, r = z2 / z1 (logit-ratio; or p2 / p1 = exp(z2 - z1),
-    prob-ratio). The position is relaxable when z1 > 0 and r > theta (``relaxable``); there a
+    prob-ratio). The position is relaxable when z1 > 0 and r > theta (``Mars.relaxable``); there a
     proposal that is the target's top-1 or top-2 token (with p > 0) is kept outright,
     elsewhere the strict check decides; a proposal not kept gives way to the target's own
     token (greedy: its top-1; sampling: the position's draw: where the reference code rejects
     outright, a relaxed sampled position falls back to the draw)."""
 
     per_token = False
+    margin_facts = True
 
     @staticmethod
-    def condition(rule: Rule, facts: PositionFacts) -> Any:
-        return relaxable(rule, facts.statistics[rule.margin])
+    def relaxable(rule: Rule, stat: Any) -> Any:
+        """MARS's margin check: relaxable where the margin statistic exceeds theta (nowhere
+        at theta = +inf)."""
+        return _exceeds(stat, rule.theta if rule.relaxes else math.inf)
+
+    @classmethod
+    def condition(cls, rule: Rule, facts: PositionFacts) -> Any:
+        return cls.relaxable(rule, facts.statistics[rule.margin])
 
     @classmethod
     def decide(cls, rule: Rule, facts: PositionFacts) -> Decision:

@@ -12,12 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from marscli.verification.chain import STRICT_RULE, sampling_probs
-from marscli.verification.draws import coupled_draw, position_keys
+from marscli.verification.chain import STRICT_RULE, guarded_decision, sampled_draws, sampling_probs
 from marscli.verification.registry import SAMPLING_MODE, Rule
 from marscli.verification.rules import (
     PositionFacts,
-    decide,
     draft_facts,
     in_top2,
     margin_statistic,
@@ -149,7 +147,9 @@ def verify_tree(
     relax_left: int | None = None,  # relaxations the record may still make (None: no budget)
 ) -> TreeVerifyResult:
     """Verify a draft tree with the chain's rule, node by node (a node is judged at its
-    parent's row); greedy when temperature == 0, else sampling.
+    parent's row); greedy when temperature == 0, else sampling. As the chain walk does, it
+    judges every node once (the rule's facts, ``chain.guarded_decision``), then walks those
+    decisions.
 
     Greedy: the accepted path is the longest root path of ok nodes (ties: fewer relaxed
     nodes, then the first in depth-first order with children in index order); the next token
@@ -173,155 +173,134 @@ def verify_tree(
     assert logits.dim() == 2 and logits.shape[0] == n + 1, (
         f"logits must be [N+1, V] = [{n + 1}, V], got {tuple(logits.shape)}"
     )
-    z1, z2, t1, t2 = top2(logits)  # each [N+1]
-    stat = margin_statistic(z1, z2, rule.margin)  # [N+1]
-    kids = tree.child_lists()
-    parents = tree.parents.to(logits.device)
-    has_children = torch.zeros(n + 1, dtype=torch.bool, device=logits.device)
-    has_children[parents + 1] = True
-    row_relaxable = relaxable(rule, stat) & has_children
     if guard is not None:
         guard = guard.to(logits.device)
         assert guard.shape == (n,), f"guard must be [N] = [{n}], got {tuple(guard.shape)}"
-        # a row with a guarded child is not relaxed (the chain's guarded position, per row)
-        row_guarded = torch.zeros(n + 1, dtype=torch.long, device=logits.device).index_add(
-            0, parents + 1, guard.long()) > 0
-        row_relaxable = row_relaxable & ~row_guarded
-    budget = math.inf if relax_left is None else relax_left
-    # the target's sampling law, once: the sampling walk and a per-token rule's facts read it
+    rows = tree.parents.to(logits.device) + 1  # [N] the row that judges each node
+    z1, z2, t1, t2 = top2(logits)  # each [N+1]
+    stat = margin_statistic(z1, z2, rule.margin)  # [N+1]
+    # the target's sampling law, once: the draws and a per-token rule's facts read it
     p = None if temperature == 0.0 else sampling_probs(logits, temperature, top_k, top_p)  # [N+1, V]
-    if per_token(rule):
-        probs = torch.softmax(logits.float(), dim=-1) if p is None else p  # [N+1, V]
-        node_facts = _per_token_facts(tree, logits, probs, rule)
-        relax_node = decide(rule, node_facts).relaxable
-        if guard is not None:
-            relax_node = relax_node & ~guard
-        # a row is relaxable when the rule would relax one of its children
-        row_relaxable = torch.zeros(n + 1, dtype=torch.long, device=logits.device).index_add(
-            0, parents + 1, relax_node.long()) > 0
-        node_stat = statistic(rule, node_facts).float()  # [N]
-        stat = torch.full((n + 1,), float("nan"), device=logits.device)
-        stat[parents + 1] = node_stat  # a row's last child's, for reports
+    own = t1 if p is None else _row_draws(tree, p, seed, position)  # [N+1] the target's token at each row
+    facts, prefer = _node_facts(tree, logits, rule, p, own, t1, t2, stat)
+    row_guarded = None if guard is None else _any_child(guard, rows, n)  # [N+1]
+    # a guarded node is judged strictly; sampling walks MARS's row with a guarded child strictly
+    node_guard = guard if p is None or guard is None or per_token(rule) else row_guarded[rows]
+    decision, _ = guarded_decision(rule, facts, torch.ones_like(facts.strict_ok), node_guard)
+    ok = decision.ok | facts.strict_ok  # [N] the target's own token always (as in the chain)
+    relaxed = relaxed_positions(ok, decision.relaxable, facts.strict_ok).tolist()  # [N] ok only if relaxed
+    budget = math.inf if relax_left is None else relax_left
+    if p is None:
+        path = _tree_greedy(tree.child_lists(), ok.tolist(), relaxed, budget)
     else:
-        node_facts = node_stat = None
-    if temperature == 0.0:
-        path, relaxed, nxt = _tree_greedy(tree, kids, logits, t1, t2, stat, rule, guard, budget,
-                                          node_facts)
-    else:
-        assert seed is not None and position is not None, "sampling needs the record's seed and position"
-        path, relaxed, nxt = _tree_sampling(tree, kids, p, t1, t2, stat, row_relaxable, rule,
-                                            seed, position, budget, node_facts, guard)
-    return TreeVerifyResult(path, nxt, relaxed, stat, row_relaxable, node_stat)
+        path = _tree_sampling(tree.child_lists(), facts.strict_ok.tolist(), relaxed, prefer, budget)
+    nxt = int(own[path[-1] + 1 if path else 0])  # the row after the path: its top-1, or its draw
+    return TreeVerifyResult(path, nxt, [relaxed[i] for i in path],
+                            *_row_report(rule, facts, decision.relaxable, stat, rows, row_guarded))
 
 
-def _node_facts(tokens: torch.Tensor, alive: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
-                stat: torch.Tensor, margin: str, strict_ok: torch.Tensor) -> PositionFacts:
-    """Facts of nodes `tokens` [M], each judged at its parent's row: alive [M] (p(token) > 0
-    there), that row's top tokens t1/t2 [M] and statistic [M]; strict_ok [M] from the caller."""
-    return PositionFacts({margin: stat}, in_top2(tokens, t1, t2, alive), strict_ok)
+def _row_draws(tree: DraftTree, p: torch.Tensor, seed: int | None, position: int | None) -> torch.Tensor:
+    """[N+1] long: each row's draw (``chain.sampled_draws``) under the law p [N+1, V]; row r
+    judges output position ``position + depth(r)`` (the root's row: depth 0)."""
+    assert seed is not None and position is not None, "sampling needs the record's seed and position"
+    depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth()])  # [N+1]
+    return sampled_draws(p.unsqueeze(1), torch.full_like(depth, seed), position + depth)[:, 0]
 
 
-def _per_token_facts(tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor,
-                     rule: Rule) -> PositionFacts:
-    """Facts of every node for a per-token rule (ratio, topk, typical, regret), each node
-    judged at its parent's row with that row's original p; the regret summed along the root
-    path. strict_ok is left for the walk to fill."""
+def _node_facts(
+    tree: DraftTree,
+    logits: torch.Tensor,  # [N+1, V]
+    rule: Rule,
+    p: torch.Tensor | None,  # [N+1, V] the sampling law (None: greedy)
+    own: torch.Tensor,  # [N+1] long: the target's token at each row (top-1 or draw)
+    t1: torch.Tensor,  # [N+1] long: each row's top-1
+    t2: torch.Tensor,  # [N+1] long: each row's top-2
+    stat: torch.Tensor,  # [N+1] float32: each row's margin statistic
+) -> tuple[PositionFacts, list[bool]]:
+    """Every node's facts ([N]), each node judged at its parent's row (strict_ok: it is the
+    row's own token), and the sampling walk's preference among a row's relaxable children
+    ([N], False first, then index order). A per-token rule (ratio, topk, typical, regret): its
+    facts on the row's original p (T = 1 if greedy), the regret summed along the root path, in
+    index order. Else MARS's margin facts (a rule that does not relax is judged strictly on
+    them), the row's top-1 before its top-2."""
     rows = tree.parents.to(logits.device) + 1  # [N]
-    tok = tree.tokens.to(logits.device)
+    tok = tree.tokens.to(logits.device)  # [N]
+    strict_ok = tok == own[rows]  # [N]
+    if not per_token(rule):
+        alive = logits[rows, tok].float() > -math.inf if p is None else p[rows, tok] > 0  # p(token) > 0
+        facts = PositionFacts({rule.margin: stat[rows]}, in_top2(tok, t1[rows], t2[rows], alive), strict_ok)
+        return facts, (tok != t1[rows]).tolist()
+    probs = torch.softmax(logits.float(), dim=-1) if p is None else p  # [N+1, V]
     f = draft_facts(logits[rows], tok, probs[rows], rule.needs)
     if "regret" in f:
-        own, parents = f["regret"].tolist(), tree.parents.tolist()
-        total = [0.0] * len(own)
-        for i, r in enumerate(own):  # parents come before their children
+        own_regret, parents = f["regret"].tolist(), tree.parents.tolist()
+        total = [0.0] * len(own_regret)
+        for i, r in enumerate(own_regret):  # parents come before their children
             total[i] = r + (total[parents[i]] if parents[i] >= 0 else 0.0)
         f["regret"] = torch.tensor(total, dtype=torch.float64, device=logits.device)
-    no = torch.zeros(len(tok), dtype=torch.bool, device=logits.device)  # the walk sets it
-    return PositionFacts({}, None, no, **f)
+    return PositionFacts({}, None, strict_ok, **f), [False] * len(tree)
 
 
-def _tree_greedy(tree, kids, logits, t1, t2, stat, rule: Rule, guard=None, budget=math.inf,
-                 node_facts: PositionFacts | None = None):
-    """Longest ok path with at most ``budget`` relaxed nodes. Nodes are visited in depth-first
-    order (children in index order), so the first path found of a given (length, relaxed
-    count) wins its ties."""
-    rows = tree.parents.to(logits.device) + 1  # [N] the row that judges each node
-    tok = tree.tokens.to(logits.device)
-    strict_ok = tok == t1[rows]
-    if node_facts is not None:  # a per-token rule
-        facts = node_facts
-        facts.strict_ok = strict_ok
-    else:
-        alive = logits.float()[rows].gather(1, tok.unsqueeze(1)).squeeze(1) > -math.inf
-        facts = _node_facts(tok, alive, t1[rows], t2[rows], stat[rows], rule.margin, strict_ok)
-        facts.in_top2 = facts.in_top2 | strict_ok  # as in the chain: the top-1 always qualifies
-    facts.guarded = guard
-    d = decide(rule, facts)
-    ok = d.ok.tolist()
-    was_relaxed = relaxed_positions(d.ok, d.relaxable, strict_ok).tolist()
+def _row_report(
+    rule: Rule,
+    facts: PositionFacts,  # [N] each: the nodes'
+    relax_node: torch.Tensor,  # [N] bool: the rule relaxes the node (the guard applied)
+    stat: torch.Tensor,  # [N+1] float32: each row's margin statistic
+    rows: torch.Tensor,  # [N] long: each node's row
+    row_guarded: torch.Tensor | None,  # [N+1] bool: the row has a guarded child
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What each row reports: its statistic [N+1], whether it is relaxable [N+1], and a
+    per-token rule's node statistic [N] (None: the row's margin statistic is the statistic).
+    A per-token rule's row shows its last child's statistic and is relaxable when the rule
+    relaxes one of its children; else a row is relaxable by the margin check when it has
+    children, none of them guarded."""
+    n = stat.shape[0] - 1
+    if per_token(rule):
+        node_stat = statistic(rule, facts).float()  # [N]
+        stat = torch.full((n + 1,), float("nan"), device=stat.device)
+        stat[rows] = node_stat  # a row's last child's, for reports
+        return stat, _any_child(relax_node, rows, n), node_stat
+    row_relaxable = relaxable(rule, stat) & _any_child(torch.ones_like(relax_node), rows, n)
+    return stat, row_relaxable if row_guarded is None else row_relaxable & ~row_guarded, None
+
+
+def _any_child(flags: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """[N+1] bool: some node judged at the row has the flag. flags [N] bool, rows [N] long
+    (each node's row)."""
+    return torch.zeros(n + 1, dtype=torch.long, device=flags.device).index_add(0, rows, flags.long()) > 0
+
+
+def _tree_greedy(kids: list[list[int]], ok: list[bool], relaxed: list[bool], budget: float) -> list[int]:
+    """The longest root path of ok nodes with at most ``budget`` relaxed nodes. Nodes are
+    visited in depth-first order (children in index order), so the first path found of a
+    given (length, relaxed count) wins its ties."""
     best: tuple[int, int] = (0, 0)  # (length, -relaxed count) of the best path so far
     best_path: list[int] = []
-    best_relaxed: list[bool] = []
-    # stack entries: (node, path to its parent, relaxed flags so far); children pushed reversed
-    stack = [(c, [], []) for c in reversed(kids[0])]
+    stack = [(c, [], 0) for c in reversed(kids[0])]  # (node, path to its parent, relaxed count)
     while stack:
-        i, path, flags = stack.pop()
-        if not ok[i] or (was_relaxed[i] and sum(flags) >= budget):
+        i, path, used = stack.pop()
+        if not ok[i] or (relaxed[i] and used >= budget):
             continue  # not ok (or over the budget): nothing below it is reachable
-        path = path + [i]
-        flags = flags + [bool(was_relaxed[i])]
-        key = (len(path), -sum(flags))
-        if key > best:
-            best, best_path, best_relaxed = key, path, flags
-        stack.extend((c, path, flags) for c in reversed(kids[i + 1]))
-    last_row = best_path[-1] + 1 if best_path else 0
-    return best_path, best_relaxed, int(t1[last_row])
+        path, used = path + [i], used + relaxed[i]
+        if (len(path), -used) > best:
+            best, best_path = (len(path), -used), path
+        stack.extend((c, path, used) for c in reversed(kids[i + 1]))
+    return best_path
 
 
-def _tree_sampling(tree, kids, p, t1, t2, stat, row_relaxable, rule: Rule, seed: int, position: int,
-                   budget=math.inf, node_facts: PositionFacts | None = None, guard=None):
-    """The sampling walk over the rows' draws (verify_tree's docstring): the child that is the
-    draw, else MARS's choice among the children of a row it relaxes, else the first child a
-    per-token rule's condition keeps (on the row's p; not guarded, budget left)."""
-    tokens = tree.tokens.tolist()
-    depth = [0] + tree.depth().tolist()  # row r judges output position `position + depth[r]`
+def _tree_sampling(kids: list[list[int]], strict_ok: list[bool], relaxed: list[bool],
+                   prefer: list[bool], budget: float) -> list[int]:
+    """The sampling walk (verify_tree's docstring): from the root, the child that is its row's
+    draw, else (budget left) the first child the rule would relax, those ``prefer`` marks
+    last (MARS: a top-2 after a top-1); the walk ends at a row with neither."""
     path: list[int] = []
-    relaxed: list[bool] = []
-    row = 0
+    row, used = 0, 0
     while True:
-        key = position_keys(torch.tensor([seed]), torch.tensor([position + depth[row]]))
-        draw = int(coupled_draw(p[row].unsqueeze(0), key)[0])
-        children = kids[row]
-        strict = next((c for c in children if tokens[c] == draw), None)
-        if strict is not None:
-            path.append(strict)
-            relaxed.append(False)
-            row = strict + 1
-            continue
-        chosen = None
-        if children and sum(relaxed) < budget:
-            if node_facts is None and bool(row_relaxable[row]):  # MARS: the row's top two
-                M = len(children)
-                c_tok = torch.tensor([tokens[c] for c in children], dtype=torch.long, device=p.device)
-                alive = p[row, c_tok] > 0
-                no = torch.zeros(M, dtype=torch.bool, device=p.device)
-                d = decide(rule, _node_facts(c_tok, alive, t1[row].expand(M), t2[row].expand(M),
-                                             stat[row].expand(M), rule.margin, no))
-                ok = d.ok.tolist()
-                for want in (int(t1[row]), int(t2[row])):  # the target's favourite first
-                    chosen = next((c for j, c in enumerate(children) if ok[j] and tokens[c] == want), None)
-                    if chosen is not None:
-                        break
-            elif node_facts is not None:
-                for c in children:
-                    if guard is not None and bool(guard[c]):
-                        continue
-                    facts = PositionFacts({}, None, torch.zeros(1, dtype=torch.bool), **{
-                        k: getattr(node_facts, k)[c].view(1) for k in rule.needs})
-                    if bool(decide(rule, facts).ok[0]):
-                        chosen = c
-                        break
+        chosen = next((c for c in kids[row] if strict_ok[c]), None)
+        if chosen is None and used < budget:
+            chosen = min((c for c in kids[row] if relaxed[c]), key=prefer.__getitem__, default=None)
+            used += chosen is not None
         if chosen is None:
-            return path, relaxed, draw
+            return path
         path.append(chosen)
-        relaxed.append(True)
         row = chosen + 1

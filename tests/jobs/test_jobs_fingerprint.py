@@ -57,7 +57,7 @@ def test_run_fingerprint_components_and_what_it_leaves_out():
     guarded = _fp(_cfg(), TARGET, None, extra,
                               verify=VerifyConfig("mars", 0.93, guard=GuardConfig(4, 256, 0.25)))
     assert guarded["verify"]["guard"] == {"repeat_ngram": 4, "repeat_window": 256, "max_relaxed_share": 0.25,
-                                        "strict_first": 2, "strict_stops": True}
+                                        "strict_first": 2, "strict_stops": True, "loop_rewind": 64}
     assert fingerprint_diff(mars, guarded)
 
 
