@@ -121,7 +121,8 @@ def records_jsonl(records: Record | Iterable[Record]) -> bytes:
 def records_to_items(records: Record | Iterable[Record] | bytes) -> list:
     """Records -> marscli.io's Requests and RecordErrors, parsed exactly as the lines of a
     JSONL file (the CLI's parser); duplicate ids are refused as the CLI refuses them."""
-    from marscli.io.records import find_duplicate_ids, read_requests
+    from marscli.io.input_index import find_duplicate_ids
+    from marscli.io.records import read_requests
 
     data = records if isinstance(records, bytes) else records_jsonl(records)
     items = list(read_requests(io.BytesIO(data)))

@@ -44,7 +44,7 @@ def parse_args(argv=None):
 
 def load_records(source: str, per_file: int):
     from marscli.config import RecordError
-    from marscli.io.records import read_input
+    from marscli.io.input_index import read_input
 
     path = Path(source)
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]

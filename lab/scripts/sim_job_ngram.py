@@ -73,7 +73,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     from marscli.config import DraftConfig, ModelConfig, VerifyConfig
     from marscli.engine import build_engine
-    from marscli.io.records import read_input
+    from marscli.io.input_index import read_input
     from marscli.jobs.setup import load_models
 
     target, _ = load_models(ModelConfig(), None)

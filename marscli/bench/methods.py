@@ -63,7 +63,8 @@ from marscli.config import (
 from marscli.drafters.eagle3 import DEFAULT_TREE
 from marscli.drafters.kinds import EAGLE3, MODEL, drafter_kind
 from marscli.errors import EXIT_RUNTIME, InputError, UsageError
-from marscli.io.records import find_duplicate_ids, open_input, read_requests
+from marscli.io.input_index import find_duplicate_ids
+from marscli.io.records import open_input, read_requests
 from marscli.scoring import rouge
 from marscli.scoring.compare import check_ready
 from marscli.verification.guard import repetition_stats

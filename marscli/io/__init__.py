@@ -1,8 +1,10 @@
 """JSONL in and out. Callers import from the submodules; nothing is re-exported here.
 
 - `marscli.io.records`: input parsing. JSONL lines -> validated `Request`s or `RecordError`s
-  (prompt, chat messages, OpenAI batch lines, prompt-set records), whole-input reading with a
-  digest, duplicate ids.
+  (prompt, chat messages, OpenAI batch lines, prompt-set records).
+- `marscli.io.input_index`: the streamed input of a run: the index of a generate run
+  (`index_input`, `InputIndex`, `RecordRef`), whole-input reading with a digest
+  (`read_input`), duplicate ids.
 - `marscli.io.results`: output. Results in input order (`ResultWriter`, `PartWriter`), atomic
   file replacement, reading an output back (`scan_output`), part files of data-parallel runs
   and their merge (`merge_results`).

@@ -1,17 +1,17 @@
 """Input records: JSONL lines -> validated `Request`s, or `RecordError`s naming the problem.
 
+This module reads and validates records: `read_requests` (a path, "-" or a binary stream ->
+one `Request` or `RecordError` per non-blank line), `open_input`, `located_records` (the
+records with where each line lies) and `parse_line` (one line's bytes -> its record), the
+record formats, overrides and limits below, and the JSON value helpers results and resume
+share (`json_type`, `show_value`, `is_number`, `reject_constant`). Reading a whole input (its
+digest, `--limit`, duplicate ids) and the input index of a generate run are in
+`marscli.io.input_index`, which builds on this module.
+
 Input is read line by line in binary mode, so a huge file never sits in memory and a bad byte
 sequence on one line cannot spoil the others. Every non-blank line becomes exactly one
 `Request` or one `RecordError`; bad content never raises (the CLI turns a `RecordError` into a
 result with an `error` object and goes on).
-
-`marscli generate` never holds the records' text: `index_input` reads the input once (the
-sha256, the ids, duplicate ids rejected up front) and keeps per record a `RecordRef` (index,
-line, id, where the line lies, its ignored keys; a `RecordError` is kept whole, it is already
-a result). `InputIndex.requests(refs)` parses the referenced lines again, one at a time, into
-the very `Request`s `read_requests` gives. Standard input, which cannot seek, is copied to an
-anonymous temporary file while it is indexed. `read_input` still returns whole lists, for the
-small inputs of calibration and the lab scripts.
 
 Accepted record formats (one JSON object per line):
 
@@ -47,19 +47,17 @@ changes nothing and is accepted quietly. Message keys other than role and conten
 Ids: ``id`` (or ``custom_id`` / ``question_id``) may be a string or an integer and is kept as a
 string. A record without one gets ``str(index)``, its 0-based position among the records, which
 is stable across runs of the same file (so it can clash with an explicit id "3";
-`find_duplicate_ids` reports that like any other clash).
+`marscli.io.input_index.find_duplicate_ids` reports that like any other clash).
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import math
 import os
 import sys
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from marscli.config import RecordError, Request, SamplingOptions
@@ -157,164 +155,6 @@ def open_input(path: str) -> BinaryIO:
         raise InputError(f"cannot read input file {path}: {e.strerror or e}") from None
 
 
-class _HashingReader:
-    """A binary stream wrapper that hashes every byte read through it (readline only), and
-    copies those bytes to `copy` when given (the spool of standard input)."""
-
-    def __init__(self, fh: BinaryIO, copy: BinaryIO | None = None) -> None:
-        self._fh = fh
-        self._hash = hashlib.sha256()
-        self._copy = copy
-
-    def readline(self, size: int = -1) -> bytes:
-        chunk = self._fh.readline(size)
-        self._hash.update(chunk)
-        if self._copy is not None:
-            self._copy.write(chunk)
-        return chunk
-
-    def hexdigest_to_end(self) -> str:
-        """The sha256 of the whole stream: what was read plus the rest, read now."""
-        while chunk := self._fh.read(DISCARD_CHUNK):
-            self._hash.update(chunk)
-        return self._hash.hexdigest()
-
-
-def read_input(
-    source: str, *, limit: int | None = None, digest: bool = False
-) -> tuple[list[Request | RecordError], str | None]:
-    """Every record of an input (the first `limit` with a limit) -> (items, sha256 or None).
-
-    The whole input is read before generating so that duplicate ids reject the run up front
-    (InputError naming both lines). With ``digest`` the sha256 covers the WHOLE input, also
-    past `limit`, so a resume may raise --limit over the same file; for stdin that means
-    reading it to the end.
-    """
-    path = os.fspath(source)
-    fh = sys.stdin.buffer if path == "-" else open_input(path)
-    reader = _HashingReader(fh)
-    try:
-        items: list[Request | RecordError] = []
-        if limit is None or limit > 0:
-            for item in _iter_records(reader, close=False):  # type: ignore[arg-type]
-                items.append(item)
-                if limit is not None and len(items) >= limit:
-                    break
-        sha = reader.hexdigest_to_end() if digest else None
-    finally:
-        if fh is not sys.stdin.buffer:
-            fh.close()
-    dup = find_duplicate_ids(items)
-    if dup is not None:
-        raise InputError(f"{path}: duplicate id {dup[0]!r} on lines {dup[1]} and {dup[2]}")
-    return items, sha
-
-
-class RecordRef:
-    """A good record of an `InputIndex`: where its line lies, not what it says.
-
-    It carries the attributes of a `Request` that the bookkeeping of a run reads (index,
-    line, id, and the ignored key paths for the run's note), so resume, merging, sharding
-    and id checks take refs as they take Requests; `InputIndex.requests` gives the Request.
-    """
-
-    __slots__ = ("index", "line", "id", "offset", "length", "ignored")
-
-    def __init__(self, index: int, line: int, id: str, offset: int, length: int,
-                 ignored: list[str] | tuple = ()) -> None:
-        self.index = index
-        self.line = line
-        self.id = id
-        self.offset = offset  # byte offset of the line's body in the input (after a BOM)
-        self.length = length  # bytes of the body, newline excluded
-        self.ignored = ignored
-
-    def __repr__(self) -> str:
-        return (f"RecordRef(index={self.index}, line={self.line}, id={self.id!r}, "
-                f"offset={self.offset}, length={self.length})")
-
-
-class InputIndex:
-    """An input read once: its records as `RecordRef`s (good ones) or `RecordError`s (kept
-    whole), in input order, and the whole input's sha256 when asked for; built by
-    `index_input`. It keeps the input open (standard input: a spooled copy) to parse a
-    record again when it is needed; close it at the end (or use it as a context manager).
-    """
-
-    def __init__(self, path: str, fh: BinaryIO | None, items: list[RecordRef | RecordError],
-                 sha256: str | None) -> None:
-        self.path = path
-        self.items = items
-        self.sha256 = sha256
-        self._fh = fh
-
-    def __enter__(self) -> InputIndex:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the input (a spool of stdin is deleted); safe to call twice."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-    def request(self, ref: RecordRef | RecordError) -> Request | RecordError:
-        """The record as `read_requests` gives it: parsed again from its line (a RecordError
-        is its own record)."""
-        if not isinstance(ref, RecordRef):
-            return ref
-        if self._fh is None:
-            raise ValueError("the input index is closed")
-        self._fh.seek(ref.offset)
-        raw = self._fh.read(ref.length)
-        item = _parse_line(raw, ref.index, ref.line, ref.offset)
-        if len(raw) != ref.length or isinstance(item, RecordError) or item.id != ref.id:
-            raise InputError(f"{self.path}: line {ref.line} is not what it was when the input "
-                             "was read: the input file changed during the run")
-        return item
-
-    def requests(self, refs: Iterable[RecordRef | RecordError]) -> Iterator[Request | RecordError]:
-        """The records of `refs`, in their order, parsed one at a time as they are pulled."""
-        for ref in refs:
-            yield self.request(ref)
-
-
-def index_input(source: str, *, limit: int | None = None, digest: bool = False) -> InputIndex:
-    """`read_input` without the records' text: the same checks (duplicate ids: InputError
-    naming both lines), limit and digest, but an `InputIndex` of refs, so memory does not
-    grow with the prompts. Standard input ("-") is copied to an anonymous temporary file as
-    it is read (the records read back from there)."""
-    path = os.fspath(source)
-    stdin = path == "-"
-    fh = sys.stdin.buffer if stdin else open_input(path)
-    spool = tempfile.TemporaryFile() if stdin else None  # noqa: SIM115 - the index closes it
-    keep: BinaryIO = spool if spool is not None else fh
-    reader = _HashingReader(fh, copy=spool)
-    try:
-        items: list[RecordRef | RecordError] = []
-        if limit is None or limit > 0:
-            for item, offset, length in _located_records(reader):  # type: ignore[arg-type]
-                if isinstance(item, RecordError):
-                    items.append(item)
-                else:
-                    items.append(RecordRef(item.index, item.line, item.id, offset, length,
-                                           item.ignored or ()))
-                if limit is not None and len(items) >= limit:
-                    break
-        sha = reader.hexdigest_to_end() if digest else None
-        dup = find_duplicate_ids(items)
-        if dup is not None:
-            raise InputError(f"{path}: duplicate id {dup[0]!r} on lines {dup[1]} and {dup[2]}")
-    except BaseException:
-        keep.close()
-        raise
-    if spool is not None:
-        spool.flush()
-    return InputIndex(path, keep, items, sha)
-
-
 def _binary(stream: Any) -> BinaryIO:
     """The byte stream under a text stream (e.g. sys.stdin), or the stream itself."""
     if isinstance(stream, io.TextIOBase):
@@ -327,14 +167,14 @@ def _binary(stream: Any) -> BinaryIO:
 
 def _iter_records(fh: BinaryIO, *, close: bool) -> Iterator[Request | RecordError]:
     try:
-        for item, _offset, _length in _located_records(fh):
+        for item, _offset, _length in located_records(fh):
             yield item
     finally:
         if close:
             fh.close()
 
 
-def _located_records(fh: BinaryIO) -> Iterator[tuple[Request | RecordError, int, int]]:
+def located_records(fh: BinaryIO) -> Iterator[tuple[Request | RecordError, int, int]]:
     """(record, offset, length) per non-blank line: the record and where the bytes it was
     parsed from lie in the stream (the line without its newline, nor a leading BOM)."""
     index = 0
@@ -345,7 +185,7 @@ def _located_records(fh: BinaryIO) -> Iterator[tuple[Request | RecordError, int,
                 f"line is longer than the limit of {MAX_LINE_BYTES} bytes",
             )
         else:
-            item = _parse_line(raw, index, line_no, offset)
+            item = parse_line(raw, index, line_no, offset)
         yield item, offset, len(raw)
         index += 1
 
@@ -389,7 +229,7 @@ def _read_lines(fh: BinaryIO) -> Iterator[tuple[int, int, bytes, bool]]:
             yield line_no, start, b"", True
 
 
-def _parse_line(raw: bytes, index: int, line: int, offset: int) -> Request | RecordError:
+def parse_line(raw: bytes, index: int, line: int, offset: int) -> Request | RecordError:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -792,18 +632,3 @@ def show_value(value: Any, limit: int = 40) -> str:
         text = repr(value) if isinstance(value, float) else str(value)
         return text if len(text) <= limit else text[:limit] + "..."
     return f"an {json_type(value)}" if isinstance(value, (list, dict)) else json_type(value)
-
-
-def find_duplicate_ids(items: Iterable[Request | RecordError | RecordRef]) -> tuple[str, int, int] | None:
-    """The first id seen twice, as (id, first line, second line), or None.
-
-    Requests (or their `RecordRef`s) and RecordErrors all count: results are matched back to
-    inputs by id.
-    """
-    seen: dict[str, int] = {}
-    for item in items:
-        if item.id in seen:
-            return item.id, seen[item.id], item.line
-        seen[item.id] = item.line
-    return None
-

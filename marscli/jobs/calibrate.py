@@ -73,7 +73,7 @@ from marscli.errors import (
 )
 from marscli.io.console import Log, Progress
 from marscli.io.distributed import ProgressPump, shard, solo_step
-from marscli.io.records import read_input
+from marscli.io.input_index import read_input
 from marscli.jobs.generate import start_group
 from marscli.jobs.setup import (
     check_choices,

@@ -1,7 +1,7 @@
 """The generate job: read, load, generate, write results in input order; resume, data
 parallel (marscli.io.distributed), signals, --fail-fast and a closed stdout.
 
-The input is read once up front into an index (marscli.io.records.index_input: ids, lines and
+The input is read once up front into an index (marscli.io.input_index.index_input: ids, lines and
 where each line lies, not the records' text), so duplicate ids reject the run before the
 models load; records are parsed again one at a time as the engine pulls them, so memory does
 not grow with the prompts.
@@ -41,8 +41,8 @@ from marscli.io.distributed import (
     shard,
     solo_step,
 )
+from marscli.io.input_index import index_input
 from marscli.io.openai_format import render
-from marscli.io.records import index_input
 from marscli.io.results import held_path
 from marscli.io.resume import RunOutput, fingerprint_diff
 from marscli.jobs.fingerprint import LOADED_COMPONENTS, run_fingerprint, run_key
@@ -186,7 +186,7 @@ class GenerateRun:
         self.group = group  # marscli.io.distributed.Group under a launcher, else None
         self.output = None  # marscli.io.RunOutput
         self.writer = None  # marscli.io.ResultWriter, once the output is open
-        self.input = None  # marscli.io.records.InputIndex, once the input is read
+        self.input = None  # marscli.io.input_index.InputIndex, once the input is read
         self.progress: Progress | None = None
         self.total = 0
         self.done_before = 0

@@ -1,8 +1,10 @@
 """The rulebook's tree walk: one step's draft tree verified with a chain's rule.
 
 Same rules and words as ``marscli.verification`` (the chain walk, ``rules.decide``, the random-draw
-policy): a node is judged at its parent's row by the very same per-position decision, and a
-tree that is one chain is verified as that chain is (tests/verification/test_tree.py, test_repetition.py).
+policy): a node is judged at its parent's row by the very same per-position decision (the loop
+guard applied by the chain's ``guarded_decision``), every node once, and a short walk over those
+decisions keeps the path; a tree that is one chain is verified as that chain is
+(tests/verification/test_tree.py, test_repetition.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from marscli.verification.chain import STRICT_RULE, guarded_decision, sampled_draws, sampling_probs
+from marscli.verification.chain import STRICT_RULE, guarded_decision, sampling_probs
+from marscli.verification.draws import coupled_draw, position_keys
 from marscli.verification.registry import SAMPLING_MODE, Rule
 from marscli.verification.rules import (
     PositionFacts,
@@ -193,18 +196,18 @@ def verify_tree(
     if p is None:
         path = _tree_greedy(tree.child_lists(), ok.tolist(), relaxed, budget)
     else:
-        path = _tree_sampling(tree.child_lists(), facts.strict_ok.tolist(), relaxed, prefer, budget)
+        path = _tree_sampling(tree.child_lists(), facts.strict_ok.tolist(), relaxed, prefer.tolist(), budget)
     nxt = int(own[path[-1] + 1 if path else 0])  # the row after the path: its top-1, or its draw
     return TreeVerifyResult(path, nxt, [relaxed[i] for i in path],
                             *_row_report(rule, facts, decision.relaxable, stat, rows, row_guarded))
 
 
 def _row_draws(tree: DraftTree, p: torch.Tensor, seed: int | None, position: int | None) -> torch.Tensor:
-    """[N+1] long: each row's draw (``chain.sampled_draws``) under the law p [N+1, V]; row r
-    judges output position ``position + depth(r)`` (the root's row: depth 0)."""
+    """[N+1] long: each row's draw (marscli.verification.draws) under the law p [N+1, V]; row
+    r judges output position ``position + depth(r)`` (the root's row: depth 0)."""
     assert seed is not None and position is not None, "sampling needs the record's seed and position"
     depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth()])  # [N+1]
-    return sampled_draws(p.unsqueeze(1), torch.full_like(depth, seed), position + depth)[:, 0]
+    return coupled_draw(p, position_keys(torch.full_like(depth, seed), position + depth))
 
 
 def _node_facts(
@@ -216,10 +219,10 @@ def _node_facts(
     t1: torch.Tensor,  # [N+1] long: each row's top-1
     t2: torch.Tensor,  # [N+1] long: each row's top-2
     stat: torch.Tensor,  # [N+1] float32: each row's margin statistic
-) -> tuple[PositionFacts, list[bool]]:
+) -> tuple[PositionFacts, torch.Tensor]:
     """Every node's facts ([N]), each node judged at its parent's row (strict_ok: it is the
     row's own token), and the sampling walk's preference among a row's relaxable children
-    ([N], False first, then index order). A per-token rule (ratio, topk, typical, regret): its
+    ([N] bool: False first, then index order). A per-token rule (ratio, topk, typical, regret): its
     facts on the row's original p (T = 1 if greedy), the regret summed along the root path, in
     index order. Else MARS's margin facts (a rule that does not relax is judged strictly on
     them), the row's top-1 before its top-2."""
@@ -229,7 +232,7 @@ def _node_facts(
     if not per_token(rule):
         alive = logits[rows, tok].float() > -math.inf if p is None else p[rows, tok] > 0  # p(token) > 0
         facts = PositionFacts({rule.margin: stat[rows]}, in_top2(tok, t1[rows], t2[rows], alive), strict_ok)
-        return facts, (tok != t1[rows]).tolist()
+        return facts, tok != t1[rows]
     probs = torch.softmax(logits.float(), dim=-1) if p is None else p  # [N+1, V]
     f = draft_facts(logits[rows], tok, probs[rows], rule.needs)
     if "regret" in f:
@@ -238,7 +241,7 @@ def _node_facts(
         for i, r in enumerate(own_regret):  # parents come before their children
             total[i] = r + (total[parents[i]] if parents[i] >= 0 else 0.0)
         f["regret"] = torch.tensor(total, dtype=torch.float64, device=logits.device)
-    return PositionFacts({}, None, strict_ok, **f), [False] * len(tree)
+    return PositionFacts({}, None, strict_ok, **f), torch.zeros_like(strict_ok)
 
 
 def _row_report(

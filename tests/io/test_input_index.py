@@ -1,4 +1,4 @@
-"""Tests of marscli.io.records.index_input: the input read once into compact refs, records
+"""Tests of marscli.io.input_index.index_input: the input read once into compact refs, records
 parsed again on demand into the very Requests read_requests gives."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import marscli.io.records as records
 from marscli.config import RecordError, Request
 from marscli.errors import InputError
-from marscli.io.records import RecordRef, index_input, read_input, read_requests
+from marscli.io.input_index import RecordRef, index_input, read_input
+from marscli.io.records import read_requests
 
 
 def j(obj) -> str:

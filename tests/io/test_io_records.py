@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import marscli.io.records as records
 from marscli.config import RecordError, Request, SamplingParams
 from marscli.errors import InputError
-from marscli.io.records import find_duplicate_ids, read_input, read_requests
+from marscli.io.input_index import find_duplicate_ids, read_input
+from marscli.io.records import read_requests
 from marscli.io.results import dump_json_line
 from tests.helpers import json_values
 from tests.verify_helpers import as_error

@@ -634,7 +634,7 @@ def test_streamed_input_gives_the_output_of_records_read_whole(runner, tiny_mode
     output is byte for byte the one of a run handed every record parsed up front (as before
     the index), from a file or from stdin, one at a time or batched."""
     import marscli.jobs.generate as generate
-    from marscli.io.records import read_input
+    from marscli.io.input_index import read_input
 
     lines = [b"\xef\xbb\xbf" + json.dumps({"id": "a", "prompt": "hi"}).encode(), b"",
              json.dumps({"prompt": "crlf", "max_tokens": 1}).encode() + b"\r", b"{oops", b"\xff",
