@@ -220,6 +220,7 @@ THROUGHPUT_COLUMNS = (
     ("vs first batch", "speedup_vs_first_batch_size", ".2fx"),
     ("tau", "acceptance_length", ".2f"),
     ("k/step", "mean_draft_length", ".2f"),
+    ("loops", "loops", "d"),
     ("same output", "outputs_equal_first_batch_size", "/prompts"),
     ("prefill s", "prefill_seconds", ".1f"),
     ("prefix reused", "prefix_tokens_reused", "d"),

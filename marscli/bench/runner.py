@@ -54,6 +54,7 @@ from marscli.drafters.kinds import EAGLE3, NGRAM, NONE
 from marscli.engine import build_engine
 from marscli.engine.sequence import RecordFailure
 from marscli.scoring import rouge
+from marscli.verification.guard import ends_in_loop
 from marscli.verification.registry import MARS, PAPER_THETA, STRICT
 
 
@@ -352,6 +353,9 @@ class Bench:
                     "mean_draft_length": (metrics.ratio(sum(s.drafted for s in stats), sum(s.steps for s in stats))
                                           if stats and self.cfg.draft.kind != NONE and m.kind != AR else None),
                     "outputs_equal_first_batch_size": sum(a == b for a, b in zip(outputs, ref)),
+                    # records whose output ends in a loop, and relaxations taken back (--loop-rewind)
+                    "loops": sum(ends_in_loop(o) for o in outputs),
+                    "rewinds": sum(getattr(s, "rewinds", 0) for s in stats) if stats else None,
                     "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16],
                     "peak_rss_mib": round_or_none(peak_rss_mib(), 1),
                     "cuda_peak_mib": round_or_none(torch.cuda.max_memory_allocated() / MIB, 1) if cuda else None,

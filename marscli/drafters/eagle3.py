@@ -287,7 +287,9 @@ class BatchedEagle3Drafter:
         # The draft positions' head passes at static shapes when the engine's steps are
         # (captured as CUDA graphs on CUDA); a compiled CPU engine's head stays eager.
         kind = step_on(self.step_kind, self.head.device)
-        self.steps = HeadSteps(self.head, graphs=kind == "graphs") if kind in ("static", "graphs") else None
+        if getattr(self, "steps_kind", None) != kind:  # the head's shapes live with the head
+            self.steps = HeadSteps(self.head, graphs=kind == "graphs") if kind in ("static", "graphs") else None
+            self.steps_kind = kind
 
     def add_row(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         # The head's prompt entries come from the target's prefill features (observe).
@@ -465,6 +467,7 @@ class HeadSteps(CapturedShapes):
                   "pos": torch.zeros(Bb, 1, dtype=torch.long, device=dev),
                   "at": torch.zeros(1, dtype=torch.long, device=dev),
                   "mask": torch.zeros(Bb, 1, 1, L, dtype=torch.bool, device=dev)}
+            self.built += 1
         self._keep((Bb, L), st)
         st["k"][:B, :, :T] = keys
         st["v"][:B, :, :T] = values
@@ -515,6 +518,7 @@ class HeadSteps(CapturedShapes):
                   "mask": torch.zeros(Bb, 1, Pb, L, dtype=torch.bool, device=dev),
                   "k": keys.new_zeros(Bb, keys.shape[1], L, keys.shape[3]),
                   "v": values.new_zeros(Bb, values.shape[1], L, values.shape[3])}
+            self.built += 1
         self._keep(key, st)
         st["x"].zero_()
         st["x"][:B, :P] = x

@@ -256,11 +256,16 @@ class BatchedModelDrafter(DraftModelSettings):
 
     def reset(self) -> None:
         # Its rows in slots (marscli.models.slots) where the model allows, else with holes;
-        # its steps captured as the engine's are (step_kind, set by the engine).
-        if self.slot_cache and self.slots_fit:
+        # its steps captured as the engine's are (step_kind, set by the engine). A slot cache
+        # of the same step kind is kept, emptied: its captured shapes live with the model.
+        kv = getattr(self, "kv", None)
+        if isinstance(kv, SlotCache) and getattr(self, "kv_kind", None) == self.step_kind:
+            kv.clear_rows()
+        elif self.slot_cache and self.slots_fit:
             self.kv = SlotCache.for_step(self.model, self.device, self.step_kind, pad_id=self.pad_id)
         else:
             self.kv = HoleCache(self.model, self.device, masked=True)
+        self.kv_kind = self.step_kind
         self.rows: list[_Row] = []
         if not hasattr(self, "prefiller"):  # the prefix cache outlives the rows and jobs
             self.prefiller = Prefiller(self.model, self.device, PrefixCache(DRAFT_PREFIX_CACHE_MIB * MIB),

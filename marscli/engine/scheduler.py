@@ -29,6 +29,7 @@ Results are yielded as rows finish, not in input order (marscli.io restores inpu
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -65,7 +66,7 @@ from marscli.errors import UsageError
 from marscli.models.fastpath import install_cpu_fastpath
 from marscli.models.kvcache import HoleCache, sliding_layers
 from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
-from marscli.models.slots import SlotCache
+from marscli.models.slots import SlotCache, graphs_blocker
 from marscli.models.slots import supports as supports_slots
 from marscli.verification.chain import verify_rows
 from marscli.verification.registry import REGRET, Rule
@@ -107,7 +108,23 @@ def step_kind(mode: str, device, model) -> str:
         return "eager"
     if mode == "static":
         return "static"
-    return "graphs" if device.type == "cuda" else "compiled"
+    if device.type == "cuda":
+        blocker = graphs_blocker(model)
+        if blocker is not None:  # static shapes, eagerly: never a capture that cannot work
+            _say_once(f"marscli: no CUDA graphs for this model ({blocker}); its steps run eagerly "
+                      "at the captured step's shapes\n")
+            return "static"
+        return "graphs"
+    return "compiled"
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        sys.stderr.write(line)
 
 
 class Engine:
@@ -247,12 +264,17 @@ class Engine:
 
     # ------------------------------------------------------------------ rows
 
-    def reset_rows(self) -> None:
-        """No active row: a fresh cache and drafter."""
+    def reset_rows(self, fresh: bool = False) -> None:
+        """No active row. A slot cache of the same kind is kept, emptied of rows: its buffers
+        and its captured shapes live with the loaded model, so the next run (or record, or
+        bench row) captures nothing again; ``fresh`` (after out-of-memory) builds a new one."""
         self.rows: list[Row] = []
-        # The target's cache, one row per record: masked with holes when rows share it,
-        # rolled back in place at batch size 1.
-        if self.step_kind != "eager":  # at every batch size, batch size 1 included
+        # The target's cache, one row per record: in slots, or masked with holes when rows
+        # share it, rolled back in place at batch size 1.
+        kind = (self.step_kind, self.batch_size > 1 and self.slot_cache, self.tap)
+        if not fresh and isinstance(getattr(self, "kv", None), SlotCache) and self.kv_kind == kind:
+            self.kv.clear_rows()
+        elif self.step_kind != "eager":  # at every batch size, batch size 1 included
             self.kv = SlotCache.for_step(self.model, self.device, self.step_kind, slots=self.batch_size,
                                          pad_id=self.pad_id, tap=self.tap)
         elif self.batch_size > 1 and self.slot_cache:
@@ -260,6 +282,7 @@ class Engine:
         else:
             self.kv = HoleCache(self.model, self.device, masked=self.batch_size > 1,
                                 batch_capacity=self.batch_size)
+        self.kv_kind = kind
         self.drafters.reset()
 
     def use_drafters(self, drafters: BatchedDrafter) -> None:
@@ -302,7 +325,7 @@ class Engine:
         """Rows whose start failed half-way leave no trace in the cache or the drafter."""
         n = len(self.rows)
         if n == 0:
-            self.kv.reset()
+            self.kv.clear_rows()
         elif self.kv.rows > n:
             self.kv.keep_rows(list(range(n)))
         self.drafters.keep(list(range(n)))
@@ -327,7 +350,7 @@ class Engine:
 
     def evict_all(self) -> list[Row]:
         rows = self.rows
-        self.reset_rows()
+        self.reset_rows(fresh=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return rows

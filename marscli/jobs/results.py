@@ -334,7 +334,7 @@ def ignored_keys_note(items: Iterable) -> str | None:
 class Totals:
     """A run's summary line: records, tokens, rate, acceptance length, relaxed share."""
 
-    SUMMED = ("records", "tokens", "seconds", "steps", "accepted", "relaxed", "loops")
+    SUMMED = ("records", "tokens", "seconds", "steps", "accepted", "relaxed", "loops", "rewinds")
 
     def __init__(self) -> None:
         self.records = 0
@@ -344,6 +344,7 @@ class Totals:
         self.accepted = 0
         self.relaxed = 0
         self.loops = 0  # outputs that end in a loop (marscli.verification.guard)
+        self.rewinds = 0  # relaxations taken back because a loop followed them (--loop-rewind)
         self.wall: float | None = None  # batched runs: records overlap, so rate = tokens / wall time
 
     def add(self, r: dict, seconds: float) -> None:
@@ -355,6 +356,7 @@ class Totals:
         self.accepted += s["accepted"]
         self.relaxed += s["relaxed"]
         self.loops += bool(s.get("ends_in_loop"))
+        self.rewinds += s.get("rewinds", 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.SUMMED}
@@ -377,4 +379,5 @@ class Totals:
             f"done: {self.records}/{total} records ok, {failed} failed, {self.tokens} tokens, "
             f"{tps:.1f} tok/s, mean acceptance length {tau:.2f}, relaxed share {relaxed:.3f}"
             + (f", {self.loops} ending in a loop" if self.loops else "")
+            + (f", {self.rewinds} relaxation(s) taken back" if self.rewinds else "")
         )

@@ -236,6 +236,10 @@ class HoleCache:
                 layer.batch_capacity = self.batch_capacity
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, T]
 
+    def clear_rows(self) -> None:
+        """No row (as SlotCache.clear_rows; a hole cache keeps nothing worth keeping)."""
+        self.reset()
+
     @property
     def rows(self) -> int:
         return self.mask.shape[0]

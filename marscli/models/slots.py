@@ -113,6 +113,24 @@ def supports(model) -> bool:
     return not sliding_layers(model) and _attention(model) in BOOL_MASK_ATTENTION + ADDITIVE_MASK_ATTENTION
 
 
+def graphs_blocker(model) -> str | None:
+    """Why `model`'s forward cannot be captured as a CUDA graph, or None: bitsandbytes 8-bit
+    layers (their outlier handling asks the host `outliers.any()` inside the forward),
+    weights offloaded to the CPU or disk (moved in by hooks during the forward), and dynamic
+    RoPE scaling (the rotary frequencies are recomputed from the sequence length on the
+    host). Such a model's steps run at the static shapes eagerly, said once."""
+    if any(type(m).__name__ in ("Linear8bitLt", "Int8Params") for m in model.modules()):
+        return "bitsandbytes 8-bit layers"
+    device_map = getattr(model, "hf_device_map", None) or {}
+    if any(str(d) in ("cpu", "disk") for d in device_map.values()):
+        return "weights offloaded to the CPU or disk"
+    scaling = getattr(model.config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind in ("dynamic", "longrope"):
+        return f"{kind} RoPE scaling"
+    return None
+
+
 def step_on(kind: str, device) -> str:
     """The step kind (Engine.step_kind) a cache on `device` runs: CUDA graphs need CUDA (a
     draft model placed elsewhere than its target runs eagerly); a compiled step runs anywhere."""
@@ -212,6 +230,13 @@ class SlotCache:
         self.lengths: list[int] = []  # per row (= slot), host side
         self.span = 0
         self.write_index: torch.Tensor | None = None
+
+    def clear_rows(self) -> None:
+        """No row: every slot free again. The buffers and the captured (or compiled, or
+        static) shapes stay, so a next run at the same shapes builds nothing."""
+        self.lengths = []
+        self.span = 0
+        self.write_index = None
 
     @classmethod
     def for_step(cls, model, device, kind: str, **kw) -> SlotCache:
@@ -385,6 +410,7 @@ class CapturedShapes:
     def __init__(self):
         self.shapes: dict[tuple, dict] = {}
         self.captures = 0  # shapes captured as graphs or compiled (for reports and tests)
+        self.built = 0  # shapes built (their buffers made; captured or compiled where they are)
         self.capture_error: str | None = None  # why capturing failed (then steps run eagerly)
         self.capture_seconds = 0.0  # spent capturing or compiling (the first step of a shape)
         self.pool = None
@@ -413,15 +439,7 @@ class CapturedShapes:
             t0 = time.perf_counter()
             dev = st["at"].device
             try:
-                # Warm up on a side stream (allocator and kernels settle), then capture.
-                side = torch.cuda.Stream(dev)
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    run(st)
-                torch.cuda.current_stream(dev).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    st[name] = run(st)
+                graph = self._capture(st, run, name, dev)
             except Exception as e:  # noqa: BLE001 - a computation that cannot be captured still runs
                 self.give_up(e)
                 return run(st)
@@ -432,6 +450,41 @@ class CapturedShapes:
             # the capture itself ran nothing: replay it for this step
         st["graph"].replay()
         return st[name]
+
+    def _capture(self, st: dict, run, name: str, dev) -> torch.cuda.CUDAGraph:
+        """Warm the shape up on a side stream with host syncs made errors (a computation that
+        asks the host anything fails here, before any capture starts), then capture it. A
+        capture that fails ends cleanly: capture_end runs whatever the body raised (so the
+        allocator knows the capture is over), the thread leaves the capture stream (the
+        stream context restores it), and the body's own error is the one raised, not
+        capture_end's."""
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        debug = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):
+                run(st)
+        finally:
+            torch.cuda.set_sync_debug_mode(debug)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        error: Exception | None = None
+        with torch.cuda.stream(torch.cuda.Stream(dev)):
+            graph.capture_begin(pool=self.pool)
+            try:
+                st[name] = run(st)
+            except Exception as e:  # noqa: BLE001 - raised below, after the capture is ended
+                error = e
+            finally:
+                try:
+                    graph.capture_end()
+                except Exception as e:  # noqa: BLE001 - the body's error, if any, is the cause
+                    error = error or e
+        if error is not None:
+            torch.cuda.synchronize(dev)
+            raise error
+        return graph
 
     def _stop_capturing(self) -> None:
         """From now on everything runs eagerly (at the same shapes)."""
@@ -538,6 +591,7 @@ class StaticSteps(CapturedShapes):
         fresh = st is None
         if fresh:
             st = self._inputs(Bb, Sb, L, ids.device)
+            self.built += 1
         self._keep(key, st)
         # This step's inputs into the shape's buffers: rows past B and tokens past S are padding.
         at = write_positions(c.lengths + [0] * (Bb - B), Sb, ids.device)

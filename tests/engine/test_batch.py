@@ -208,6 +208,29 @@ def test_captured_step_shapes_give_the_same_records(target, draft, kind, vcfg):
             assert drafters.kv.steps is not None and drafters.kv.steps.shapes
 
 
+@pytest.mark.parametrize("kind", ["ngram", "model"])
+def test_a_second_run_on_one_engine_builds_no_shape(target, draft, kind):
+    """Captured shapes live with the loaded model, not the job: the same job run twice on one
+    engine (static steps, as a CPU runs them) builds every shape of the target's steps and of
+    the draft model's the first time and none the second, and decodes the same records."""
+    dcfg = (ngram_cfg(k=4) if kind == "ngram"
+            else DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False))
+    prompts = PROMPTS[:5]
+    samplings = [sampling_for(i, temperature=float(i % 2)) for i in range(len(prompts))]
+    drafters = build_drafters(dcfg, target, draft, batch_size=3, batched_model=True)
+    engine = Engine(target, drafters, MARS.rule, dcfg, 3, compile_mode="static")
+    built, runs = [], []
+    for _ in range(2):
+        before = (engine.kv.steps.built, drafters.kv.steps.built if kind == "model" else 0)
+        got = dict(engine.run(range(len(prompts)), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
+        runs.append([got[i].token_ids for i in range(len(prompts))])
+        built.append((engine.kv.steps.built - before[0],
+                      (drafters.kv.steps.built if kind == "model" else 0) - before[1]))
+    assert built[0][0] > 0 and (kind != "model" or built[0][1] > 0)
+    assert built[1] == (0, 0), built
+    assert runs[0] == runs[1]
+
+
 def test_compile_on_compiles_the_step_on_a_cpu(target, capsys):
     """--compile on on a CPU compiles the static step shapes with torch.compile: strict greedy and
     MARS records at batch 2, rows joining and leaving, equal the eager engine's records alone;
