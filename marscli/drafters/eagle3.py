@@ -79,14 +79,17 @@ def head_draws(head: Eagle3Head, logits: torch.Tensor, samplings: list[SamplingP
     top-1 (greedy rows) or the position's coupled draw from q (sampled rows; the noise keyed
     by target token ids, as the target's own draw is)."""
     picked = logits.argmax(dim=-1)  # [R] draft-vocabulary ids
-    sampled = [i for i, s in enumerate(samplings) if not s.greedy]
-    if sampled:
+    groups: dict[tuple, list[int]] = {}  # sampled rows by settings: one draw call a group
+    for i, s in enumerate(samplings):
+        if not s.greedy:
+            groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
+    if groups:
         ids = head.to_target(torch.arange(logits.shape[-1], device=logits.device))  # [Dv]
-        for i in sampled:
-            s = samplings[i]
-            q = sampling_probs(logits[i: i + 1], s.temperature, s.top_k, s.top_p)  # [1, Dv]
-            key = position_keys(torch.tensor([s.seed]), torch.tensor([positions[i]])).to(q.device)
-            picked[i] = coupled_draw(q, key, ids)[0]
+        for (t, k, p), rows in groups.items():
+            q = sampling_probs(logits[rows], t, k, p)  # [R', Dv]
+            keys = position_keys(torch.tensor([samplings[i].seed for i in rows]),
+                                 torch.tensor([positions[i] for i in rows])).to(q.device)
+            picked[rows] = coupled_draw(q, keys, ids)
     return head.to_target(picked)
 
 

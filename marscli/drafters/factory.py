@@ -9,7 +9,7 @@ from marscli.drafters.hybrid import HybridDrafter
 from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM, NONE
 from marscli.drafters.model import BatchedModelDrafter, ModelDrafter, SiblingTree
 from marscli.drafters.ngram import JobCorpus, NgramDrafter, NoDrafter
-from marscli.models.fastpath import install_cpu_fastpath
+from marscli.models.fastpath import install_cpu_fastpath, install_folded_gqa_attention
 from marscli.models.kvcache import sliding_layers
 from marscli.models.quant import output_rows
 
@@ -44,6 +44,8 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None)
         raise ValueError("a model drafter needs a loaded draft model")
     if draft_model.device.type == "cpu":
         install_cpu_fastpath(draft_model.model)
+    elif draft_model.device.type == "cuda":
+        install_folded_gqa_attention(draft_model.model)
     model = ModelDrafter(draft_model.model, draft_cfg.num_draft_tokens, vocab_size=vocab,
                          tree=_tree_shape(draft_cfg), context=draft_cfg.context)
     if not draft_cfg.hybrid:

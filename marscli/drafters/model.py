@@ -9,7 +9,7 @@ import torch
 from marscli.config import SamplingParams
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
 from marscli.drafters.kinds import MODEL
-from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback
+from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback, to_device
 from marscli.models.prefill import DRAFT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.models.slots import SlotCache, supports
 from marscli.verification.chain import sampling_probs
@@ -44,12 +44,15 @@ def draft_tokens(logits: torch.Tensor, samplings: list[SamplingParams], position
     target's draw there (marscli.verification.draws: the same noise, from the record's seed
     and the output position). One host transfer for all rows."""
     out = logits.argmax(dim=-1)  # [R]
-    sampled = [i for i, s in enumerate(samplings) if not s.greedy]
-    for i in sampled:  # rows of one batch usually share their settings; each its own law
-        s = samplings[i]
-        q = sampling_probs(logits[i: i + 1], s.temperature, s.top_k, s.top_p)  # [1, V]
-        key = position_keys(torch.tensor([s.seed]), torch.tensor([positions[i]]))
-        out[i] = coupled_draw(q, key.to(q.device))[0]
+    groups: dict[tuple, list[int]] = {}  # sampled rows by settings: one draw call a group
+    for i, s in enumerate(samplings):
+        if not s.greedy:
+            groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
+    for (t, k, p), rows in groups.items():
+        q = sampling_probs(logits[rows], t, k, p)  # [R', V]
+        keys = position_keys(torch.tensor([samplings[i].seed for i in rows]),
+                             torch.tensor([positions[i] for i in rows]))
+        out[rows] = coupled_draw(q, keys.to(q.device))
     return out.tolist()
 
 
@@ -317,9 +320,9 @@ class BatchedModelDrafter(DraftModelSettings):
                 new_mask[b, : len(f)] = 1
         npos = torch.tensor([len(h.cached) for h in self.rows], dtype=torch.long)
         pos = npos[:, None] + torch.arange(S)[None, :]
-        ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
-        logits = self.kv.forward(ids, new_mask, pos).logits  # [B, S, V_draft]
-        self.kv.commit(new_mask)
+        ids, mask_on_device, pos = (to_device(t, self.device) for t in (ids, new_mask, pos))
+        logits = self.kv.forward(ids, mask_on_device, pos).logits  # [B, S, V_draft]
+        self.kv.commit(new_mask, [len(f) for f in feeds])  # known on the host: no transfer back
         for h, f in zip(self.rows, feeds):
             h.cached.extend(f)
         return logits

@@ -130,8 +130,9 @@ class NgramDrafter(DrafterBase):
         ns = range(self.ngram_min, self.ngram_max + 1)
         self._trackers = {n: AcceptanceTracker() for n in ns}
         self._corpus_trackers = {n: AcceptanceTracker() for n in ns}
-        # The last offer: (len(seq), tracker, the chain of proposals after seq)
-        self._match: tuple[int, AcceptanceTracker, list[int]] | None = None
+        # The last offer: (len(seq), tracker, the proposals after seq made so far, the lookup
+        # at seq: (n, position) for a match in the record's own text, None in the corpus)
+        self._match: tuple[int, AcceptanceTracker, list[int], tuple[int, int] | None] | None = None
         self._seq: list[int] | None = None  # the committed sequence, for finish()
 
     def _extend_index(self, seq: list[int]) -> None:
@@ -189,28 +190,32 @@ class NgramDrafter(DrafterBase):
             if shared is not None:
                 n, doc, pos = shared
                 chain = list(doc[pos: pos + max(k_max, 0) + 1])
-                self._match = (len(seq), self._corpus_trackers[n], chain)
+                self._match = (len(seq), self._corpus_trackers[n], chain, None)
                 return DraftOffer(min(len(chain), max(k_max, 0)), self._corpus_trackers[n].alpha)
         if found is None:
             return DraftOffer.none()
-        chain = self._chain(seq, found, max(k_max, 0) + 1)
-        self._match = (len(seq), self._trackers[found[0]], chain)
-        return DraftOffer(min(len(chain), max(k_max, 0)), self._trackers[found[0]].alpha)
+        # The chain is made when proposed, for the length chosen (each draft a lookup): the
+        # offer estimates it by the first match's continuation in the text.
+        self._match = (len(seq), self._trackers[found[0]], [seq[found[1]]], found)
+        return DraftOffer(min(len(seq) - found[1], max(k_max, 0)), self._trackers[found[0]].alpha)
 
     def propose(self, seq: list[int], k: int, bonus: bool = False) -> Proposal:
-        if self._match is None or self._match[0] != len(seq) or len(self._match[2]) < k + bonus:
+        if self._match is None or self._match[0] != len(seq):
             self.offer(seq, k, bonus)
         if self._match is None:
             return Proposal([])
-        chain = self._match[2]
+        length, tracker, chain, found = self._match
         k = max(k, 0)
+        if found is not None and len(chain) < k + bonus:
+            chain = self._chain(seq, found, k + bonus)
+            self._match = (length, tracker, chain, found)
         return Proposal(chain[:k], chain[k] if bonus and len(chain) > k else None)
 
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
         self._seq = seq
         if self._match is None:
             return
-        length, tracker, chain = self._match
+        length, tracker, chain, _ = self._match
         self._match = None
         if proposed:
             tracker.update(proposed, accepted)

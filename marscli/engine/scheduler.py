@@ -63,8 +63,8 @@ from marscli.engine.sequence import (
 from marscli.engine.step_inputs import chain_inputs, tree_guard
 from marscli.engine.tree_forward import check_tree_support, tree_block, tree_forward
 from marscli.errors import UsageError
-from marscli.models.fastpath import install_cpu_fastpath
-from marscli.models.kvcache import HoleCache, sliding_layers
+from marscli.models.fastpath import install_cpu_fastpath, install_folded_gqa_attention
+from marscli.models.kvcache import HoleCache, sliding_layers, to_device
 from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.models.slots import SlotCache, graphs_blocker
 from marscli.models.slots import supports as supports_slots
@@ -207,6 +207,8 @@ class Engine:
                     f"layers (layers {sliding[:4]}...); use --batch-size 1")
         if self.device.type == "cpu":
             install_cpu_fastpath(self.model)
+        elif self.device.type == "cuda":  # verification reads each shared K/V head once
+            install_folded_gqa_attention(self.model)
         #: Batched rows keep their keys and values in a slot cache (marscli.models.slots);
         #: False: the hole cache (marscli.models.kvcache.HoleCache), as before it.
         self.slot_cache = slot_cache
@@ -455,9 +457,10 @@ class Engine:
             new_mask[b, : 1 + len(d)] = 1
         npos = torch.tensor([r.npos for r in rows], dtype=torch.long)
         pos = npos[:, None] + torch.arange(K + 1)[None, :]  # [B, K+1]
-        ids, new_mask, pos = ids.to(self.device), new_mask.to(self.device), pos.to(self.device)
+        # the mask stays on the host too: the commit reads it there (no transfer back)
+        ids, mask_on_device, pos = (to_device(t, self.device) for t in (ids, new_mask, pos))
         # 2. one forward
-        logits = self._step_forward(ids, new_mask, pos).logits  # [B, K+1, V]
+        logits = self._step_forward(ids, mask_on_device, pos).logits  # [B, K+1, V]
         features = self.last_features  # [B, K+1, F] or None
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
         assert logits.shape[:2] == (B, K + 1), tuple(logits.shape)
@@ -482,6 +485,7 @@ class Engine:
         verdicts = res.host_rows(with_stat, extra)
         # 4. commit
         finished, rewound = [], []
+        kept = [1 + k for k in ks]  # positions each row keeps (the commit's, read on the host)
         for b, (r, d) in enumerate(zip(rows, drafts)):
             k, v, seq = ks[b], verdicts[b], r.seq
             n = v.num_accepted
@@ -508,6 +512,7 @@ class Engine:
                 self.drafters.observe(b, features[b, : len(emitted)])
             self.drafters.accepted(b, k, n, seq.seq)
             new_mask[b, 1 + n:] = 0
+            kept[b] = 1 + n
             r.npos += 1 + n
             if seq.rewound_at is not None:  # a relaxation taken back: the row follows its text
                 rewound.append(b)
@@ -517,7 +522,7 @@ class Engine:
                 self.drafters.rewind(b, seq.seq)
             if seq.done:
                 finished.append(b)
-        self.kv.commit(new_mask)
+        self.kv.commit(new_mask, kept)
         for b in rewound:
             self.kv.truncate_row(b, rows[b].npos)
         if not finished:

@@ -209,6 +209,66 @@ def install_gqa_attention(model: nn.Module) -> bool:
     return True
 
 
+#: The folded grouped-query attention's name in transformers' registries (accelerators).
+GQA_FOLD = "marscli_gqa_fold"
+
+
+def folded_gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+               scaling: Optional[float]) -> torch.Tensor:
+    """Grouped-query attention with the query groups folded into the query axis: query
+    [B, Hkv * G, S, D] viewed as [B, Hkv, G * S, D] against keys and values [B, Hkv, T, D],
+    the mask [B, 1 or Hq, S, T] laid out the same way. Each key/value head is read once, by
+    any SDPA kernel that takes a mask (transformers' SDPA path copies them G times with
+    ``repeat_kv`` whenever a mask is given, which a batch over a padded cache always gives).
+    Returns [B, S, Hq, D] in the query's dtype."""
+    B, Hq, S, D = query.shape
+    Hkv, T = key.shape[1], key.shape[2]
+    G = Hq // Hkv
+    q = query.reshape(B, Hkv, G * S, D)  # head h = kv * G + g, as repeat_kv lays them out
+    m = None
+    if mask is not None:
+        if mask.shape[1] == 1:
+            m = mask.unsqueeze(2).expand(B, 1, G, S, T).reshape(B, 1, G * S, T)
+        else:
+            m = mask.reshape(B, Hkv, G * S, T)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scaling)  # [B, Hkv, G*S, D]
+    return out.reshape(B, Hq, S, D).transpose(1, 2).contiguous()
+
+
+def _gqa_fold_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                      scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """transformers' attention-interface call through ``folded_gqa`` where it applies (a
+    mask given, or one query token; no dropout or extras), else transformers' own SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plain = (dropout or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+             or bool(kwargs.get("output_attentions", False))
+             or (attention_mask is None and query.shape[2] > 1))
+    if plain or attention_mask is not None and attention_mask.dim() != 4:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    return folded_gqa(query, key, value, attention_mask, scaling), None
+
+
+def install_folded_gqa_attention(model: nn.Module) -> bool:
+    """Switch an accelerator model from "sdpa" to the folded GQA attention above (its
+    verification steps then read each shared key/value head once); True if switched."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not heads or kv_heads == heads:
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(GQA_FOLD, _gqa_fold_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_FOLD, sdpa_mask)
+    model.set_attn_implementation(GQA_FOLD)
+    return True
+
+
 def install_cpu_fastpath(model: nn.Module, packed: bool | None = None) -> int:
     """Patch the float32 CPU linear layers of `model` and its GQA attention; returns how many
     linear layers were patched. `packed` (default: where oneDNN has it, unless the environment

@@ -12,6 +12,14 @@ from transformers.cache_utils import DynamicLayer
 
 
 @functools.lru_cache(maxsize=None)
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A step input built on the host, on the device: on CUDA through pinned memory and a
+    non-blocking copy (the host tensor stays the host's to read and change)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
 def _cache_keyword(forward) -> str:
     try:
         params = inspect.signature(forward).parameters
@@ -263,13 +271,14 @@ class HoleCache:
         return self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
                           **cache_kw(self.model, self.cache), use_cache=True, **kw)
 
-    def commit(self, new_mask: torch.Tensor) -> None:
-        """Record which of the last forward's new slots each row keeps ([B, S])."""
+    def commit(self, new_mask: torch.Tensor, kept: list[int] | None = None) -> None:
+        """Record which of the last forward's new slots each row keeps ([B, S]; kept, the
+        per-row counts, is SlotCache's shortcut and not read here)."""
         if not self.masked:
             drop = int(new_mask.shape[1] - new_mask.sum())
             rollback(self.cache, self.cache.get_seq_length() - drop)
             new_mask = new_mask[:, : new_mask.shape[1] - drop]
-        self.mask = torch.cat([self.mask, new_mask], 1)
+        self.mask = torch.cat([self.mask, new_mask.to(self.mask.device)], 1)
 
     def append_kept(self, n: int) -> None:
         """The cache (one row) grew by n slots that all stay (after a tree step's compaction)."""

@@ -81,7 +81,7 @@ def visible(at: torch.Tensor, span: int, block: torch.Tensor | None = None) -> t
 
 
 #: Attention implementations that take a 4D bool mask (True: attend) as is.
-BOOL_MASK_ATTENTION = ("sdpa", "marscli_gqa_sdpa", "marscli_f64_sdpa")
+BOOL_MASK_ATTENTION = ("sdpa", "marscli_gqa_sdpa", "marscli_f64_sdpa", "marscli_gqa_fold")
 #: Attention implementations that add the mask to the scores: they get the additive float form
 #: (0: attend, finfo.min: hidden; a bool mask there would be silently wrong).
 ADDITIVE_MASK_ATTENTION = ("eager",)
@@ -267,8 +267,8 @@ class SlotCache:
             self.slots, self.capacity = slots, capacity
             for layer in self.layers():
                 layer.resize(slots, capacity)
-            if self.steps is not None:  # graphs read the old buffers
-                self.steps.clear()
+            if self.steps is not None and (self.graphs or self.compiled):
+                self.steps.clear()  # graphs and compiled steps read the old buffers; static shapes do not
 
     # ------------------------------------------------------------------ forward and commit
 
@@ -293,10 +293,12 @@ class SlotCache:
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                           **cache_kw(self.model, self.cache), use_cache=True, **kw)
 
-    def commit(self, new_mask: torch.Tensor) -> None:
+    def commit(self, new_mask: torch.Tensor, kept: list[int] | None = None) -> None:
         """Each row keeps the first new_mask[b].sum() of the last forward's new positions
-        (what a row keeps is always a prefix of what it fed)."""
-        kept = new_mask.sum(1).tolist()
+        (what a row keeps is always a prefix of what it fed), or kept[b] when the caller
+        knows them (the engine and the draft model do: the commit then reads no tensor)."""
+        if kept is None:
+            kept = new_mask.sum(1).tolist()
         self.lengths = [n + int(k) for n, k in zip(self.lengths, kept)]
 
     def truncate_row(self, b: int, keep: int) -> None:
@@ -527,6 +529,10 @@ class StaticSteps(CapturedShapes):
         #: the cache, read once (outside what a compiled step traces).
         self.model = model.get_decoder() if self.split else model
         self.cache_keyword = next(iter(cache_kw(self.model, None)))
+        #: The probe's replay check (_check_replay): off in a run.
+        self.check_replays = False
+        self.replay_delta: float | None = None
+        self.replays_checked = 0
 
     @property
     def graphs(self) -> bool:
@@ -584,7 +590,7 @@ class StaticSteps(CapturedShapes):
         B, S = ids.shape
         Bb, Sb = bucket_of(B, ROW_BUCKETS), bucket_of(S, TOKEN_BUCKETS)
         need = max(c.lengths, default=0) + Sb
-        c._room(Bb, need)  # may drop every shape: the buffers changed
+        c._room(Bb, need)  # may drop every captured shape: the buffers changed
         L = min(c.capacity, span_bucket(need, c.bucket))
         key = (Bb, Sb, L)
         st = self.shapes.pop(key, None)
@@ -609,7 +615,20 @@ class StaticSteps(CapturedShapes):
         st["mask"].copy_(attention_mask(c.model, visible(at, L, block)))
         if c.compiled:
             return self._logits(self._compiled(st, L, fresh), B, S)
-        return self._logits(self._replay(st, lambda st: self._forward(st, L), "out"), B, S, replayed=True)
+        out = self._replay(st, lambda st: self._forward(st, L), "out")
+        if self.check_replays and "graph" in st:
+            self._check_replay(st, L, out)
+        return self._logits(out, B, S, replayed=True)
+
+    def _check_replay(self, st: dict, L: int, out: tuple) -> None:
+        """The probe's check (check_replays, scripts/gpu_check.py): the shape's forward run
+        eagerly on the same buffers right after its replay (it writes the same keys and values
+        at the same positions), the largest |difference| of the outputs kept in replay_delta."""
+        replayed = out[0].float().clone()
+        eager = self._forward(st, L)[0].float()
+        delta = float((replayed - eager).abs().max())
+        self.replay_delta = max(self.replay_delta or 0.0, delta)
+        self.replays_checked += 1
 
     def _compiled(self, st: dict, L: int, fresh: bool):
         """The shape's forward compiled by torch.compile (inductor; one compilation per shape,

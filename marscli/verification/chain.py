@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from marscli.verification import draws
 from marscli.verification.draws import coupled_draw, position_keys
 from marscli.verification.registry import SAMPLING_MODE, STRICT, Rule
 from marscli.verification.rules import (
@@ -119,8 +120,11 @@ def sampled_draws(
     keys = position_keys(seeds.to(dev).long().view(B, 1).expand(B, W), pos)  # [B, W]
     if need is None:
         return coupled_draw(p.reshape(B * W, V), keys.reshape(-1)).view(B, W)
-    out = torch.zeros(B, W, dtype=torch.long, device=dev)
     need = need.to(dev)
+    if dev.type in draws.DENSE_DEVICES:  # every position drawn, no host read (the same draws)
+        drawn = coupled_draw(p.reshape(B * W, V), keys.reshape(-1)).view(B, W)
+        return torch.where(need, drawn, torch.zeros_like(drawn))
+    out = torch.zeros(B, W, dtype=torch.long, device=dev)
     if bool(need.any()):
         out[need] = coupled_draw(p[need], keys[need])
     return out

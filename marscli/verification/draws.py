@@ -117,6 +117,8 @@ def coupled_draw(
     top = p.amax(dim=-1, keepdim=True)  # [N, 1]
     cand = p >= top * CANDIDATE_RATIO  # [N, V] (the top token always)
     keys = keys.to(dev)
+    if dev.type in DENSE_DEVICES:
+        return _dense_draw(p, cand, keys, token_ids)
     rows, cols = cand.nonzero(as_tuple=True)
     ids = cols if token_ids is None else token_ids.to(dev)[cols]
     score = torch.log(p[rows, cols].double()) + gumbel(keys[rows], ids)  # [M]
@@ -143,3 +145,32 @@ def coupled_draw(
                             (t_w > 0).long().cumsum(-1).argmax(-1))
             pick[w] = j
     return pick
+
+
+#: Devices where coupled_draw takes the dense path: every column scored and the tail picked
+#: for every row, with no host read (on a GPU the sparse path's nonzero() and its two tests
+#: of "any row?" are each a transfer and a sync). The same draws as the sparse path, which a
+#: CPU keeps: it hashes the candidates only.
+DENSE_DEVICES = frozenset({"cuda"})
+
+
+def _dense_draw(p: torch.Tensor, cand: torch.Tensor, keys: torch.Tensor,
+                token_ids: torch.Tensor | None) -> torch.Tensor:
+    """coupled_draw's computation over every column: the same scores, the same argmax (the
+    first column on an exact tie), the same tail pick, without a host read."""
+    N, V = p.shape
+    dev = p.device
+    ids = torch.arange(V, device=dev) if token_ids is None else token_ids.to(dev)
+    noise = gumbel(keys[:, None], ids[None, :])  # [N, V]
+    score = torch.where(cand, torch.log(p.double()) + noise, torch.full_like(noise, -math.inf))
+    pick = score.argmax(dim=-1)  # [N]
+    best = score.gather(1, pick[:, None]).squeeze(1)
+    tail = p.masked_fill(cand, 0.0).double()  # [N, V]
+    mass = tail.sum(dim=-1)
+    tail_score = torch.log(mass.clamp(min=1e-300)) + gumbel(keys, torch.full_like(keys, TAIL))
+    wins = (mass > 0) & (tail_score > best)
+    cdf = tail.cumsum(dim=-1)
+    u = uniforms(keys, torch.full_like(keys, TAIL_PICK)) * cdf[:, -1]
+    j = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp(max=V - 1)
+    j = torch.where(tail.gather(1, j.unsqueeze(1)).squeeze(1) > 0, j, (tail > 0).long().cumsum(-1).argmax(-1))
+    return torch.where(wins, j, pick)

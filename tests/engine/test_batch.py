@@ -210,9 +210,10 @@ def test_captured_step_shapes_give_the_same_records(target, draft, kind, vcfg):
 
 @pytest.mark.parametrize("kind", ["ngram", "model"])
 def test_a_second_run_on_one_engine_builds_no_shape(target, draft, kind):
-    """Captured shapes live with the loaded model, not the job: the same job run twice on one
-    engine (static steps, as a CPU runs them) builds every shape of the target's steps and of
-    the draft model's the first time and none the second, and decodes the same records."""
+    """Captured shapes live with the loaded model, not the job: the same job run again on one
+    engine (static steps, as a CPU runs them) builds no shape of the target's steps or of the
+    draft model's, and decodes the same records (the first run's buffer growths keep static
+    shapes: only graphs and compiled steps read the old buffers)."""
     dcfg = (ngram_cfg(k=4) if kind == "ngram"
             else DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False))
     prompts = PROMPTS[:5]
@@ -229,6 +230,70 @@ def test_a_second_run_on_one_engine_builds_no_shape(target, draft, kind):
     assert built[0][0] > 0 and (kind != "model" or built[0][1] > 0)
     assert built[1] == (0, 0), built
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "model"])
+def test_one_host_read_per_chain_step_and_per_draft_position(target, draft, kind, monkeypatch):
+    """What would be a device-to-host transfer on a GPU, counted on a CPU (static steps, the
+    captured step's path, and the draws' dense path, a GPU's): a chain step reads the verdicts
+    once; a batched draft model reads its drafts once per draft position for the whole batch,
+    greedy and sampled rows alike; the commits read nothing."""
+    from marscli.engine.host_reads import count_host_reads
+    from marscli.verification import draws
+
+    monkeypatch.setattr(draws, "DENSE_DEVICES", frozenset({"cpu"}))
+
+    dcfg = (ngram_cfg(k=4) if kind == "ngram"
+            else DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False))
+    prompts = PROMPTS[:5]
+    samplings = [sampling_for(i, temperature=float(i % 2)) for i in range(len(prompts))]
+    drafters = build_drafters(dcfg, target, draft, batch_size=3, batched_model=True)
+    engine = Engine(target, drafters, MARS.rule, dcfg, 3, compile_mode="static")
+    job = lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])  # noqa: E731
+    dict(engine.run(range(len(prompts)), job))  # shapes built, caches grown
+    steps, feeds = [0], [0]
+    step, chain = engine.step, engine._chain_step
+
+    def counted_step():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted_step
+    if kind == "model":
+        feed = drafters._feed
+
+        def counted_feed(f):
+            feeds[0] += 1
+            return feed(f)
+
+        drafters._feed = counted_feed
+    prefill = engine.start_rows
+
+    def uncounted_prefill(joiners):  # prompts are read on the host anyway; steps are counted
+        with paused(reads):
+            return prefill(joiners)
+
+    engine.start_rows = uncounted_prefill
+    with count_host_reads() as reads:
+        got = dict(engine.run(range(len(prompts)), job))
+    assert chain is not None and steps[0] > 0 and len(got) == len(prompts)
+    assert reads.total <= steps[0] + feeds[0], (reads.by_kind, steps[0], feeds[0])
+    assert reads.by_kind["cpu"] == steps[0]  # the verdicts, once a step
+    if kind == "model":
+        assert feeds[0] > 0 and reads.by_kind["tolist"] <= feeds[0]
+
+
+class paused:
+    """Host reads inside the block are not counted (the counter's depth, as inside a read)."""
+
+    def __init__(self, reads):
+        self.reads = reads
+
+    def __enter__(self):
+        self.reads._depth += 1
+
+    def __exit__(self, *exc):
+        self.reads._depth -= 1
 
 
 def test_compile_on_compiles_the_step_on_a_cpu(target, capsys):

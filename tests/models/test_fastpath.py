@@ -143,6 +143,57 @@ def test_gqa_attention_matches_sdpa_with_holes_and_cache():
     assert not install_gqa_attention(m)  # already switched: nothing to do
 
 
+def test_folded_gqa_attention_matches_sdpa_and_reads_no_copied_heads(monkeypatch):
+    """The accelerators' attention (query groups folded into the query axis) gives
+    transformers' SDPA logits with holes, a cache and a slot cache's step, and never calls
+    repeat_kv (the copy of every shared key/value head per step it exists to avoid)."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import sdpa_attention
+
+    from marscli.models.fastpath import GQA_FOLD, folded_gqa, install_folded_gqa_attention
+    from marscli.models.slots import SlotCache
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+    mask = torch.rand(2, 1, 5, 11) > 0.3
+    mask[..., 0] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(folded_gqa(q, k, v, mask, None), ref, rtol=1e-5, atol=1e-6)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
+    m = LlamaForCausalLM(cfg).eval()
+    m.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 64, (3, 20))
+    hole = torch.ones(3, 25, dtype=torch.long)
+    hole[0, :4] = 0
+    hole[1, 7:9] = 0
+    new = torch.randint(0, 64, (3, 5))
+    pos = torch.arange(20, 25).expand(3, 5)
+
+    def run():
+        c = DynamicCache(config=m.config)
+        m(input_ids=ids, attention_mask=hole[:, :20], past_key_values=c, use_cache=True)
+        holes = m(input_ids=new, attention_mask=hole, position_ids=pos, past_key_values=c, use_cache=True).logits
+        kv = SlotCache(m, "cpu", slots=3)
+        one = DynamicCache(config=m.config)
+        m(input_ids=ids[:1], past_key_values=one, use_cache=True)
+        kv.add_rows([([(layer.keys, layer.values) for layer in one.layers], 20)] * 3)
+        slots = kv.forward(new, None, pos).logits
+        return holes, slots
+
+    with torch.inference_mode():
+        ref = run()
+        assert install_folded_gqa_attention(m) and m.config._attn_implementation == GQA_FOLD
+        calls = []
+        real = sdpa_attention.repeat_kv
+        monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: calls.append(1) or real(*a))
+        got = run()
+    assert calls == []
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_gqa_attention_leaves_plain_multi_head_models_alone():
     from transformers import LlamaConfig, LlamaForCausalLM
 

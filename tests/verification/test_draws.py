@@ -141,3 +141,34 @@ def test_a_point_mass_is_always_drawn():
 def test_an_empty_batch():
     assert coupled_draw(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)).numel() == 0
     assert draws.CANDIDATE_RATIO < 1
+
+
+def test_the_dense_path_draws_what_the_sparse_path_draws(monkeypatch):
+    """The GPU's path (every column scored, the tail picked for every row, no host read) and
+    the CPU's (the candidates only) give the same token for every key and law: peaked laws,
+    flat ones, laws with a heavy tail, point masses and ties; with a draft vocabulary too."""
+    gen = torch.Generator().manual_seed(3)
+    V = 300
+    laws = [torch.softmax(torch.randn(40, V, generator=gen) * scale, -1) for scale in (0.1, 1.0, 4.0, 30.0)]
+    point = torch.zeros(3, V)
+    point[torch.arange(3), torch.tensor([0, 7, V - 1])] = 1.0
+    tie = torch.zeros(2, V)
+    tie[:, [3, 9]] = 0.5
+    probs = torch.cat(laws + [point, tie])
+    keys = position_keys(torch.arange(len(probs)) % 5, torch.arange(len(probs)) * 7 + 1)
+    token_ids = torch.randperm(1000, generator=gen)[:V]
+    for ids in (None, token_ids):
+        sparse = coupled_draw(probs, keys, ids)
+        monkeypatch.setattr(draws, "DENSE_DEVICES", frozenset({"cpu"}))
+        dense = coupled_draw(probs, keys, ids)
+        monkeypatch.setattr(draws, "DENSE_DEVICES", frozenset({"cuda"}))
+        assert torch.equal(sparse, dense)
+    # and over many keys of one heavy-tailed law: the tail's picks too
+    heavy = torch.full((1, V), 0.9 * CANDIDATE_RATIO)
+    heavy[0, 5] = 1.0  # every other token below the candidates' bar: ~2.6% of the mass is tail
+    heavy = (heavy / heavy.sum()).expand(2000, V)
+    keys = position_keys(torch.zeros(2000, dtype=torch.long), torch.arange(2000))
+    sparse = coupled_draw(heavy, keys)
+    assert (sparse != 5).sum() > 20  # the tail won, and picked
+    monkeypatch.setattr(draws, "DENSE_DEVICES", frozenset({"cpu"}))
+    assert torch.equal(sparse, coupled_draw(heavy, keys))
