@@ -25,6 +25,7 @@ from marscli.engine.costs import StepCosts, static_costs
 from marscli.engine.provenance import RELAXED
 from marscli.engine.scheduler import Engine
 from marscli.verification.chain import sampled_draws, sampling_probs, verify
+from marscli.verification.guard import MAX_REWINDS
 from marscli.verification.registry import MARS, RATIO, REGRET, STRICT, TOPK, TYPICAL, Rule, mode_problem
 from marscli.verification.rules import stop_positions, top2
 from marscli.verification.tree import DraftTree, verify_tree
@@ -393,7 +394,8 @@ def rewinding_oracle(model, ids: list[int], max_new: int, theta: float, window: 
     a close call (unless a rewind made the position strict), else the top-1; after each token,
     if the output ends in a loop (guard.loop_period) whose periodic tail begins at most
     `window` tokens after a relaxed token, go back to the latest such token and decide its
-    position strictly. Returns (the output, the rewinds)."""
+    position strictly; after MAX_REWINDS rewinds, relax no more. Returns (the output, the
+    rewinds)."""
     from marscli.verification.guard import loop_period
 
     drafter = MixedDrafter(model, 1)
@@ -411,7 +413,7 @@ def rewinding_oracle(model, ids: list[int], max_new: int, theta: float, window: 
         t = len(out)
         if prop == int(t1):
             out.append(prop)
-        elif prop == int(t2) and close and t not in strict_at:
+        elif prop == int(t2) and close and t not in strict_at and rewinds < MAX_REWINDS:
             out.append(prop)
             relaxed_at.append(t)
         else:

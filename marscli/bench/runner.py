@@ -7,6 +7,7 @@ writes the report; what the methods are: marscli.bench.methods.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import time
@@ -313,7 +314,10 @@ class Bench:
         first_tps: dict[str, float | None] = {}
         for m in methods:
             for bs in cfg.batch_sizes:
+                # The previous row's engine goes before the next is built: its slot buffers
+                # live with it (reused across its runs), and cycles keep it past `engine = None`.
                 engine = None
+                gc.collect()
                 if m.kind != HF_GENERATE:  # built untimed: the first build measures step costs
                     dcfg = DraftConfig(kind=NONE) if m.kind == AR else cfg.draft
                     verify = method_verification(m.kind, m.theta, cfg.margin, cfg.guard, m.rule)

@@ -468,8 +468,7 @@ class Engine:
         dev = logits.device
         d_t = ids[:, 1:]  # [B, K] the drafts (padding where k_b < K: never accepted)
         inputs = chain_inputs(seqs, drafts, nexts, K, logits, relaxes=self.rule.relaxes,
-                              regret=self.rule.name == REGRET and self.rule.relaxes,
-                              budgeted=self.guard.budgeted)
+                              regret=self.rule.name == REGRET and self.rule.relaxes)
         res = verify_rows(d_t, logits, torch.tensor(ks, dtype=torch.long, device=dev), self.rule,
                           [s.sampling for s in seqs], bonus=inputs.bonus, seeds=inputs.seeds,
                           positions=inputs.positions, guard=inputs.guard, relax_left=inputs.relax_left,

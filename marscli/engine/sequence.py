@@ -16,7 +16,7 @@ import torch
 
 from marscli.config import GUARD_OFF, GuardConfig, SamplingParams
 from marscli.engine.provenance import Provenance
-from marscli.verification.guard import LoopWatch, NgramIndex
+from marscli.verification.guard import MAX_REWINDS, LoopWatch, NgramIndex
 from marscli.verification.spans import SpanTracker
 
 FINISH_STOP = "stop"
@@ -304,7 +304,10 @@ class Sequence:
         return self.spans.tree_flags(tokens, parents)
 
     def relax_left(self) -> int | None:
-        """Relaxations this record may still make (None: no budget)."""
+        """Relaxations this record may still make (None: no budget; 0 too once its rewinds
+        reached MAX_REWINDS: strict from there on)."""
+        if self.loops is not None and self.stats.rewinds >= MAX_REWINDS:
+            return 0
         if self.relax_budget is None:
             return None
         return max(self.relax_budget - self.stats.relaxed, 0)

@@ -34,6 +34,10 @@ class ChainInputs:
     spans: list[list[bool]] | None
 
 
+#: A row's relaxations left when nothing limits them (beside rows that have a limit).
+NO_LIMIT = 1 << 30
+
+
 def judged(seq: Sequence) -> bool:
     """Does the row read its guards: a relaxed rule, or an observer (calibration records them
     for its replay of relaxed rules)?"""
@@ -46,7 +50,7 @@ def proposals_of(drafts: list[int], nxt: int | None) -> list[int]:
 
 
 def chain_inputs(seqs: Seq[Sequence], drafts: list[list[int]], nexts: list[int | None], K: int,
-                 logits: torch.Tensor, *, relaxes: bool, regret: bool, budgeted: bool) -> ChainInputs:
+                 logits: torch.Tensor, *, relaxes: bool, regret: bool) -> ChainInputs:
     """The verifier inputs of a chain step: logits [B, K+1, V] (for the stop positions)."""
     B, W = len(seqs), K + 1
     dev = logits.device
@@ -59,8 +63,9 @@ def chain_inputs(seqs: Seq[Sequence], drafts: list[list[int]], nexts: list[int |
         seeds = torch.tensor([s.sampling.seed for s in seqs], dtype=torch.long).to(dev)
         positions = torch.tensor([len(s.out) for s in seqs], dtype=torch.long).to(dev)
     relax_left = None
-    if relaxes and budgeted:
-        relax_left = torch.tensor([s.relax_left() for s in seqs], dtype=torch.long).to(dev)
+    lefts = [s.relax_left() for s in seqs] if relaxes else []
+    if any(x is not None for x in lefts):  # a budget, or rewinds used up: None is no limit
+        relax_left = torch.tensor([NO_LIMIT if x is None else x for x in lefts], dtype=torch.long).to(dev)
     carry = torch.tensor([s.regret for s in seqs], dtype=torch.float64).to(dev) if regret else None
     wanted = [judged(s) for s in seqs]
     if not any(wanted) or not any(props):
