@@ -44,6 +44,15 @@ class HostReads:
     def total(self) -> int:
         return sum(self.by_kind.values())
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Reads inside the block are not counted (as reads inside a read are not)."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
 
 @contextlib.contextmanager
 def count_host_reads() -> Iterator[HostReads]:

@@ -191,8 +191,9 @@ def _gqa_sdpa_forward(module, query, key, value, attention_mask, dropout: float 
     return cpu_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
-def install_gqa_attention(model: nn.Module) -> bool:
-    """Switch a CPU model from "sdpa" to the GQA-aware SDPA above; True if switched."""
+def _install_gqa(model: nn.Module, name: str, forward) -> bool:
+    """Register `forward` as attention `name` (with SDPA's mask) and switch a GQA model whose
+    attention is "sdpa" to it; True if switched (models without shared heads stay)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
@@ -203,10 +204,15 @@ def install_gqa_attention(model: nn.Module) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(GQA_SDPA, _gqa_sdpa_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_SDPA, sdpa_mask)
-    model.set_attn_implementation(GQA_SDPA)
+    AttentionInterface.register(name, forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
     return True
+
+
+def install_gqa_attention(model: nn.Module) -> bool:
+    """Switch a CPU model from "sdpa" to the GQA-aware SDPA above; True if switched."""
+    return _install_gqa(model, GQA_SDPA, _gqa_sdpa_forward)
 
 
 #: The folded grouped-query attention's name in transformers' registries (accelerators).
@@ -253,20 +259,7 @@ def _gqa_fold_forward(module, query, key, value, attention_mask, dropout: float 
 def install_folded_gqa_attention(model: nn.Module) -> bool:
     """Switch an accelerator model from "sdpa" to the folded GQA attention above (its
     verification steps then read each shared key/value head once); True if switched."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if not heads or kv_heads == heads:
-        return False
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(GQA_FOLD, _gqa_fold_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_FOLD, sdpa_mask)
-    model.set_attn_implementation(GQA_FOLD)
-    return True
+    return _install_gqa(model, GQA_FOLD, _gqa_fold_forward)
 
 
 def install_cpu_fastpath(model: nn.Module, packed: bool | None = None) -> int:

@@ -208,23 +208,31 @@ def test_captured_step_shapes_give_the_same_records(target, draft, kind, vcfg):
             assert drafters.kv.steps is not None and drafters.kv.steps.shapes
 
 
-@pytest.mark.parametrize("kind", ["ngram", "model"])
-def test_a_second_run_on_one_engine_builds_no_shape(target, draft, kind):
-    """Captured shapes live with the loaded model, not the job: the same job run again on one
-    engine (static steps, as a CPU runs them) builds no shape of the target's steps or of the
-    draft model's, and decodes the same records (the first run's buffer growths keep static
-    shapes: only graphs and compiled steps read the old buffers)."""
+def static_mars_job(target, draft, kind: str):
+    """MARS at static steps (a CPU's captured-step path), batch 3, the n-gram drafter (K 4)
+    or a batched draft model (K 3): (engine, drafters, the job's items, its item function)
+    over 5 records, greedy and sampled rows alternating."""
     dcfg = (ngram_cfg(k=4) if kind == "ngram"
             else DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False))
     prompts = PROMPTS[:5]
     samplings = [sampling_for(i, temperature=float(i % 2)) for i in range(len(prompts))]
     drafters = build_drafters(dcfg, target, draft, batch_size=3, batched_model=True)
     engine = Engine(target, drafters, MARS.rule, dcfg, 3, compile_mode="static")
+    return engine, drafters, range(len(prompts)), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])
+
+
+@pytest.mark.parametrize("kind", ["ngram", "model"])
+def test_a_second_run_on_one_engine_builds_no_shape(target, draft, kind):
+    """Captured shapes live with the loaded model, not the job: the same job run again on one
+    engine (static steps, as a CPU runs them) builds no shape of the target's steps or of the
+    draft model's, and decodes the same records (the first run's buffer growths keep static
+    shapes: only graphs and compiled steps read the old buffers)."""
+    engine, drafters, items, job = static_mars_job(target, draft, kind)
     built, runs = [], []
     for _ in range(2):
         before = (engine.kv.steps.built, drafters.kv.steps.built if kind == "model" else 0)
-        got = dict(engine.run(range(len(prompts)), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
-        runs.append([got[i].token_ids for i in range(len(prompts))])
+        got = dict(engine.run(items, job))
+        runs.append([got[i].token_ids for i in items])
         built.append((engine.kv.steps.built - before[0],
                       (drafters.kv.steps.built if kind == "model" else 0) - before[1]))
     assert built[0][0] > 0 and (kind != "model" or built[0][1] > 0)
@@ -243,16 +251,10 @@ def test_one_host_read_per_chain_step_and_per_draft_position(target, draft, kind
 
     monkeypatch.setattr(draws, "DENSE_DEVICES", frozenset({"cpu"}))
 
-    dcfg = (ngram_cfg(k=4) if kind == "ngram"
-            else DraftConfig(kind="model", model="x", num_draft_tokens=3, adaptive=False))
-    prompts = PROMPTS[:5]
-    samplings = [sampling_for(i, temperature=float(i % 2)) for i in range(len(prompts))]
-    drafters = build_drafters(dcfg, target, draft, batch_size=3, batched_model=True)
-    engine = Engine(target, drafters, MARS.rule, dcfg, 3, compile_mode="static")
-    job = lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])  # noqa: E731
-    dict(engine.run(range(len(prompts)), job))  # shapes built, caches grown
+    engine, drafters, items, job = static_mars_job(target, draft, kind)
+    dict(engine.run(items, job))  # shapes built, caches grown
     steps, feeds = [0], [0]
-    step, chain = engine.step, engine._chain_step
+    step = engine.step
 
     def counted_step():
         steps[0] += 1
@@ -270,30 +272,17 @@ def test_one_host_read_per_chain_step_and_per_draft_position(target, draft, kind
     prefill = engine.start_rows
 
     def uncounted_prefill(joiners):  # prompts are read on the host anyway; steps are counted
-        with paused(reads):
+        with reads.paused():
             return prefill(joiners)
 
     engine.start_rows = uncounted_prefill
     with count_host_reads() as reads:
-        got = dict(engine.run(range(len(prompts)), job))
-    assert chain is not None and steps[0] > 0 and len(got) == len(prompts)
+        got = dict(engine.run(items, job))
+    assert steps[0] > 0 and len(got) == len(items)
     assert reads.total <= steps[0] + feeds[0], (reads.by_kind, steps[0], feeds[0])
     assert reads.by_kind["cpu"] == steps[0]  # the verdicts, once a step
     if kind == "model":
         assert feeds[0] > 0 and reads.by_kind["tolist"] <= feeds[0]
-
-
-class paused:
-    """Host reads inside the block are not counted (the counter's depth, as inside a read)."""
-
-    def __init__(self, reads):
-        self.reads = reads
-
-    def __enter__(self):
-        self.reads._depth += 1
-
-    def __exit__(self, *exc):
-        self.reads._depth -= 1
 
 
 def test_compile_on_compiles_the_step_on_a_cpu(target, capsys):

@@ -110,18 +110,26 @@ def test_packed_weights_can_be_switched_off(monkeypatch):
     assert not any(hasattr(mod, "_marscli_packed") for mod in m2.modules())
 
 
-def test_gqa_attention_matches_sdpa_with_holes_and_cache():
-    """The GQA-aware attention gives transformers' SDPA logits, with a 2D padding mask and a
-    cache, as the batched engine uses it (and it is what a CPU engine switches to)."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+def tiny_gqa_llama():
+    """A random 2-layer Llama with grouped-query attention (6 query heads, 2 KV heads), SDPA."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from marscli.models.fastpath import GQA_SDPA, install_gqa_attention
-
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
     m = LlamaForCausalLM(cfg).eval()
     m.set_attn_implementation("sdpa")
+    return m
+
+
+def test_gqa_attention_matches_sdpa_with_holes_and_cache():
+    """The GQA-aware attention gives transformers' SDPA logits, with a 2D padding mask and a
+    cache, as the batched engine uses it (and it is what a CPU engine switches to)."""
+    from transformers import DynamicCache
+
+    from marscli.models.fastpath import GQA_SDPA, install_gqa_attention
+
+    torch.manual_seed(0)
+    m = tiny_gqa_llama()
     ids = torch.randint(0, 64, (3, 20))
     mask = torch.ones(3, 25, dtype=torch.long)
     mask[0, :4] = 0  # left padding
@@ -147,7 +155,7 @@ def test_folded_gqa_attention_matches_sdpa_and_reads_no_copied_heads(monkeypatch
     """The accelerators' attention (query groups folded into the query axis) gives
     transformers' SDPA logits with holes, a cache and a slot cache's step, and never calls
     repeat_kv (the copy of every shared key/value head per step it exists to avoid)."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
     from transformers.integrations import sdpa_attention
 
     from marscli.models.fastpath import GQA_FOLD, folded_gqa, install_folded_gqa_attention
@@ -160,10 +168,7 @@ def test_folded_gqa_attention_matches_sdpa_and_reads_no_copied_heads(monkeypatch
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask).transpose(1, 2)
     torch.testing.assert_close(folded_gqa(q, k, v, mask, None), ref, rtol=1e-5, atol=1e-6)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
-    m = LlamaForCausalLM(cfg).eval()
-    m.set_attn_implementation("sdpa")
+    m = tiny_gqa_llama()
     ids = torch.randint(0, 64, (3, 20))
     hole = torch.ones(3, 25, dtype=torch.long)
     hole[0, :4] = 0
@@ -212,13 +217,10 @@ def test_patched_projections_keep_attention_on_the_fused_kernel():
     dimension is contiguous (the fused CPU kernel's condition), so the attention never
     expands the cached keys and values (no copy of the cache's size)."""
     from torch.profiler import ProfilerActivity, profile
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
-    m = LlamaForCausalLM(cfg).eval()
-    m.set_attn_implementation("sdpa")
+    m = tiny_gqa_llama()
     install_cpu_fastpath(m)
     with torch.inference_mode():
         c = DynamicCache(config=m.config)
