@@ -43,7 +43,7 @@ from marscli.models.slots import (
     span_bucket,
     step_on,
 )
-from marscli.verification.chain import sampling_probs
+from marscli.verification.chain import sampled_groups, sampling_probs
 from marscli.verification.draws import coupled_draw, position_keys
 
 #: Parent of a depth-1 node (its parent is the pending token, the tree's root).
@@ -79,10 +79,7 @@ def head_draws(head: Eagle3Head, logits: torch.Tensor, samplings: list[SamplingP
     top-1 (greedy rows) or the position's coupled draw from q (sampled rows; the noise keyed
     by target token ids, as the target's own draw is)."""
     picked = logits.argmax(dim=-1)  # [R] draft-vocabulary ids
-    groups: dict[tuple, list[int]] = {}  # sampled rows by settings: one draw call a group
-    for i, s in enumerate(samplings):
-        if not s.greedy:
-            groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
+    groups = sampled_groups(samplings)
     if groups:
         ids = head.to_target(torch.arange(logits.shape[-1], device=logits.device))  # [Dv]
         for (t, k, p), rows in groups.items():

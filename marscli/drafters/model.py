@@ -12,7 +12,7 @@ from marscli.drafters.kinds import MODEL
 from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback, to_device
 from marscli.models.prefill import DRAFT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.models.slots import SlotCache, supports
-from marscli.verification.chain import sampling_probs
+from marscli.verification.chain import sampled_groups, sampling_probs
 from marscli.verification.draws import coupled_draw, position_keys
 
 
@@ -44,11 +44,7 @@ def draft_tokens(logits: torch.Tensor, samplings: list[SamplingParams], position
     target's draw there (marscli.verification.draws: the same noise, from the record's seed
     and the output position). One host transfer for all rows."""
     out = logits.argmax(dim=-1)  # [R]
-    groups: dict[tuple, list[int]] = {}  # sampled rows by settings: one draw call a group
-    for i, s in enumerate(samplings):
-        if not s.greedy:
-            groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
-    for (t, k, p), rows in groups.items():
+    for (t, k, p), rows in sampled_groups(samplings).items():
         q = sampling_probs(logits[rows], t, k, p)  # [R', V]
         keys = position_keys(torch.tensor([samplings[i].seed for i in rows]),
                              torch.tensor([positions[i] for i in rows]))

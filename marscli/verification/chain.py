@@ -61,6 +61,16 @@ NO_PROPOSAL = -1
 # ----------------------------------------------------------------------------- sampling
 
 
+def sampled_groups(samplings: Sequence[Any]) -> dict[tuple[float, int, float], list[int]]:
+    """The sampled rows (not greedy) grouped by their (temperature, top_k, top_p): one
+    sampling law, and one draw call, a group."""
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i, s in enumerate(samplings):
+        if not s.greedy:
+            groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
+    return groups
+
+
 def sampling_probs(
     logits: torch.Tensor,  # [..., V]
     temperature: float,
