@@ -467,12 +467,15 @@ class Engine:
         # 3. verify, and the step's one device-to-host transfer
         dev = logits.device
         d_t = ids[:, 1:]  # [B, K] the drafts (padding where k_b < K: never accepted)
+        # the target's top-1 everywhere, once: greedy verification, MARS's top two and the
+        # stop guard all read it (a pass over the vocabulary each)
+        top1 = logits.argmax(dim=-1) if self.rule.relaxes or any(s.sampling.greedy for s in seqs) else None
         inputs = chain_inputs(seqs, drafts, nexts, K, logits, relaxes=self.rule.relaxes,
-                              regret=self.rule.name == REGRET and self.rule.relaxes)
+                              regret=self.rule.name == REGRET and self.rule.relaxes, top1=top1)
         res = verify_rows(d_t, logits, torch.tensor(ks, dtype=torch.long, device=dev), self.rule,
                           [s.sampling for s in seqs], bonus=inputs.bonus, seeds=inputs.seeds,
                           positions=inputs.positions, guard=inputs.guard, relax_left=inputs.relax_left,
-                          regret_carry=inputs.regret)
+                          regret_carry=inputs.regret, top1=top1)
         # Sent with the verdicts: the rule's statistic at every position when a row reports
         # provenance, then packed logprobs.
         with_stat = any(s.provenance is not None for s in seqs)

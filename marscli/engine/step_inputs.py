@@ -50,8 +50,10 @@ def proposals_of(drafts: list[int], nxt: int | None) -> list[int]:
 
 
 def chain_inputs(seqs: Seq[Sequence], drafts: list[list[int]], nexts: list[int | None], K: int,
-                 logits: torch.Tensor, *, relaxes: bool, regret: bool) -> ChainInputs:
-    """The verifier inputs of a chain step: logits [B, K+1, V] (for the stop positions)."""
+                 logits: torch.Tensor, *, relaxes: bool, regret: bool,
+                 top1: torch.Tensor | None = None) -> ChainInputs:
+    """The verifier inputs of a chain step: logits [B, K+1, V] (for the stop positions) and
+    their argmax top1 [B, K+1] when the caller has it."""
     B, W = len(seqs), K + 1
     dev = logits.device
     props = [proposals_of(d, x) for d, x in zip(drafts, nexts)]
@@ -97,7 +99,8 @@ def chain_inputs(seqs: Seq[Sequence], drafts: list[list[int]], nexts: list[int |
         for b, p in enumerate(props):
             if p:
                 tok[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        guard = guard | stop_positions(tok.to(dev), logits[:, :W], table.to(dev))
+        guard = guard | stop_positions(tok.to(dev), logits[:, :W], table.to(dev),
+                                       None if top1 is None else top1[:, :W])
     return ChainInputs(bonus, seeds, positions, guard, relax_left, carry, spans)
 
 

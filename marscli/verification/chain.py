@@ -297,6 +297,7 @@ def verify(
     guard: torch.Tensor | None = None,  # [B, K+1] (or [B, K]) bool: never relax here
     relax_left: torch.Tensor | None = None,  # [B] long: relaxations each row may still make
     regret_carry: torch.Tensor | None = None,  # [B] float64: the regret rule's sum so far
+    top1: torch.Tensor | None = None,  # [B, K+1] long: logits' argmax, when the caller has it
 ) -> VerifyResult:
     """Verify a chain step for every row by ``rule``, position by position (the module's
     docstring): greedy when temperature == 0, else sampling with the positions' draws.
@@ -315,7 +316,7 @@ def verify(
         guard = torch.cat([guard.to(dev), torch.zeros(B, 1, dtype=torch.bool, device=dev)], 1)
     if temperature == 0.0:
         z = logits.float()
-        own = z.argmax(dim=-1)  # [B, W] the target's token: its top-1
+        own = z.argmax(dim=-1) if top1 is None else top1  # [B, W] the target's token: its top-1
         alive = z.gather(-1, x.unsqueeze(-1)).squeeze(-1) > -math.inf
         probs = torch.softmax(z, dim=-1) if per_token(rule) else None
     else:
@@ -329,7 +330,7 @@ def verify(
     if per_token(rule):
         facts = per_token_facts(rule, logits, x, probs, strict_ok, props.has, regret_carry)
     elif uses_margin_facts(rule):  # MARS
-        facts = mars_facts(rule, logits, x, alive, strict_ok)
+        facts = mars_facts(rule, logits, x, alive, strict_ok, top1)
     else:  # strict, or a rule at its strict end: no statistic needed, none computed
         facts = PositionFacts({rule.margin: torch.full((B, W), NOT_RELAXABLE, device=dev)}, strict_ok, strict_ok)
     decision, refusals = guarded_decision(rule, facts, props.has, guard, relax_left)
@@ -363,11 +364,12 @@ def mars_facts(
     proposals: torch.Tensor,  # [B, W] long
     alive: torch.Tensor,  # [B, W] bool: p(proposal) > 0
     strict_ok: torch.Tensor,  # [B, W] bool
+    top1: torch.Tensor | None = None,  # [B, W] long: logits' argmax, when known
 ) -> PositionFacts:
     """MARS's facts (paper, Algorithm 1): the target's logits z1 >= z2 at each position, the
     margin statistic r (z2 / z1, relaxable only where z1 > 0; or exp(z2 - z1)) that ``decide``
     compares with theta, and whether the proposal is the top-1 or top-2 token."""
-    z1, z2, t1, t2 = top2(logits)  # each [B, W]
+    z1, z2, t1, t2 = top2(logits, top1)  # each [B, W]
     stat = margin_statistic(z1, z2, rule.margin)
     return PositionFacts({rule.margin: stat}, in_top2(proposals, t1, t2, alive), strict_ok)
 
@@ -427,6 +429,7 @@ def verify_rows(
     guard: torch.Tensor | None = None,  # [B, K+1] bool: never relax here (the loop guard)
     relax_left: torch.Tensor | None = None,  # [B] long: each row's remaining relaxations
     regret_carry: torch.Tensor | None = None,  # [B] float64
+    top1: torch.Tensor | None = None,  # [B, K+1] long: logits' argmax, when the caller has it
 ) -> VerifyResult:
     """One verification for a whole batch whose rows may decode differently (per-record
     temperature, top-k, top-p). Rows sharing settings are verified together (one group in
@@ -444,7 +447,8 @@ def verify_rows(
                       top_p=top_p, draft_len=sel(draft_len), bonus=sel(bonus),
                       seeds=None if temperature == 0.0 else sel(seeds),
                       positions=None if temperature == 0.0 else sel(positions),
-                      guard=sel(guard), relax_left=sel(relax_left), regret_carry=sel(regret_carry))
+                      guard=sel(guard), relax_left=sel(relax_left), regret_carry=sel(regret_carry),
+                      top1=sel(top1))
 
     if len(groups) == 1:
         return one(None, keys[0])

@@ -72,7 +72,8 @@ def _exceeds(stat: Any, threshold: float) -> Any:
     return stat > threshold
 
 
-def stop_positions(drafts: torch.Tensor, logits: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+def stop_positions(drafts: torch.Tensor, logits: torch.Tensor, stops: torch.Tensor,
+                   top1: torch.Tensor | None = None) -> torch.Tensor:
     """Where a relaxed rule must judge strictly so that it never decides where an output ends
     (issue 31): the draft is a stop token, or the target's top-1 is one. drafts [B, K] long,
     logits [B, K, V] (row k judges draft k), stops [B, S] long (each row's stop tokens: its EOS
@@ -80,11 +81,13 @@ def stop_positions(drafts: torch.Tensor, logits: torch.Tensor, stops: torch.Tens
 
     With the positions guarded, a stop token is emitted only where the target chooses it (the
     strict check keeps a draft stop token only as the target's own pick), and a position
-    where the target would stop is never relaxed into going on."""
+    where the target would stop is never relaxed into going on. top1: logits' argmax [B, K],
+    when the caller has it."""
     if drafts.numel() == 0:
         return torch.zeros(drafts.shape, dtype=torch.bool, device=drafts.device)
     stops = stops.to(drafts.device)
-    top1 = logits.argmax(dim=-1)  # [B, K]
+    if top1 is None:
+        top1 = logits.argmax(dim=-1)  # [B, K]
 
     def hit(t: torch.Tensor) -> torch.Tensor:
         return (t.unsqueeze(-1) == stops.unsqueeze(-2)).any(dim=-1)
@@ -428,15 +431,18 @@ def relaxed_positions(accepted: Any, relaxable: Any, strict_ok: Any) -> Any:
 # ----------------------------------------------------------------------------- margins
 
 
-def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def top2(logits: torch.Tensor, t1: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-1 and top-2 logits and token ids along the last dim.
 
     Ties resolve to the lowest token id, as torch.argmax (and so transformers' greedy
     search) does: top-1 is argmax; top-2 is argmax with the top-1 entry removed.
+    t1: the argmax, when the caller has it already (a pass over the vocabulary saved).
     Returns (z1, z2, t1, t2), each shaped like ``logits[..., 0]``.
     """
     x = logits.float()
-    t1 = x.argmax(dim=-1)
+    if t1 is None:
+        t1 = x.argmax(dim=-1)
     z1 = x.gather(-1, t1.unsqueeze(-1)).squeeze(-1)
     masked = x.scatter(-1, t1.unsqueeze(-1), -math.inf)
     t2 = masked.argmax(dim=-1)

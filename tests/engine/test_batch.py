@@ -651,3 +651,38 @@ def test_relaxed_and_sampled_rows_follow_the_measured_costs_and_keep_their_text(
     assert sum(r.stats.relaxed for r in ref) > 0
     for i, r in enumerate(ref):
         assert got[i].token_ids == r.token_ids and got[i].text == r.text, i
+
+
+def test_a_greedy_mars_step_reads_the_vocabulary_twice(target):
+    """The target's top-1 is taken once per chain step and shared: greedy verification, MARS's
+    top two and the stop guard read it, so a greedy MARS step with stop tokens makes two
+    argmax passes over its [B, K+1, V] logits (top-1, then top-2 with it removed), not four;
+    the rows write what they write one at a time."""
+    from torch.overrides import TorchFunctionMode
+
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    passes, steps = [0], [0]
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.argmax and args[0].dim() == 3 and args[0].shape[-1] == vocab:
+                passes[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    dcfg = ngram_cfg(k=3)
+    factory = lambda: build_drafter(dcfg, target)  # noqa: E731
+    prompts = PROMPTS[2:6]
+    samplings = [sampling_for(i) for i in range(len(prompts))]
+    ref = singles(target, factory, MARS, dcfg, prompts, samplings, eos=[7, 11])
+    engine = engine_of(target, factory, MARS, dcfg, 2, eos=[7, 11])
+    step = engine._chain_step
+
+    def counted(*a, **kw):
+        steps[0] += 1
+        with Count():
+            return step(*a, **kw)
+
+    engine._chain_step = counted
+    out = dict(engine.run(range(len(prompts)), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
+    assert steps[0] > 0 and passes[0] == 2 * steps[0], (passes[0], steps[0])
+    assert [out[i].token_ids for i in range(len(prompts))] == [r.token_ids for r in ref]
