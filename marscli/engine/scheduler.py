@@ -450,13 +450,11 @@ class Engine:
         ks = [len(d) for d in drafts]
         K = max(ks)
         # 1. the forward's inputs: [pending, d_1 .. d_k] a row, right-padded to the longest
-        ids = torch.full((B, K + 1), self.pad_id, dtype=torch.long)
-        new_mask = torch.zeros(B, K + 1, dtype=torch.long)
-        for b, (r, d) in enumerate(zip(rows, drafts)):
-            ids[b, : 1 + len(d)] = torch.tensor([r.seq.seq[-1]] + d)
-            new_mask[b, : 1 + len(d)] = 1
-        npos = torch.tensor([r.npos for r in rows], dtype=torch.long)
-        pos = npos[:, None] + torch.arange(K + 1)[None, :]  # [B, K+1]
+        # (built as lists and made tensors once: no per-row tensor on the host)
+        pad = [self.pad_id] * K
+        ids = torch.tensor([[r.seq.seq[-1], *d, *pad[len(d):]] for r, d in zip(rows, drafts)], dtype=torch.long)
+        new_mask = torch.tensor([[1] * (1 + k) + [0] * (K - k) for k in ks], dtype=torch.long)
+        pos = torch.tensor([[r.npos + j for j in range(K + 1)] for r in rows], dtype=torch.long)  # [B, K+1]
         # the mask stays on the host too: the commit reads it there (no transfer back)
         ids, mask_on_device, pos = (to_device(t, self.device) for t in (ids, new_mask, pos))
         # 2. one forward

@@ -54,7 +54,7 @@ def chain_inputs(seqs: Seq[Sequence], drafts: list[list[int]], nexts: list[int |
                  top1: torch.Tensor | None = None) -> ChainInputs:
     """The verifier inputs of a chain step: logits [B, K+1, V] (for the stop positions) and
     their argmax top1 [B, K+1] when the caller has it."""
-    B, W = len(seqs), K + 1
+    W = K + 1
     dev = logits.device
     props = [proposals_of(d, x) for d, x in zip(drafts, nexts)]
     bonus = None
@@ -72,7 +72,7 @@ def chain_inputs(seqs: Seq[Sequence], drafts: list[list[int]], nexts: list[int |
     wanted = [judged(s) for s in seqs]
     if not any(wanted) or not any(props):
         return ChainInputs(bonus, seeds, positions, None, relax_left, carry, None)
-    m = torch.zeros(B, W, dtype=torch.bool)
+    m = [[False] * W for _ in seqs]
     spans: list[list[bool]] | None = None
     for b, (s, p) in enumerate(zip(seqs, props)):
         if not p or not wanted[b]:
@@ -87,18 +87,13 @@ def chain_inputs(seqs: Seq[Sequence], drafts: list[list[int]], nexts: list[int |
             flags = [a or c for a, c in zip(flags, s.strict_first_flags(list(range(1, len(p) + 1))))]
         if s.strict_at:  # positions a loop rewind decided strictly
             flags = [a or c for a, c in zip(flags, s.rewound_flags(len(p)))]
-        m[b, : len(p)] = torch.tensor(flags, dtype=torch.bool)
-    guard = m.to(dev)
+        m[b][: len(p)] = flags
+    guard = torch.tensor(m, dtype=torch.bool).to(dev)
     stops = [s.stop_tokens for s in seqs]
     if any(stops):
         S = max(len(t) for t in stops)
-        table = torch.full((B, S), -1, dtype=torch.long)
-        for b, t in enumerate(stops):
-            table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-        tok = torch.zeros(B, W, dtype=torch.long)
-        for b, p in enumerate(props):
-            if p:
-                tok[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        table = torch.tensor([list(t) + [-1] * (S - len(t)) for t in stops], dtype=torch.long)
+        tok = torch.tensor([list(p) + [0] * (W - len(p)) for p in props], dtype=torch.long)
         guard = guard | stop_positions(tok.to(dev), logits[:, :W], table.to(dev),
                                        None if top1 is None else top1[:, :W])
     return ChainInputs(bonus, seeds, positions, guard, relax_left, carry, spans)
