@@ -307,6 +307,11 @@ class RowDrafters:
         return [d.propose(seq, max(k, 0), bonus) if k > 0 or bonus else Proposal([])
                 for d, seq, k in zip(self.rows, seqs, ks)]
 
+    def propose_rows(self, first: int, seqs: list[list[int]]) -> list[Proposal]:
+        """Rows first .. first+len(seqs)-1's proposals for the position after seqs, nothing
+        drafted (a joining row's first output position, judged on the prefill's logits)."""
+        return [d.propose(seq, 0, True) for d, seq in zip(self.rows[first:], seqs)]
+
     def propose_tree(self, row: int, seq: list[int], max_path: int) -> tuple[list[int], list[int], list[float]]:
         assert self.tree is not None, "this engine drafts chains"
         drafter: TreeDrafter = self.rows[row]  # type: ignore[assignment]

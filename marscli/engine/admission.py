@@ -117,7 +117,7 @@ class Admission:
             if not joiners:
                 return
             try:
-                e.start_rows(joiners)
+                finished = e.start_rows(joiners)
             except oom_errors() as err:
                 e.drop_unfinished_rows()
                 if e.halve():
@@ -128,6 +128,7 @@ class Admission:
                     continue
                 for j in joiners:
                     yield j.item, err
+                continue
             except Exception as err:  # noqa: BLE001 - alone, one record's failure ends only it
                 e.drop_unfinished_rows()
                 if len(joiners) == 1:
@@ -135,10 +136,23 @@ class Admission:
                     continue
                 for j in joiners:
                     try:
-                        e.start_rows([j])
+                        finished = e.start_rows([j])
                     except Exception as err:  # noqa: BLE001
                         e.drop_unfinished_rows()
                         yield j.item, err
+                        continue
+                    yield from self._leave(finished)
+                continue
+            yield from self._leave(finished)
+
+    def _leave(self, finished: list[int]) -> Iterator[tuple[Any, GenerationResult]]:
+        """Rows that finished (in a step, or at their first token) leave at once."""
+        if finished:
+            e = self.engine
+            done_rows = [e.rows[b] for b in finished]
+            e.keep(fill_order(len(e.rows), finished))
+            for r in done_rows:
+                yield r.item, e.result(r.seq, r.logprobs)
 
     def run(self) -> Iterator[tuple[Any, GenerationResult | Exception]]:
         e = self.engine
@@ -171,9 +185,5 @@ class Admission:
                     for r in e.evict_all():
                         yield r.item, err
                     continue
-                if finished:
-                    done_rows = [e.rows[b] for b in finished]
-                    e.keep(fill_order(len(e.rows), finished))
-                    for r in done_rows:
-                        yield r.item, e.result(r.seq, r.logprobs)
+                yield from self._leave(finished)
 

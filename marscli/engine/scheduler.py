@@ -46,9 +46,9 @@ from marscli.config import (
     SamplingParams,
     SpanConfig,
 )
-from marscli.drafters.base import BatchedDrafter, Proposal
+from marscli.drafters.base import BatchedDrafter, Proposal, RowDrafters
 from marscli.drafters.eagle3_head import FeatureTap
-from marscli.drafters.kinds import EAGLE3, MODEL, drafter_kind
+from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM, NONE, drafter_kind
 from marscli.engine.admission import Admission, Joiner
 from marscli.engine.costs import static_costs
 from marscli.engine.lengths import step_lengths
@@ -174,6 +174,9 @@ class Engine:
         self.fixed_lengths = (relaxing and not schedule_free) or (calibrating and kind.drafts)
         #: draft positions a paid drafter runs beyond a step's drafts (its proposal after them)
         self.bonus_drafts = 1 if self.bonus and (draft_cfg.kind == MODEL or draft_cfg.hybrid) else 0
+        #: the first output token from the prefill pass (``first_from_prefill``)
+        self._first_ok = (draft_cfg.kind in (NONE, NGRAM) and not draft_cfg.hybrid and not calibrating
+                          and not self.fixed_lengths and drafters.tree is None)
         self.prompts = PromptEncoder(target.tokenizer, target.context_length)
         k_max = draft_cfg.num_draft_tokens if drafter_kind(draft_cfg.kind).drafts else 0
         self.tree = drafters.tree
@@ -357,36 +360,73 @@ class Engine:
             torch.cuda.empty_cache()
         return rows
 
-    def start_rows(self, joiners: list[Joiner]) -> None:
-        """Prefill the joiners' prompts (but each one's pending last token) together and
-        append their rows, in order (marscli.models.prefill)."""
+    def start_rows(self, joiners: list[Joiner]) -> list[int]:
+        """Prefill the joiners' prompts together and append their rows, in order
+        (marscli.models.prefill). Where the first output token comes from the prefill pass
+        (``first_from_prefill``), the whole prompt is prefilled and the first position is
+        judged on the logits at its last token, as a step with nothing drafted would judge
+        it (the drafter's proposal for it, the position's draw): the rows that finish there
+        are returned (batch indices). Otherwise the prompt but its last token is prefilled
+        and the first step computes the first token."""
         t0 = time.perf_counter()
+        first = self.first_from_prefill
+        B = len(self.rows)
         try:
-            prompts = [list(j.ids[:-1]) for j in joiners]
+            prompts = [list(j.ids if first else j.ids[:-1]) for j in joiners]
+            logits = None
             if self.kv.masked:
-                done = self.prefiller.prefill(prompts, self._captured)
+                done = self.prefiller.prefill(prompts, self._captured, logits=first)
                 self.kv.add_rows([(p.kv, p.length) for p in done])
                 features = [p.features for p in done]
+                if first:
+                    logits = torch.stack([p.logits for p in done]).unsqueeze(1)  # [n, 1, V]
             else:  # batch size 1: the plain single-sequence call, after the cached prefix
                 assert len(joiners) == 1, "a contiguous cache takes one row"
-                features = [self._prefill_alone(prompts[0])]
-            B = len(self.rows)
+                f, last = self._prefill_alone(prompts[0], last=first)
+                features = [f]
+                if first:
+                    logits = last.view(1, 1, -1)
             self.drafters.add_rows([list(j.ids) for j in joiners], [j.sampling for j in joiners])
             for b, (j, f) in enumerate(zip(joiners, features)):
                 if f is not None and f.shape[0]:  # the prompt's target features, for a drafter that reads them
                     self.drafters.observe(B + b, f)
+                # cached: the prompt but its last token, which the prefill computed as a
+                # step computes its pending token (the verdict below counts it kept)
                 self.rows.append(Row(j.item, j.ids, j.sampling, j.seq, len(j.ids) - 1,
                                      [] if j.sampling.logprobs else None))
+            if not first:
+                return []
+            nexts: list[int | None] = [None] * len(joiners)
+            if self.bonus:  # each row's proposal for its first position, from its prompt
+                nexts = [p.next for p in self.drafters.propose_rows(B, [j.seq.seq for j in joiners])]
+            finished, _, _ = self._verify_commit(B, [[] for _ in joiners], nexts,
+                                                 logits.new_zeros(len(joiners), 0, dtype=torch.long),
+                                                 logits, None)
+            return finished
+        except BaseException:
+            del self.rows[B:]  # no half-started row stays (drop_unfinished_rows clears the rest)
+            raise
         finally:
             self.prefill_seconds += time.perf_counter() - t0
 
-    def _prefill_alone(self, prompt: list[int]) -> torch.Tensor | None:
+    @property
+    def first_from_prefill(self) -> bool:
+        """Is a joining row's first output token judged on the prefill pass's logits (as
+        transformers' generate() takes it), saving every record a step? For drafters whose
+        proposal for a position comes from the row's own text on the host (none, n-gram),
+        chains only, no target features read, and not while collecting for calibration
+        (whose steps draft a fixed K from the first position on)."""
+        return self._first_ok and self.tap is None and isinstance(self.drafters, RowDrafters)
+
+    def _prefill_alone(self, prompt: list[int], last: bool = False
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Prefill one prompt into the contiguous cache (batch size 1) after the longest
         cached prefix; insert it into the prefix cache. Returns its features [L, F] (None
-        when none are read)."""
-        m, past, past_f = self.prefix.match(prompt)
+        when none are read) and, with `last`, the logits [V] at its last token (which is
+        then computed even when the cache holds the whole prompt)."""
+        m, past, past_f = self.prefix.match(prompt[:-1] if last else prompt)
         rest = prompt[m:]
-        self.kv.add_prefilled(rest, run=self._captured, past=(m, past) if m else None)
+        logits = self.kv.add_prefilled(rest, run=self._captured, past=(m, past) if m else None)
         p = self.prefiller
         p.reused += m
         features = None
@@ -397,7 +437,7 @@ class Engine:
             p.passes += 1
             p.tokens += len(rest)
             self.prefix.insert(prompt, self.kv.row_kv(len(prompt)), features if self.prefix.features else None)
-        return features
+        return features, logits
 
     def reset_measurements(self) -> None:
         """Start a measured run cold for prompts but warm for kernels (after a warm-up run):
@@ -444,7 +484,6 @@ class Engine:
         """One chain step for every row: one forward, one verification, one transfer, commit."""
         rows = self.rows
         B = len(rows)
-        seqs = [r.seq for r in rows]
         drafts = [p.tokens[:max(k, 0)] for p, k in zip(proposals, ks)]
         nexts = [p.next if self.bonus else None for p in proposals]
         ks = [len(d) for d in drafts]
@@ -462,9 +501,31 @@ class Engine:
         features = self.last_features  # [B, K+1, F] or None
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
         assert logits.shape[:2] == (B, K + 1), tuple(logits.shape)
-        # 3. verify, and the step's one device-to-host transfer
+        # 3. verify, and the step's one device-to-host transfer; 4. commit
+        finished, kept, rewound = self._verify_commit(0, drafts, nexts, ids[:, 1:], logits, features)
+        for b, n in enumerate(kept):
+            new_mask[b, n:] = 0
+        self.kv.commit(new_mask, kept)
+        for b in rewound:
+            self.kv.truncate_row(b, rows[b].npos)
+        if not finished:
+            self.kv.trim()
+        return finished
+
+    def _verify_commit(self, first: int, drafts: list[list[int]], nexts: list[int | None],
+                       d_t: torch.Tensor, logits: torch.Tensor, features: torch.Tensor | None,
+                       ) -> tuple[list[int], list[int], list[int]]:
+        """Judge rows first .. first+B-1 (their drafts d_t [B, K] on the device, padding where
+        a row drafts fewer: never accepted, and their proposals after them) on their logits
+        [B, K+1, V] in ONE verification and ONE device-to-host transfer, and commit each
+        row's tokens. Returns the rows that finished (batch indices), the positions each row
+        keeps ([pending, accepted drafts]) and the rows that rewound. A step judges every
+        row; a joining group judges its first output position on the prefill's logits (K = 0)."""
+        rows = self.rows[first: first + logits.shape[0]]
+        seqs = [r.seq for r in rows]
+        ks = [len(d) for d in drafts]
+        K = max(ks)
         dev = logits.device
-        d_t = ids[:, 1:]  # [B, K] the drafts (padding where k_b < K: never accepted)
         # the target's top-1 everywhere, once: greedy verification, MARS's top two and the
         # stop guard all read it (a pass over the vocabulary each)
         top1 = logits.argmax(dim=-1) if self.rule.relaxes or any(s.sampling.greedy for s in seqs) else None
@@ -483,24 +544,24 @@ class Engine:
             T = max(r.sampling.top_logprobs for r in rows if r.logprobs is not None)
             extra = lp.pack(*lp.gather(logits, lp.emitted_tokens(d_t, res.num_accepted, res.next_token), T))
         verdicts = res.host_rows(with_stat, extra)
-        # 4. commit
         finished, rewound = [], []
         kept = [1 + k for k in ks]  # positions each row keeps (the commit's, read on the host)
-        for b, (r, d) in enumerate(zip(rows, drafts)):
-            k, v, seq = ks[b], verdicts[b], r.seq
+        for i, (r, d) in enumerate(zip(rows, drafts)):
+            b = first + i
+            k, v, seq = ks[i], verdicts[i], r.seq
             n = v.num_accepted
-            judged = n < k or nexts[b] is not None  # a proposal was judged at position n
+            judged = n < k or nexts[i] is not None  # a proposal was judged at position n
             refused, span_refused = v.refused, 0
-            if refused and inputs.spans is not None and n < len(inputs.spans[b]) and inputs.spans[b][n]:
+            if refused and inputs.spans is not None and n < len(inputs.spans[i]) and inputs.spans[i][n]:
                 refused, span_refused = 0, 1  # a strict span refused it: counted there only
             observation = None
             if seq.observer is not None:
-                observation = self._chain_observation(b, k, d_t, logits, res, seq.sampling, nexts[b],
+                observation = self._chain_observation(i, k, d_t, logits, res, seq.sampling, nexts[i],
                                                       inputs.guard, inputs.spans)
             origin = None
             if seq.provenance is not None:
                 flags = v.relaxed[: n + 1]
-                origin = (step_kinds(flags, n, k), [v.statistic[i] if flags[i] else None for i in range(n + 1)])
+                origin = (step_kinds(flags, n, k), [v.statistic[j] if flags[j] else None for j in range(n + 1)])
             if v.regret is not None:
                 seq.regret = v.regret
             emitted = seq.commit(d[:n] + [v.next_token], k, n, v.relaxed[: n + 1],
@@ -509,10 +570,9 @@ class Engine:
             if r.logprobs is not None:
                 r.logprobs += lp.unpack(v.extra, emitted, T, r.sampling.top_logprobs)
             if features is not None:  # the positions the target keeps: pending + accepted drafts
-                self.drafters.observe(b, features[b, : len(emitted)])
+                self.drafters.observe(b, features[i, : len(emitted)])
             self.drafters.accepted(b, k, n, seq.seq)
-            new_mask[b, 1 + n:] = 0
-            kept[b] = 1 + n
+            kept[i] = 1 + n
             r.npos += 1 + n
             if seq.rewound_at is not None:  # a relaxation taken back: the row follows its text
                 rewound.append(b)
@@ -522,12 +582,7 @@ class Engine:
                 self.drafters.rewind(b, seq.seq)
             if seq.done:
                 finished.append(b)
-        self.kv.commit(new_mask, kept)
-        for b in rewound:
-            self.kv.truncate_row(b, rows[b].npos)
-        if not finished:
-            self.kv.trim()
-        return finished
+        return finished, kept, rewound
 
     @staticmethod
     def _chain_observation(b, k, d_t, logits, res, sampling, nxt, guard, spans) -> Callable[[int], StepObservation]:

@@ -304,12 +304,14 @@ class HoleCache:
 
     # ------------------------------------------------------------------ rows
 
-    def add_prefilled(self, ids: list[int], run=None, *, past=None) -> None:
-        """Append a row for a record whose cached tokens are `ids` (a prompt but its pending
-        last token), prefilled alone, so no padding ever enters the pass (batched joins go
-        through marscli.models.prefill and ``add_rows``). past: (m, keys/values per layer
-        [1, H, m, D]) already computed for the m tokens before ids (a cached prefix; copied).
-        run(forward) wraps the model call (the engine captures target features there)."""
+    def add_prefilled(self, ids: list[int], run=None, *, past=None) -> torch.Tensor | None:
+        """Append a row for a record whose cached tokens are `ids` (a prompt, or a prompt but
+        its pending last token), prefilled alone, so no padding ever enters the pass (batched
+        joins go through marscli.models.prefill and ``add_rows``). past: (m, keys/values per
+        layer [1, H, m, D]) already computed for the m tokens before ids (a cached prefix;
+        copied). run(forward) wraps the model call (the engine captures target features
+        there). Returns the logits [V] at the last of ids on the contiguous cache (None
+        when ids is empty, and on a masked cache)."""
         run = run or (lambda f: f())
         m = 0
         if not self.masked:
@@ -320,12 +322,13 @@ class HoleCache:
                 for layer, pair in zip(self.cache.layers, kv):
                     if pair is not None:
                         _hold_copy(layer, pair, len(ids))
+            logits = None
             if ids:
                 x = torch.tensor([ids], dtype=torch.long, device=self.device)
-                run(lambda: self.model(input_ids=x, **cache_kw(self.model, self.cache), use_cache=True,
-                                       logits_to_keep=1))
+                logits = run(lambda: self.model(input_ids=x, **cache_kw(self.model, self.cache), use_cache=True,
+                                                logits_to_keep=1)).logits[0, -1]
             self.mask = torch.ones(1, m + len(ids), dtype=torch.long, device=self.device)
-            return
+            return logits
         assert past is None, "a masked cache takes cached prefixes through add_rows"
         kv = None
         if ids:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -244,13 +245,33 @@ def shared_prefixes(prompts: list[list[int]], cache: PrefixCache, min_shared: in
 @dataclass
 class RowPrefill:
     """One prefilled prompt: its keys/values (per layer LayerKV [1, H, length, D]; None when
-    length is 0), its target features [length, F] (None when nobody reads them) and how
-    many of its tokens came from the prefix cache."""
+    length is 0), its target features [length, F] (None when nobody reads them), how
+    many of its tokens came from the prefix cache, and the target's logits [V] at its last
+    position (when the prefill was asked for them: the record's first output position)."""
 
     kv: list | None
     length: int
     features: torch.Tensor | None
     reused: int
+    logits: torch.Tensor | None = None
+
+
+@contextmanager
+def last_positions(model, at: torch.Tensor):
+    """Inside: the model's output embedding (lm_head) reads only position at[b] of row b
+    ([n] long), so a forward's logits are [n, 1, V], each row's at its own last prompt token
+    (rows are right-padded), whatever the model does after the head (Gemma's soft cap)."""
+    head = model.get_output_embeddings()
+
+    def gather(_module, args):
+        hidden = args[0]  # [n, S, H]
+        return (hidden[torch.arange(hidden.shape[0], device=hidden.device), at].unsqueeze(1),) + args[1:]
+
+    handle = head.register_forward_pre_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class Prefiller:
@@ -275,19 +296,22 @@ class Prefiller:
         self.padded = 0  # padding positions they computed
         self.reused = 0  # prompt tokens that came from the prefix cache
 
-    def prefill(self, prompts: list[list[int]], run: Callable[[Callable[[], Any]], Any] | None = None
-                ) -> list[RowPrefill]:
-        """Every prompt's keys/values (and features), in the prompts' order."""
+    def prefill(self, prompts: list[list[int]], run: Callable[[Callable[[], Any]], Any] | None = None,
+                *, logits: bool = False) -> list[RowPrefill]:
+        """Every prompt's keys/values (and features), in the prompts' order; with `logits`,
+        the target's logits at each prompt's last position too (every prompt then computes
+        at least its last token, cached or not)."""
         run = run or (lambda f: f())
         if self.cache.enabled and len(prompts) > 1:
             shared = shared_prefixes(prompts, self.cache)
             if shared:  # computed once, inserted, and matched below like any cached prefix
                 self._passes(shared, run, keep=False)
-        return self._passes(prompts, run, keep=True)
+        return self._passes(prompts, run, keep=True, logits=logits)
 
-    def _passes(self, prompts: list[list[int]], run, keep: bool) -> list[RowPrefill]:
+    def _passes(self, prompts: list[list[int]], run, keep: bool, logits: bool = False) -> list[RowPrefill]:
         done: list[RowPrefill | None] = [None] * len(prompts)
-        reuse = [self.cache.lookup(p) for p in prompts]
+        # with logits, a prompt's last token is always computed (its logits are the point)
+        reuse = [self.cache.lookup(p[:-1] if logits else p) for p in prompts]
         todo = []
         first: dict[tuple[int, ...], int] = {}
         copies: list[tuple[int, int]] = []  # (row, the row with the same prompt that computes it)
@@ -307,22 +331,24 @@ class Prefiller:
         for i in todo:
             width = len(prompts[i]) - reuse[i]
             if group and (len(group) + 1) * width > self.budget:
-                self._pass([prompts[j] for j in group], group, run, done, keep)
+                self._pass([prompts[j] for j in group], group, run, done, keep, logits)
                 group = []
             group.append(i)
         if group:
-            self._pass([prompts[j] for j in group], group, run, done, keep)
+            self._pass([prompts[j] for j in group], group, run, done, keep, logits)
         if keep:
             for i, j in copies:  # its keys/values are the other row's (add_rows copies them)
                 r = done[j]
-                done[i] = RowPrefill(r.kv, r.length, r.features, r.length)
+                done[i] = RowPrefill(r.kv, r.length, r.features, r.length, r.logits)
                 self.reused += r.length
         return done if keep else []
 
-    def _pass(self, prompts: list[list[int]], where: list[int], run, done: list, keep: bool) -> None:
-        """One forward over these prompts, each after its cached prefix; results into done."""
+    def _pass(self, prompts: list[list[int]], where: list[int], run, done: list, keep: bool,
+              logits: bool = False) -> None:
+        """One forward over these prompts, each after its cached prefix; results into done
+        (with `logits`, each row's logits at its last token: the cached prefix stops before it)."""
         n = len(prompts)
-        pasts = [self.cache.match(p) for p in prompts]
+        pasts = [self.cache.match(p[:-1] if logits else p) for p in prompts]
         ms = [m for m, _, _ in pasts]
         M = max(ms)
         rests = [p[m:] for p, m in zip(prompts, ms)]
@@ -338,8 +364,13 @@ class Prefiller:
         pos = torch.tensor(ms, dtype=torch.long)[:, None] + torch.arange(S)[None, :]
         dev = self.device
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        run(lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                               **cache_kw(self.model, cache), use_cache=True, logits_to_keep=1))
+        last = None
+        if logits:  # every row's last real position: the lm_head reads those only
+            last = torch.tensor([len(r) - 1 for r in rests], dtype=torch.long, device=dev)
+        with last_positions(self.model, last) if logits else nullcontext():
+            out = run(lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                         **cache_kw(self.model, cache), use_cache=True,
+                                         logits_to_keep=0 if logits else 1))
         feats = self.features()  # [n, S, F] or None
         self.passes += 1
         real = sum(len(r) for r in rests)
@@ -357,7 +388,7 @@ class Prefiller:
                     f = torch.cat([past_f, f], 0)
             self.cache.insert(p, kv, f if self.cache.features else None)
             if keep:
-                done[where[b]] = RowPrefill(kv, L, f, m)
+                done[where[b]] = RowPrefill(kv, L, f, m, out.logits[b, -1] if logits else None)
                 self.reused += m
 
     @staticmethod

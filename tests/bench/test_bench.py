@@ -347,7 +347,8 @@ def test_throughput_rows_reuse_a_shared_prefix_and_start_cold(runner, tiny_model
     # One record: the warm-up ran it, yet the timed run finds nothing cached and counts one pass.
     one = runs["one"]["throughput"][0]
     assert one["prefix_tokens_reused"] == 0 and one["prefill_passes"] == 1
-    assert one["prefill_tokens"] == runs["one"]["prompts"]["prompt_tokens"]["max"] - 1  # the last token is pending
+    # the whole prompt: its last token's logits give the first output token
+    assert one["prefill_tokens"] == runs["one"]["prompts"]["prompt_tokens"]["max"]
 
 
 def test_help_has_examples(runner):

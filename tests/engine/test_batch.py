@@ -686,3 +686,45 @@ def test_a_greedy_mars_step_reads_the_vocabulary_twice(target):
     out = dict(engine.run(range(len(prompts)), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
     assert steps[0] > 0 and passes[0] == 2 * steps[0], (passes[0], steps[0])
     assert [out[i].token_ids for i in range(len(prompts))] == [r.token_ids for r in ref]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("vcfg", [STRICT, MARS], ids=["strict", "mars"])
+def test_the_first_token_comes_from_the_prefill(target, oracle, vcfg, batch_size):
+    """A joining row's first token is judged on the prefill pass's logits at its last prompt
+    token (as transformers' generate() takes it): a one-token job runs no decoding step, and
+    its tokens and logprobs are those of an engine that computes the first token in a step
+    (and, strict, the oracle's greedy token), for prompts the prefix cache holds whole (the
+    job run twice on one engine) and a prompt joining twice in one group."""
+    from tests.oracles import check_logprobs
+
+    dcfg = ngram_cfg()
+    factory = lambda: build_drafter(dcfg, target)  # noqa: E731
+    prompts = PROMPTS + [PROMPTS[2]]
+    ids = [target.tokenizer(p).input_ids for p in prompts]
+    samplings = [SamplingParams(max_tokens=1, logprobs=True, top_logprobs=2) for _ in prompts]
+    stepped = engine_of(target, factory, vcfg, dcfg, 1)
+    stepped._first_ok = False  # the first token from a step, as before the prefill gave it
+    assert not stepped.first_from_prefill
+    ref = [stepped.generate_ids(p, s) for p, s in zip(ids, samplings)]
+    engine = engine_of(target, factory, vcfg, dcfg, batch_size)
+    assert engine.first_from_prefill
+    steps = [0]
+    step = engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted
+    for _ in range(2):  # the second run finds every prompt in the prefix cache
+        out = dict(engine.run(range(len(prompts)), lambda i: (ids[i], samplings[i])))
+        assert steps[0] == 0
+        for i, p in enumerate(ids):
+            assert out[i].token_ids == ref[i].token_ids and len(out[i].token_ids) == 1, i
+            assert out[i].stats.relaxed == ref[i].stats.relaxed
+            check_logprobs(oracle, p, out[i], 2)
+            if not vcfg.rule.relaxes:
+                with torch.no_grad():
+                    assert out[i].token_ids == [int(oracle(torch.tensor([p])).logits[0, -1].argmax())]
+    assert engine.prefix_tokens_reused > 0

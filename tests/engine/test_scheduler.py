@@ -1,5 +1,6 @@
 """The scheduler's contract per step: one target forward, one verification call and one
-device-to-host transfer for the whole batch, whatever the batch size."""
+device-to-host transfer for the whole batch, whatever the batch size (and for a joining
+group's first tokens, judged on the prefill's logits: one verification, one transfer)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog the quick brown fox",
 def test_one_forward_one_verification_one_transfer_per_step(target, monkeypatch, batch_size, verify_cfg):
     engine = build_engine(target, None, verify_cfg, DraftConfig(kind="ngram", num_draft_tokens=4),
                           batch_size)
-    counts = {"steps": 0, "verify": 0, "host": 0, "forward": 0}
+    counts = {"steps": 0, "joins": 0, "verify": 0, "host": 0, "forward": 0}
     real_step, real_verify, real_host = engine.step, scheduler_mod.verify_rows, VerifyResult.host_rows
+    real_join = engine.start_rows
     real_forward = engine.kv.__class__.forward
 
     def count(name, fn):
@@ -33,6 +35,7 @@ def test_one_forward_one_verification_one_transfer_per_step(target, monkeypatch,
         return wrapped
 
     monkeypatch.setattr(engine, "step", count("steps", real_step))
+    monkeypatch.setattr(engine, "start_rows", count("joins", real_join))
     monkeypatch.setattr(scheduler_mod, "verify_rows", count("verify", real_verify))
     monkeypatch.setattr(VerifyResult, "host_rows", count("host", real_host))
     monkeypatch.setattr(engine.kv.__class__, "forward", count("forward", real_forward))
@@ -41,11 +44,14 @@ def test_one_forward_one_verification_one_transfer_per_step(target, monkeypatch,
     assert all(not isinstance(r, Exception) for r in out.values())
     assert counts["steps"] > 0
     # steps are counted once per batch, so with 3 rows there are fewer steps than row-steps
-    row_steps = sum(r.stats.steps for r in out.values())
-    assert counts["verify"] == counts["host"] == counts["forward"] == counts["steps"]
-    # prompts prefill apart from the steps: one pass per record alone, fewer when records
-    # join together (the first three here)
-    prompted = sum(len(target.tokenizer(p).input_ids) > 1 for p in PROMPTS)
+    # (a record's statistics count its first token, from the prefill pass, as a step)
+    assert engine.first_from_prefill
+    row_steps = sum(r.stats.steps for r in out.values()) - len(out)
+    assert counts["forward"] == counts["steps"]
+    assert counts["verify"] == counts["host"] == counts["steps"] + counts["joins"]
+    # prompts prefill apart from the steps: one pass per record alone (a one-token prompt too:
+    # its logits give the first token), fewer when records join together (the first three here)
+    prompted = len(PROMPTS)
     if batch_size > 1:
         assert counts["steps"] < row_steps
         assert 1 <= engine.prefiller.passes < prompted

@@ -219,8 +219,8 @@ def test_logprobs_do_not_change_the_output_and_cost_no_extra_transfer(target, mo
     from marscli.verification.chain import VerifyResult
 
     engine = build_engine(target, None, VerifyConfig(), DraftConfig(kind="ngram", num_draft_tokens=4), 2)
-    calls = {"host": 0, "steps": 0}
-    real_host, real_step = VerifyResult.host_rows, engine.step
+    calls = {"host": 0, "steps": 0, "joins": 0}
+    real_host, real_step, real_join = VerifyResult.host_rows, engine.step, engine.start_rows
 
     def host(self, *a, **kw):
         calls["host"] += 1
@@ -231,7 +231,12 @@ def test_logprobs_do_not_change_the_output_and_cost_no_extra_transfer(target, mo
         return real_step(*a, **kw)
 
     monkeypatch.setattr(VerifyResult, "host_rows", host)
+    def join(*a, **kw):
+        calls["joins"] += 1
+        return real_join(*a, **kw)
+
     monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "start_rows", join)
     ids = [target.tokenizer(p).input_ids for p in PROMPTS]
     plain = SamplingParams(max_tokens=16, temperature=0.9, seed=3)
     with_lp = SamplingParams(max_tokens=16, temperature=0.9, seed=3, logprobs=True)
@@ -239,7 +244,9 @@ def test_logprobs_do_not_change_the_output_and_cost_no_extra_transfer(target, mo
     b = dict(engine.run(range(3), lambda i: (ids[i], with_lp if i != 1 else plain)))
     assert all(a[i].token_ids == b[i].token_ids for i in range(3))
     assert a[0].logprobs is None and b[1].logprobs is None and len(b[0].logprobs) == len(b[0].token_ids)
-    assert calls["host"] == calls["steps"]
+    # one transfer a step, and one a joining group (its first tokens, from the prefill)
+    assert engine.first_from_prefill
+    assert calls["host"] == calls["steps"] + calls["joins"]
 
 
 # ------------------------------------------------------------------------------ n
@@ -268,8 +275,9 @@ def test_n_choices_equal_single_runs_with_seeds_seed_to_seed_plus_n(runner, tiny
     sampled, greedy = lines(r.stdout)
     # one prefill per request: the other choices take its prompt from the prefix cache
     (engine,) = engines
+    # (every choice computes its prompt's last token: its logits give the first output token)
     cached = [len(engine.target.tokenizer(p).input_ids) - 1 for p in PROMPTS[:2]]
-    assert engine.prefiller.tokens <= sum(cached)
+    assert engine.prefiller.tokens <= sum(cached) + 3 + 2
     assert engine.prefix_tokens_reused >= 2 * cached[0] + cached[1]
     # temperature > 0: choice i is the single-sample run with seed 11 + i
     singles = write(tmp_path / "single.jsonl", [{"id": f"s{i}", "prompt": PROMPTS[0], "seed": 11 + i}
