@@ -229,7 +229,7 @@ class Engine:
         # Sliding-window layers keep state of their own beside keys/values: no prefix reuse.
         self.prefix = PrefixCache(0 if sliding else int(prefix_cache_mib * MIB), features=self.tap is not None)
         self.prefiller = Prefiller(self.model, self.device, self.prefix, self.pad_id,
-                                   features=lambda: self.last_features)
+                                   features=lambda: self.last_features, packing=True)
         self.reset_rows()
 
     # ------------------------------------------------------------------ one record

@@ -30,6 +30,7 @@ import torch
 
 from marscli.config import DEFAULT_PREFIX_CACHE_MIB  # noqa: F401 - the engine's default, re-exported
 from marscli.models.kvcache import GrowingLayer, cache_kw, new_cache
+from marscli.models.slots import attention_mask, supports
 
 MIB = 1 << 20
 #: A draft model's own prefix cache (its keys/values are a fraction of the target's).
@@ -242,6 +243,21 @@ def shared_prefixes(prompts: list[list[int]], cache: PrefixCache, min_shared: in
     return [p for p in out if len(p) - cache.lookup(p) >= min_shared]
 
 
+def layer_costs(model) -> tuple[int | None, int | None]:
+    """(multiply-adds of one token through a decoder layer's weight matrices, of one query-key
+    pair through its attention: scores and values, every query head), from the first decoder
+    layer and the config; (None, None) when the model does not say."""
+    config = getattr(model, "config", None)
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not layers or not heads:
+        return None, None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    weights = sum(t.numel() for t in (*layers[0].parameters(), *layers[0].buffers()) if t.dim() == 2)
+    return weights, 2 * heads * head_dim
+
+
 @dataclass
 class RowPrefill:
     """One prefilled prompt: its keys/values (per layer LayerKV [1, H, length, D]; None when
@@ -257,15 +273,16 @@ class RowPrefill:
 
 
 @contextmanager
-def last_positions(model, at: torch.Tensor):
-    """Inside: the model's output embedding (lm_head) reads only position at[b] of row b
-    ([n] long), so a forward's logits are [n, 1, V], each row's at its own last prompt token
-    (rows are right-padded), whatever the model does after the head (Gemma's soft cap)."""
+def last_positions(model, rows: torch.Tensor, at: torch.Tensor):
+    """Inside: the model's output embedding (lm_head) reads only position at[b] of row rows[b]
+    ([n] long each), so a forward's logits are [n, 1, V], each prompt's at its own last token
+    (wherever padding or packing put it), whatever the model does after the head (Gemma's
+    soft cap)."""
     head = model.get_output_embeddings()
 
     def gather(_module, args):
-        hidden = args[0]  # [n, S, H]
-        return (hidden[torch.arange(hidden.shape[0], device=hidden.device), at].unsqueeze(1),) + args[1:]
+        hidden = args[0]  # [rows, S, H]
+        return (hidden[rows, at].unsqueeze(1),) + args[1:]
 
     handle = head.register_forward_pre_hook(gather)
     try:
@@ -281,13 +298,20 @@ class Prefiller:
     features() then gives that pass's features [n, S, F] (None when none are captured)."""
 
     def __init__(self, model, device, cache: PrefixCache, pad_id: int = 0, *,
-                 features: Callable[[], torch.Tensor | None] = lambda: None, budget: int | None = None):
+                 features: Callable[[], torch.Tensor | None] = lambda: None, budget: int | None = None,
+                 packing: bool = False):
         self.model = model
         self.device = device
         self.cache = cache
         self.pad_id = pad_id
         self.features = features
         self.budget = budget or prefill_budget(torch.device(device))
+        #: multiply-adds per layer of a token through the linear layers, and of a query-key
+        #: pair through attention; None: passes are never packed (packing off, or a model whose
+        #: attention takes no 4D mask)
+        self.token_cost = self.pair_cost = None
+        if packing and supports(model):
+            self.token_cost, self.pair_cost = layer_costs(model)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -346,67 +370,117 @@ class Prefiller:
     def _pass(self, prompts: list[list[int]], where: list[int], run, done: list, keep: bool,
               logits: bool = False) -> None:
         """One forward over these prompts, each after its cached prefix; results into done
-        (with `logits`, each row's logits at its last token: the cached prefix stops before it)."""
-        n = len(prompts)
+        (with `logits`, each row's logits at its last token: the cached prefix stops before
+        it). The rows run right-padded to the longest ([n, S]), or packed into one row with
+        no padding where the model takes a 4D mask and that costs less (``packs``)."""
         pasts = [self.cache.match(p[:-1] if logits else p) for p in prompts]
         ms = [m for m, _, _ in pasts]
-        M = max(ms)
         rests = [p[m:] for p, m in zip(prompts, ms)]
-        S = max(len(r) for r in rests)
+        packed = self.packs(ms, [len(r) for r in rests])
         cache = new_cache(self.model)
-        mask = torch.zeros(n, M + S, dtype=torch.long)
+        ids, mask, pos, rows, at, shift = (self._packed if packed else self._padded)(cache, pasts, rests)
+        dev = self.device
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        last = at + torch.tensor([len(r) - 1 for r in rests], dtype=torch.long)
+        with last_positions(self.model, rows.to(dev), last.to(dev)) if logits else nullcontext():
+            out = run(lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                         **cache_kw(self.model, cache), use_cache=True,
+                                         logits_to_keep=0 if logits else 1))
+        feats = self.features()  # [the pass's rows, its width, F] or None
+        self.passes += 1
+        real = sum(len(r) for r in rests)
+        self.tokens += real
+        self.padded += ids.numel() - real
+        for b, (p, (m, past, past_f), r) in enumerate(zip(prompts, pasts, rests)):
+            row, lo = int(rows[b]), int(at[b]) + shift  # where its rest's keys/values are
+            hi = lo + len(r)
+            if not packed:
+                lo -= m  # its cached prefix sits right before them in the row
+            kv = []
+            for li, layer in enumerate(cache.layers):
+                if not layer.is_initialized or layer.keys is None:
+                    kv.append(None)
+                    continue
+                k, v = layer.keys[row: row + 1, :, lo: hi], layer.values[row: row + 1, :, lo: hi]
+                if packed and m:  # owned copies, prefix first (the prefix cache's own tensors)
+                    k, v = torch.cat([past[li][0], k], 2), torch.cat([past[li][1], v], 2)
+                kv.append((k, v))
+            f = None
+            if feats is not None:
+                f = feats[row, int(at[b]): int(at[b]) + len(r)]
+                if m:
+                    f = torch.cat([past_f, f], 0)
+            self.cache.insert(p, kv, f if self.cache.features else None)
+            if keep:
+                done[where[b]] = RowPrefill(kv, len(p), f, m, out.logits[b, -1] if logits else None)
+                self.reused += m
+
+    def packs(self, ms: list[int], rs: list[int]) -> bool:
+        """Does a pass over rests of rs tokens after cached prefixes of ms cost less packed into
+        one row (no padding; attention over every row's keys, masked) than right-padded to the
+        longest (attention over the row's own)? Counted in multiply-adds per layer: the linear
+        layers' per token, the attention's per query-key pair."""
+        if self.pair_cost is None or len(rs) < 2:
+            return False
+        S, M, R = max(rs), max(ms), sum(rs)
+        padded = len(rs) * S * (self.token_cost + (M + S) * self.pair_cost)
+        packed = R * self.token_cost + R * (sum(ms) + R) * self.pair_cost
+        return packed < padded
+
+    def _padded(self, cache, pasts: list, rests: list[list[int]]):
+        """A pass's inputs with row b's prefix right-aligned at a common length M and its rest
+        right-padded to S: ids [n, S], its 2D mask, position ids, where each rest starts
+        (rows, at: [n] each) and how far its keys sit past that (M)."""
+        n = len(rests)
+        ms = [m for m, _, _ in pasts]
+        M, S = max(ms), max(len(r) for r in rests)
         if M:
-            self._seed(cache, pasts, M, S)
+            self._seed(cache, [[(b, M - m, kv)] if m else [] for b, (m, kv, _) in enumerate(pasts)], n, M, S)
+        mask = torch.zeros(n, M + S, dtype=torch.long)
         ids = torch.full((n, S), self.pad_id, dtype=torch.long)
         for b, (m, r) in enumerate(zip(ms, rests)):
             mask[b, M - m: M + len(r)] = 1
             ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
         pos = torch.tensor(ms, dtype=torch.long)[:, None] + torch.arange(S)[None, :]
-        dev = self.device
-        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        last = None
-        if logits:  # every row's last real position: the lm_head reads those only
-            last = torch.tensor([len(r) - 1 for r in rests], dtype=torch.long, device=dev)
-        with last_positions(self.model, last) if logits else nullcontext():
-            out = run(lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                         **cache_kw(self.model, cache), use_cache=True,
-                                         logits_to_keep=0 if logits else 1))
-        feats = self.features()  # [n, S, F] or None
-        self.passes += 1
-        real = sum(len(r) for r in rests)
-        self.tokens += real
-        self.padded += n * S - real
-        for b, (p, (m, _, past_f), r) in enumerate(zip(prompts, pasts, rests)):
-            L = len(p)
-            kv = [None if not layer.is_initialized or layer.keys is None else
-                  (layer.keys[b: b + 1, :, M - m: M + len(r)], layer.values[b: b + 1, :, M - m: M + len(r)])
-                  for layer in cache.layers]
-            f = None
-            if feats is not None:
-                f = feats[b, : len(r)]
-                if m:
-                    f = torch.cat([past_f, f], 0)
-            self.cache.insert(p, kv, f if self.cache.features else None)
-            if keep:
-                done[where[b]] = RowPrefill(kv, L, f, m, out.logits[b, -1] if logits else None)
-                self.reused += m
+        return ids, mask, pos, torch.arange(n), torch.zeros(n, dtype=torch.long), M
+
+    def _packed(self, cache, pasts: list, rests: list[list[int]]):
+        """A pass's inputs packed into one row: every prefix first (P positions), then every
+        rest (R), each query seeing its own prompt's prefix and rest up to itself (a 4D mask
+        [1, 1, R, P + R]); ids [1, R], position ids, where each rest starts (row 0, at) and
+        how far its keys sit past that (P)."""
+        ms = [m for m, _, _ in pasts]
+        P = sum(ms)
+        starts = torch.tensor([0] + ms, dtype=torch.long).cumsum(0)[:-1]
+        if P:
+            self._seed(cache, [[(0, int(o), kv)] if m else [] for o, (m, kv, _) in zip(starts, pasts)], 1, P,
+                       sum(len(r) for r in rests))
+        owner_q = torch.cat([torch.full((len(r),), b, dtype=torch.long) for b, r in enumerate(rests)])
+        R = owner_q.numel()
+        owner_k = torch.cat([torch.repeat_interleave(torch.arange(len(ms)), torch.tensor(ms)), owner_q])
+        order_k = torch.cat([torch.full((P,), -1, dtype=torch.long), torch.arange(R)])
+        seen = (owner_k[None, :] == owner_q[:, None]) & (order_k[None, :] <= torch.arange(R)[:, None])
+        ids = torch.tensor([t for r in rests for t in r], dtype=torch.long)[None]
+        pos = torch.cat([m + torch.arange(len(r)) for m, r in zip(ms, rests)])[None]
+        at = torch.tensor([0] + [len(r) for r in rests], dtype=torch.long).cumsum(0)[:-1]
+        return ids, attention_mask(self.model, seen[None, None]), pos, torch.zeros(len(rests), dtype=torch.long), at, P
 
     @staticmethod
-    def _seed(cache, pasts: list, M: int, S: int) -> None:
-        """Put each row's cached prefix right-aligned in [0, M) of buffers with room for S more
-        positions (padding zeros: masked out, but 0 x NaN would be NaN)."""
-        n = len(pasts)
-        ref = next(kv for m, kv, _ in pasts if m)
+    def _seed(cache, placed: list, n: int, M: int, S: int) -> None:
+        """Put cached prefixes into [0, M) of n-row buffers with room for S more positions:
+        placed[i] lists (row, start, keys/values per layer) (padding zeros: masked out, but
+        0 x NaN would be NaN)."""
+        ref = next(kv for p in placed for _, _, kv in p)
         for li, layer in enumerate(cache.layers):
             if ref[li] is None:
                 continue
             k0, v0 = ref[li]
             kbuf = k0.new_zeros(n, k0.shape[1], M + S, k0.shape[3])
             vbuf = v0.new_zeros(n, v0.shape[1], M + S, v0.shape[3])
-            for b, (m, kv, _) in enumerate(pasts):
-                if m:
-                    kbuf[b, :, M - m: M] = kv[li][0][0]
-                    vbuf[b, :, M - m: M] = kv[li][1][0]
+            for row, start, kv in (x for p in placed for x in p):
+                k, v = kv[li]
+                kbuf[row, :, start: start + k.shape[2]] = k[0]
+                vbuf[row, :, start: start + v.shape[2]] = v[0]
             if isinstance(layer, GrowingLayer):  # the pass appends into the room after M
                 layer.adopt(kbuf, vbuf, M)
             else:

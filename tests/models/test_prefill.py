@@ -186,3 +186,31 @@ def test_prefiller_groups_within_the_token_budget(target):
     with torch.inference_mode():
         p.prefill(prompts)
     assert p.passes > 2  # the long prompt runs apart
+
+
+def test_packed_passes_equal_each_prompt_alone(target):
+    """Prompts of different lengths after different cached prefixes, packed into one row with
+    no padding: each prompt's keys/values and its last token's logits are those of a plain
+    forward of it alone, as the padded pass gives them; short rests pack (the padding costs
+    more than attention across rows), two long equal rests do not."""
+    cache = PrefixCache(1 << 26)
+    packed = Prefiller(target.model, target.device, cache, packing=True)
+    assert packed.token_cost and packed.pair_cost
+    prompts = [target.tokenizer(q).input_ids for q in
+               ("the quick brown fox jumps over the lazy dog", "the quick brown cat", "x y",
+                "hello world hello world hello", "the quick brown fox sleeps")]
+    with torch.inference_mode():
+        packed.prefill([prompts[0]])  # a cached prefix for three of them
+        rows = packed.prefill(prompts, logits=True)
+    assert packed.padded == 0 and packed.reused > 0
+    for x, r in zip(prompts, rows):
+        with torch.inference_mode():
+            out = target.model(torch.tensor([x]), use_cache=True)
+        assert r.length == len(x)
+        torch.testing.assert_close(r.logits, out.logits[0, -1], atol=1e-5, rtol=1e-5)
+        for li, layer in enumerate(out.past_key_values.layers):
+            torch.testing.assert_close(r.kv[li][0], layer.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(r.kv[li][1], layer.values, atol=1e-5, rtol=1e-5)
+    assert packed.packs([0] * 16, [4, 9] * 8)
+    assert not packed.packs([0, 0], [600, 600])
+    assert not Prefiller(target.model, target.device, cache).packs([0] * 16, [4, 9] * 8)  # packing off
