@@ -386,6 +386,11 @@ class Prefiller:
             out = run(lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                          **cache_kw(self.model, cache), use_cache=True,
                                          logits_to_keep=0 if logits else 1))
+        last_logits = None
+        if logits:
+            last_logits = out.logits  # [n, 1, V]; a head no hook reached gives every position
+            if last_logits.shape[:2] != (len(prompts), 1):
+                last_logits = last_logits[rows.to(dev), last.to(dev)].unsqueeze(1)
         feats = self.features()  # [the pass's rows, its width, F] or None
         self.passes += 1
         real = sum(len(r) for r in rests)
@@ -412,7 +417,7 @@ class Prefiller:
                     f = torch.cat([past_f, f], 0)
             self.cache.insert(p, kv, f if self.cache.features else None)
             if keep:
-                done[where[b]] = RowPrefill(kv, len(p), f, m, out.logits[b, -1] if logits else None)
+                done[where[b]] = RowPrefill(kv, len(p), f, m, None if last_logits is None else last_logits[b, -1])
                 self.reused += m
 
     def packs(self, ms: list[int], rs: list[int]) -> bool:

@@ -214,3 +214,22 @@ def test_packed_passes_equal_each_prompt_alone(target):
     assert packed.packs([0] * 16, [4, 9] * 8)
     assert not packed.packs([0, 0], [600, 600])
     assert not Prefiller(target.model, target.device, cache).packs([0] * 16, [4, 9] * 8)  # packing off
+
+
+def test_last_logits_without_the_head_hook(target, monkeypatch):
+    """A model whose output head the pre-hook does not reach (its logits then cover every
+    position) still gives each prompt the logits at its own last token."""
+    from contextlib import nullcontext
+
+    import marscli.models.prefill as prefill_mod
+
+    prompts = [target.tokenizer(q).input_ids for q in ("the quick brown fox jumps", "x y", "hello world")]
+    monkeypatch.setattr(prefill_mod, "last_positions", lambda *a: nullcontext())
+    for packing in (False, True):
+        p = Prefiller(target.model, target.device, PrefixCache(0), packing=packing)
+        with torch.inference_mode():
+            rows = p.prefill(prompts, logits=True)
+        for x, r in zip(prompts, rows):
+            with torch.inference_mode():
+                want = target.model(torch.tensor([x])).logits[0, -1]
+            torch.testing.assert_close(r.logits, want, atol=1e-5, rtol=1e-5)
