@@ -191,13 +191,19 @@ def verify_tree(
     node_guard = guard if p is None or guard is None or per_token(rule) else row_guarded[rows]
     decision, _ = guarded_decision(rule, facts, torch.ones_like(facts.strict_ok), node_guard)
     ok = decision.ok | facts.strict_ok  # [N] the target's own token always (as in the chain)
-    relaxed = relaxed_positions(ok, decision.relaxable, facts.strict_ok).tolist()  # [N] ok only if relaxed
+    relaxed_t = relaxed_positions(ok, decision.relaxable, facts.strict_ok)  # [N] ok only if relaxed
+    # the walk's inputs come to the host in ONE transfer: ok, relaxed, strict_ok, prefer [N]
+    # each, then every row's own token [N+1]
+    host = torch.cat([ok.long(), relaxed_t.long(), facts.strict_ok.long(), prefer.long(), own.long()]).tolist()
+    ok_h, relaxed = [bool(x) for x in host[:n]], [bool(x) for x in host[n: 2 * n]]
+    strict_h, prefer_h, own_h = host[2 * n: 3 * n], host[3 * n: 4 * n], host[4 * n:]
     budget = math.inf if relax_left is None else relax_left
     if p is None:
-        path = _tree_greedy(tree.child_lists(), ok.tolist(), relaxed, budget)
+        path = _tree_greedy(tree.child_lists(), ok_h, relaxed, budget)
     else:
-        path = _tree_sampling(tree.child_lists(), facts.strict_ok.tolist(), relaxed, prefer.tolist(), budget)
-    nxt = int(own[path[-1] + 1 if path else 0])  # the row after the path: its top-1, or its draw
+        path = _tree_sampling(tree.child_lists(), [bool(x) for x in strict_h], relaxed,
+                              [bool(x) for x in prefer_h], budget)
+    nxt = int(own_h[path[-1] + 1 if path else 0])  # the row after the path: its top-1, or its draw
     return TreeVerifyResult(path, nxt, [relaxed[i] for i in path],
                             *_row_report(rule, facts, decision.relaxable, stat, rows, row_guarded))
 

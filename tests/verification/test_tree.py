@@ -947,3 +947,24 @@ def test_mars_tree_sampling_follows_its_analytic_law():
     strict = [verify_tree(t, logits, rule=rule_from_theta(INF), temperature=1.0, seed=s, position=0).emitted(t)[0]
               for s in range(3_000)]
     assert fits(strict, p)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_verify_tree_reads_the_host_once(temperature, monkeypatch):
+    """A tree's verdict comes to the host in one transfer (what the walk reads: ok, relaxed,
+    the rows' own tokens...), beside reads of the tree's parents, which the drafter made on
+    the host (counted too: the counter cannot tell them apart): once for the child lists and,
+    sampled, once for the depths the draws' positions need. Sampled: the draws' dense path, a
+    GPU's."""
+    from marscli.engine.host_reads import count_host_reads
+    from marscli.verification import draws
+
+    monkeypatch.setattr(draws, "DENSE_DEVICES", frozenset({"cpu"}))
+    torch.manual_seed(0)
+    tree = tree_of([3, 5, 7, 3, 9, 2], [ROOT, ROOT, 0, 0, 1, 3])
+    logits = torch.randn(len(tree) + 1, 12)
+    rule = rule_from_theta(0.1)
+    with count_host_reads() as reads:
+        res = verify_tree(tree, logits, rule=rule, temperature=temperature, seed=5, position=3)
+    assert reads.total == (2 if temperature == 0.0 else 3), reads.by_kind
+    assert res.next_token == int(logits[(res.path[-1] + 1) if res.path else 0].argmax()) or temperature
