@@ -381,8 +381,9 @@ class Prefiller:
         ids, mask, pos, rows, at, shift = (self._packed if packed else self._padded)(cache, pasts, rests)
         dev = self.device
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        last = at + torch.tensor([len(r) - 1 for r in rests], dtype=torch.long)
-        with last_positions(self.model, rows.to(dev), last.to(dev)) if logits else nullcontext():
+        # each prompt's last token in the pass: row rows_d[b], position last_d[b]
+        rows_d, last_d = rows.to(dev), (at + torch.tensor([len(r) - 1 for r in rests], dtype=torch.long)).to(dev)
+        with last_positions(self.model, rows_d, last_d) if logits else nullcontext():
             out = run(lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                          **cache_kw(self.model, cache), use_cache=True,
                                          logits_to_keep=0 if logits else 1))
@@ -390,7 +391,7 @@ class Prefiller:
         if logits:
             last_logits = out.logits  # [n, 1, V]; a head no hook reached gives every position
             if last_logits.shape[:2] != (len(prompts), 1):
-                last_logits = last_logits[rows.to(dev), last.to(dev)].unsqueeze(1)
+                last_logits = last_logits[rows_d, last_d].unsqueeze(1)
         feats = self.features()  # [the pass's rows, its width, F] or None
         self.passes += 1
         real = sum(len(r) for r in rests)
@@ -440,7 +441,7 @@ class Prefiller:
         ms = [m for m, _, _ in pasts]
         M, S = max(ms), max(len(r) for r in rests)
         if M:
-            self._seed(cache, [[(b, M - m, kv)] if m else [] for b, (m, kv, _) in enumerate(pasts)], n, M, S)
+            self._seed(cache, [(b, M - m, kv) for b, (m, kv, _) in enumerate(pasts) if m], n, M, S)
         mask = torch.zeros(n, M + S, dtype=torch.long)
         ids = torch.full((n, S), self.pad_id, dtype=torch.long)
         for b, (m, r) in enumerate(zip(ms, rests)):
@@ -456,9 +457,9 @@ class Prefiller:
         how far its keys sit past that (P)."""
         ms = [m for m, _, _ in pasts]
         P = sum(ms)
-        starts = torch.tensor([0] + ms, dtype=torch.long).cumsum(0)[:-1]
+        starts = itertools.accumulate([0] + ms)  # where each prefix begins
         if P:
-            self._seed(cache, [[(0, int(o), kv)] if m else [] for o, (m, kv, _) in zip(starts, pasts)], 1, P,
+            self._seed(cache, [(0, o, kv) for o, (m, kv, _) in zip(starts, pasts) if m], 1, P,
                        sum(len(r) for r in rests))
         owner_q = torch.cat([torch.full((len(r),), b, dtype=torch.long) for b, r in enumerate(rests)])
         R = owner_q.numel()
@@ -473,16 +474,16 @@ class Prefiller:
     @staticmethod
     def _seed(cache, placed: list, n: int, M: int, S: int) -> None:
         """Put cached prefixes into [0, M) of n-row buffers with room for S more positions:
-        placed[i] lists (row, start, keys/values per layer) (padding zeros: masked out, but
-        0 x NaN would be NaN)."""
-        ref = next(kv for p in placed for _, _, kv in p)
+        placed holds (row, start, keys/values per layer) per prefix (padding zeros: masked
+        out, but 0 x NaN would be NaN)."""
+        ref = placed[0][2]
         for li, layer in enumerate(cache.layers):
             if ref[li] is None:
                 continue
             k0, v0 = ref[li]
             kbuf = k0.new_zeros(n, k0.shape[1], M + S, k0.shape[3])
             vbuf = v0.new_zeros(n, v0.shape[1], M + S, v0.shape[3])
-            for row, start, kv in (x for p in placed for x in p):
+            for row, start, kv in placed:
                 k, v = kv[li]
                 kbuf[row, :, start: start + k.shape[2]] = k[0]
                 vbuf[row, :, start: start + v.shape[2]] = v[0]
