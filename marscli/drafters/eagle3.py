@@ -33,16 +33,9 @@ import torch
 from marscli.config import TREE_DEFAULTS, SamplingParams
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
 from marscli.drafters.eagle3_head import Eagle3Head
+from marscli.drafters.eagle3_slots import HeadSlots
 from marscli.drafters.kinds import EAGLE3
-from marscli.models.kvcache import left_pad
-from marscli.models.slots import (
-    ROW_BUCKETS,
-    TOKEN_BUCKETS,
-    CapturedShapes,
-    bucket_of,
-    span_bucket,
-    step_on,
-)
+from marscli.models.slots import step_on
 from marscli.verification.chain import sampled_groups, sampling_probs
 from marscli.verification.draws import coupled_draw, position_keys
 
@@ -258,44 +251,63 @@ class Eagle3Drafter(DrafterBase):
 # ---------------------------------------------------------------------------- batched chains
 
 
-class BatchedEagle3Drafter:
-    """Chain drafting for a whole batch: the rows' catch-up entries in one head pass and then
-    one head pass per draft position for all rows (instead of one pass per row and position).
+class _HeadRow:
+    """A batch row of BatchedEagle3Drafter: what is its own (the cache is HeadSlots')."""
 
-    Each row is an Eagle3Drafter (its own committed cache, features and acceptance tracker);
-    this class only runs their head passes together (a BatchedDrafter).
-    The rows' committed caches are left-padded to a common length for each step; padding is
-    masked out, so a row drafts what it would alone, up to float summation order. Rows follow
-    the engine's batch (added and dropped together).
+    __slots__ = ("sampling", "prompt_len", "tracker", "pending")
+
+    def __init__(self, prompt_len: int, sampling: SamplingParams):
+        self.sampling = sampling
+        self.prompt_len = prompt_len
+        self.tracker = AcceptanceTracker()
+        self.pending: list[torch.Tensor] = []  # target features not yet in the head's cache
+
+
+class BatchedEagle3Drafter:
+    """Chain drafting for a whole batch: the rows' newly committed entries in one head pass
+    and then one head pass per draft position for all rows, over the head's cache in slot
+    buffers (marscli.drafters.eagle3_slots.HeadSlots: nothing copied per step).
+
+    A row drafts what one Eagle3Drafter drafts for it alone, up to float summation order (its
+    committed entries sit at its own columns, the rest masked out). Rows follow the engine's
+    batch (added and dropped together). The drafts of a propose call reach the host in one
+    transfer, after its last draft position.
     """
 
     tree = None
-    step_kind = "eager"  # the engine's (Engine.step_kind): "static" or "graphs" run HeadSteps
+    step_kind = "eager"  # the engine's (Engine.step_kind): "static" or "graphs" run static shapes
 
     def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int):
         self.head = head
         self.k_max = k_max
         self.vocab_size = vocab_size
+        self.slots: HeadSlots | None = None
         self.reset()
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.head.feature_layers
 
+    @property
+    def steps(self) -> HeadSlots | None:
+        """The head's static shapes (None when its passes run eagerly): gpu_check reports them."""
+        return self.slots if self.slots.static else None
+
     def reset(self) -> None:
-        self.rows: list[Eagle3Drafter] = []
-        # The draft positions' head passes at static shapes when the engine's steps are
-        # (captured as CUDA graphs on CUDA); a compiled CPU engine's head stays eager.
+        """No row. The slot buffers and their shapes live with the head: a run at the step
+        kind of the last one builds nothing again."""
+        self.rows: list[_HeadRow] = []
         kind = step_on(self.step_kind, self.head.device)
-        if getattr(self, "steps_kind", None) != kind:  # the head's shapes live with the head
-            self.steps = HeadSteps(self.head, graphs=kind == "graphs") if kind in ("static", "graphs") else None
+        if self.slots is None or getattr(self, "steps_kind", None) != kind:
+            self.slots = HeadSlots(self.head, static=kind in ("static", "graphs"), graphs=kind == "graphs")
             self.steps_kind = kind
+        else:
+            self.slots.clear_rows()
 
     def add_row(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         # The head's prompt entries come from the target's prefill features (observe).
-        row = Eagle3Drafter(self.head, self.k_max, vocab_size=self.vocab_size)
-        row.start(prompt_ids, sampling)
-        self.rows.append(row)
+        self.rows.append(_HeadRow(len(prompt_ids), sampling))
+        self.slots.add_rows(1)
 
     def add_rows(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> None:
         for p, s in zip(prompts, samplings):
@@ -303,15 +315,18 @@ class BatchedEagle3Drafter:
 
     def keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[b] for b in rows]
+        self.slots.keep_rows(rows)
 
     def propose_tree(self, row: int, seq: list[int], max_path: int):
         raise NotImplementedError("batched EAGLE-3 drafting drafts chains")
 
     def observe(self, row: int, features: torch.Tensor) -> None:
-        self.rows[row].observe(features)
+        assert features.dim() == 2 and features.shape[1] == self.head.n_features, tuple(features.shape)
+        if features.shape[0]:
+            self.rows[row].pending.append(features)
 
     def accepted(self, row: int, proposed: int, accepted: int, seq: list[int]) -> None:
-        self.rows[row].accepted(proposed, accepted, seq)
+        self.rows[row].tracker.update(proposed, accepted)
 
     def rewind(self, row: int, seq: list[int]) -> None:
         raise NotImplementedError("EAGLE-3 rows keep the drafted-positions rule: they never rewind")
@@ -319,231 +334,47 @@ class BatchedEagle3Drafter:
     def offers(self, seqs: list[list[int]], k_caps: list[int]) -> list[DraftOffer]:
         return [r.tracker.offer(cap) for r, cap in zip(self.rows, k_caps)]
 
+    def _commit(self, seqs: list[list[int]]) -> None:
+        """Every row's pending target features into the head's cache (one pass for the
+        joining rows' prompts, one for the steps' entries)."""
+        slots = self.slots
+        feats: list[torch.Tensor | None] = [None] * len(self.rows)
+        tokens: list[list[int]] = [[] for _ in self.rows]
+        for b, (r, seq) in enumerate(zip(self.rows, seqs)):
+            if not r.pending:
+                continue
+            f = torch.cat(r.pending, 0) if len(r.pending) > 1 else r.pending[0]
+            r.pending = []
+            n, p = slots.lengths[b], f.shape[0]
+            assert n + p <= len(seq) - 1, (n, p, len(seq))
+            feats[b], tokens[b] = f, seq[n + 1: n + 1 + p]
+        if any(f is not None for f in feats):
+            slots.commit(feats, tokens)
+
     @torch.inference_mode()
     def propose(self, seqs: list[list[int]], ks: list[int], bonus: bool = False) -> list[Proposal]:
-        rows, head = self.rows, self.head
+        rows, head, slots = self.rows, self.head, self.slots
         assert len(seqs) == len(ks) == len(rows)
-        dev = head.device
         proposals = [Proposal([]) for _ in rows]
         ks = [max(k, 0) for k in ks]
-        active = [b for b, k in enumerate(ks) if k > 0]
+        if not any(ks):
+            return proposals
+        self._commit(seqs)
+        # a row drafts once its cache holds every committed position but the last
+        active = [b for b, k in enumerate(ks) if k > 0 and 0 < slots.lengths[b] == len(seqs[b]) - 1]
         if not active:
             return proposals
-        # 1. Catch-up: every active row's pending target features, in one padded pass.
-        self._catch_up([rows[b] for b in active], [seqs[b] for b in active])
-        active = [b for b in active if rows[b].ready(seqs[b])]
-        if not active:
-            return proposals
-        B = len(active)
-        act = [rows[b] for b in active]
-        T = max(r.n for r in act)
-        keys = torch.cat([left_pad(r.past[0], T) for r in act], 0)  # [B, kv, T, hd]
-        values = torch.cat([left_pad(r.past[1], T) for r in act], 0)
-        valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
-        for i, r in enumerate(act):
-            valid[i, T - r.n:] = True
-        out = torch.stack([r.last_out for r in act]).unsqueeze(1)  # [B, 1, H]
-        tokens: list[list[int]] = [[] for _ in act]
         kmax = max(ks[b] for b in active)
-        samplings = [r.sampling for r in act]
-        at = [len(seqs[b]) - r.prompt_len for b, r in zip(active, act)]
-        static = self.steps.begin(keys, values, valid, kmax) if self.steps is not None and kmax > 1 else None
-        logits = head.draft_logits(out[:, 0])  # [B, Dv]
+        out, logits, step = slots.drafting(kmax)
+        samplings = [r.sampling for r in rows]
+        at = [len(seq) - r.prompt_len for seq, r in zip(seqs, rows)]
+        drafted = []
         for i in range(kmax):
-            # one argmax (or coupled draw) over the batch and one transfer a draft position
-            toks = head_draws(head, logits, samplings, [a + i for a in at])  # [B]
-            picked = toks.tolist()
-            for j in range(len(act)):
-                if i < ks[active[j]]:
-                    tokens[j].append(picked[j])
-            if i + 1 >= kmax:
-                break
-            pos = torch.tensor([[r.n + i] for r in act], device=dev)
-            if static is not None:
-                out, logits = self.steps.step(static, out, toks, pos, i)
-                continue
-            mask = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)[:, None, None, :]
-            out, k, v = head(out, toks.view(B, 1), pos, (keys, values), mask, target_features=False)
-            keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
-            valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
-            logits = head.draft_logits(out[:, 0])
-        for j, b in enumerate(active):
-            proposals[b] = Proposal(tokens[j][: ks[b]])
+            toks = head_draws(head, logits, samplings, [a + i for a in at])  # [B]: every row's
+            drafted.append(toks)
+            if i + 1 < kmax:
+                out, logits = step(out, toks, i)
+        picked = torch.stack(drafted, 1).tolist()  # [B, kmax]: one transfer for the chain
+        for b in active:
+            proposals[b] = Proposal(picked[b][: ks[b]])
         return proposals
-
-    def _catch_up(self, rows: list[Eagle3Drafter], seqs: list[list[int]]) -> None:
-        todo = [(r, s) for r, s in zip(rows, seqs) if r.pending]
-        if not todo:
-            return
-        head, dev = self.head, self.head.device
-        feats = [torch.cat(r.pending, 0) for r, _ in todo]
-        P = max(f.shape[0] for f in feats)
-        T = max(r.n for r, _ in todo)
-        B = len(todo)
-        F = feats[0].shape[1]
-        # The inputs are built on the host and sent at once, the features gathered in one
-        # copy: a handful of transfers and kernels a pass, not several per row.
-        lens = [f.shape[0] for f in feats]
-        tok_h = torch.zeros(B, P, dtype=torch.long)
-        where = []
-        for i, ((r, seq), p) in enumerate(zip(todo, lens)):
-            assert r.n + p <= len(seq) - 1, (r.n, p, len(seq))
-            tok_h[i, :p] = torch.tensor(seq[r.n + 1: r.n + 1 + p], dtype=torch.long)
-            where.extend(range(i * P, i * P + p))
-        n_h = torch.tensor([r.n for r, _ in todo], dtype=torch.long)
-        x = torch.zeros(B * P, F, dtype=feats[0].dtype, device=dev)
-        x.index_copy_(0, torch.tensor(where, dtype=torch.long).to(dev), torch.cat(feats, 0).to(dev, x.dtype))
-        x = x.view(B, P, F)
-        tok = tok_h.to(dev)
-        pos = (n_h[:, None] + torch.arange(P)[None, :]).to(dev)
-        n_d = n_h.to(dev)
-        col = torch.arange(T + P, device=dev)
-        # a row's committed entries (left-padded: its last n of the T), then the new ones causally
-        committed = (col[None, :] >= T - n_d[:, None]) & (col[None, :] < T)  # [B, T+P]
-        new = (col[None, :] >= T) & (col[None, :] - T <= torch.arange(P, device=dev)[:, None])  # [P, T+P]
-        mask = (committed[:, None, :] | new[None, :, :])[:, None]  # [B, 1, P, T+P]
-        if T:
-            keys = torch.cat([left_pad(r.past[0], T) if r.past is not None else
-                              head_kv_zeros(head, T, dev) for r, _ in todo], 0)
-            values = torch.cat([left_pad(r.past[1], T) if r.past is not None else
-                                head_kv_zeros(head, T, dev) for r, _ in todo], 0)
-            past = (keys, values)
-        else:
-            past = None
-        if self.steps is not None and T and P <= CATCH_UP_TOKENS:  # a step's catch-up, not a prompt's
-            out, k, v = self.steps.catch_up(x, tok, pos, mask, past)
-        else:
-            out, k, v = head(x, tok, pos, past, mask, target_features=True)
-        for i, ((r, _), f) in enumerate(zip(todo, feats)):
-            p = f.shape[0]
-            kk, vv = k[i: i + 1, :, :p], v[i: i + 1, :, :p]
-            r.past = (kk, vv) if r.past is None else (torch.cat([r.past[0], kk], 2), torch.cat([r.past[1], vv], 2))
-            r.n += p
-            r.last_out = out[i, p - 1]
-            r.pending = []
-
-
-#: A static head step attends over HEAD_SPAN_BUCKET x a power of two positions.
-HEAD_SPAN_BUCKET = 64
-#: A catch-up pass of at most this many entries a row runs at a static shape (a step's: its
-#: accepted drafts and the correction); a longer one (a prompt's features) runs eagerly.
-CATCH_UP_TOKENS = 32
-
-
-class HeadSteps(CapturedShapes):
-    """The EAGLE-3 head's draft-position passes at static shapes (BatchedEagle3Drafter, when
-    the engine's steps are static or captured: Engine.step_kind).
-
-    A propose call's rows (left-padded committed entries, T positions) are copied into the
-    buffers of a shape (rows padded up to a ROW_BUCKETS size, the span T + k up to
-    HEAD_SPAN_BUCKET x a power of two); draft position i writes every row's new entry at T + i
-    (the same column for all rows: they are left-padded) and attends through a mask over the
-    whole span, so the shape's pass, with the draft logits, is one fixed computation on
-    buffers that outlive it. On CUDA (graphs) it is captured once per shape as a CUDA graph
-    and replayed; a capture that fails is said once on stderr and the passes run eagerly at
-    the same shapes. Padding rows see their position 0 only. A step's catch-up pass (each
-    row's newly committed entries, up to CATCH_UP_TOKENS) runs the same way at (rows, entries
-    up to a TOKEN_BUCKETS size, span) shapes; a prompt's (longer) runs eagerly.
-    """
-
-    captured_what = "capturing the EAGLE-3 head's step as a CUDA graph"
-
-    def __init__(self, head: Eagle3Head, *, graphs: bool):
-        super().__init__()  # shapes: (rows, span) draft steps; ("catch-up", rows, entries, span)
-        self.head = head
-        self.graphs = graphs
-
-    def begin(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, kmax: int) -> dict:
-        """Load a propose call's committed entries (keys, values [B, kv, T, hd], left-padded;
-        valid [B, T]) into its shape's buffers; returns the shape's state."""
-        B, nkv, T, hd = keys.shape
-        Bb, L = bucket_of(B, ROW_BUCKETS), span_bucket(T + kmax, HEAD_SPAN_BUCKET)
-        st = self.shapes.pop((Bb, L), None)
-        if st is None:
-            dev, H = keys.device, self.head.cfg.hidden_size
-            st = {"k": keys.new_zeros(Bb, nkv, L, hd), "v": values.new_zeros(Bb, nkv, L, hd),
-                  "out": torch.zeros(Bb, 1, H, dtype=self.head.dtype, device=dev),
-                  "tok": torch.zeros(Bb, 1, dtype=torch.long, device=dev),
-                  "pos": torch.zeros(Bb, 1, dtype=torch.long, device=dev),
-                  "at": torch.zeros(1, dtype=torch.long, device=dev),
-                  "mask": torch.zeros(Bb, 1, 1, L, dtype=torch.bool, device=dev)}
-            self.built += 1
-        self._keep((Bb, L), st)
-        st["k"][:B, :, :T] = keys
-        st["v"][:B, :, :T] = values
-        mask = st["mask"]
-        mask.zero_()
-        mask[:B, 0, 0, :T] = valid
-        mask[B:, 0, 0, 0] = True
-        st["B"], st["T"] = B, T
-        return st
-
-    def _run(self, st: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        head = self.head
-        out, _, _ = head(st["out"], st["tok"], st["pos"], None, st["mask"], target_features=False,
-                         into=(st["k"], st["v"], st["at"]))
-        return out, head.draft_logits(out[:, 0])
-
-    def step(self, st: dict, out: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor, i: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft position i's pass for the rows (out [B, 1, H], toks [B], pos [B, 1]): the next
-        out [B, 1, H] and draft logits [B, Dv]."""
-        B, at = st["B"], st["T"] + i
-        st["out"][:B] = out
-        st["tok"][:B, 0] = toks
-        st["pos"][:B] = pos
-        st["at"].fill_(at)
-        st["mask"][:, 0, 0, at] = True  # each row's new entry sees itself
-        res = self._replay(st, self._run, "res")
-        return res[0][:B], res[1][:B]
-
-    def catch_up(self, x: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                 past: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A step's catch-up pass (BatchedEagle3Drafter._catch_up's inputs: x [B, P, F], tok
-        and pos [B, P], mask [B, 1, P, T+P], the left-padded committed entries [B, kv, T, hd])
-        at a static shape (rows, P up to a TOKEN_BUCKETS size, the span): out [B, P, H] and the
-        new entries' keys and values [B, kv, P, hd] (copies: the buffers are reused)."""
-        keys, values = past
-        B, P, F = x.shape
-        T = keys.shape[2]
-        Bb, Pb = bucket_of(B, ROW_BUCKETS), bucket_of(P, TOKEN_BUCKETS)
-        L = span_bucket(T + Pb, HEAD_SPAN_BUCKET)
-        key = ("catch-up", Bb, Pb, L)
-        st = self.shapes.pop(key, None)
-        if st is None:
-            dev = x.device
-            st = {"x": x.new_zeros(Bb, Pb, F), "tok": torch.zeros(Bb, Pb, dtype=torch.long, device=dev),
-                  "pos": torch.zeros(Bb, Pb, dtype=torch.long, device=dev),
-                  "at": torch.zeros(Pb, dtype=torch.long, device=dev),
-                  "mask": torch.zeros(Bb, 1, Pb, L, dtype=torch.bool, device=dev),
-                  "k": keys.new_zeros(Bb, keys.shape[1], L, keys.shape[3]),
-                  "v": values.new_zeros(Bb, values.shape[1], L, values.shape[3])}
-            self.built += 1
-        self._keep(key, st)
-        st["x"].zero_()
-        st["x"][:B, :P] = x
-        st["tok"].zero_()
-        st["tok"][:B, :P] = tok
-        st["pos"].zero_()
-        st["pos"][:B, :P] = pos
-        st["at"].copy_(T + torch.arange(Pb, device=x.device))
-        m = st["mask"]
-        m.zero_()
-        m[:B, :, :P, : T + P] = mask
-        diag = torch.arange(Pb, device=x.device)
-        m[:, 0, diag, T + diag] = True  # padding queries see themselves (never an empty row)
-        st["k"][:B, :, :T] = keys
-        st["v"][:B, :, :T] = values
-        out = self._replay(st, self._run_catch_up, "res")
-        # copies: a row keeps its newest output (last_out) and entries past the next replay
-        return out[:B, :P].clone(), st["k"][:B, :, T:T + P].clone(), st["v"][:B, :, T:T + P].clone()
-
-    def _run_catch_up(self, st: dict) -> torch.Tensor:
-        out, _, _ = self.head(st["x"], st["tok"], st["pos"], None, st["mask"], target_features=True,
-                              into=(st["k"], st["v"], st["at"]))
-        return out
-
-
-def head_kv_zeros(head: Eagle3Head, T: int, dev) -> torch.Tensor:
-    a = head.midlayer.self_attn
-    return torch.zeros(1, a.nkv, T, a.hd, dtype=head.dtype, device=dev)

@@ -204,11 +204,15 @@ class _Attention(nn.Module):
                 mask: torch.Tensor | None, into=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, S, 2H]; past: keys, values [B, kv_heads, T, hd]; mask [B|1, 1, S, T+S] bool
         (True: attend) or None (every new entry sees everything cached and every earlier new
-        entry: plain causal). into: (keys, values [B, kv, L, hd], at [S]): instead of past, the
-        new entries are written at positions `at` of these buffers and attention reads all L
-        of them through `mask` [B, 1, S, L] (a static step, HeadSteps). Returns (out [B, S, H],
-        k [B, kv, S, hd], v [B, kv, S, hd])."""
+        entry: plain causal). into: (keys, values [B, kv, L, hd], at [B, S]): instead of past,
+        row b's new entries are written at positions at[b] of these buffers (the slot cache of
+        marscli.drafters.eagle3_slots) and attention reads all L of them through `mask`
+        [B, 1, S, L]. Shared key/value heads are read in place (the query groups folded into
+        the query axis: marscli.models.fastpath.folded_gqa), never copied per query head.
+        Returns (out [B, S, H], k [B, kv, S, hd], v [B, kv, S, hd])."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        from marscli.models.fastpath import folded_gqa
 
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.nh, self.hd).transpose(1, 2)
@@ -217,19 +221,19 @@ class _Attention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if into is not None:
             keys, values, at = into
-            keys.index_copy_(2, at, k)
-            values.index_copy_(2, at, v)
+            index = at[:, None, :, None].expand(B, self.nkv, S, self.hd)
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
         else:
             keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         T = keys.shape[2] - S
         if mask is None and S > 1:
             causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
             mask = torch.cat([torch.ones(S, T, dtype=torch.bool, device=x.device), causal], 1)[None, None]
-        rep = self.nh // self.nkv
-        kk = keys.repeat_interleave(rep, dim=1) if rep > 1 else keys
-        vv = values.repeat_interleave(rep, dim=1) if rep > 1 else values
-        att = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
-        out = self.o_proj(att.transpose(1, 2).reshape(B, S, self.nh * self.hd))
+        if mask is not None and mask.shape[0] != B:
+            mask = mask.expand(B, *mask.shape[1:])
+        att = folded_gqa(q, keys, values, mask, None)  # [B, S, nh, hd]
+        out = self.o_proj(att.reshape(B, S, self.nh * self.hd))
         return out, k, v
 
 

@@ -101,7 +101,7 @@ def step_kind(mode: str, device, model) -> str:
       attention).
 
     Chain and tree steps alike; an EAGLE-3 head's target features are outputs of the step,
-    and its own chain passes follow the step kind (marscli.drafters.eagle3.HeadSteps)."""
+    and its own chain passes follow the step kind (marscli.drafters.eagle3_slots.HeadSlots)."""
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return "eager"
     if not supports_slots(model):

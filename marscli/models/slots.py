@@ -404,7 +404,7 @@ class CapturedShapes:
     warmed up once on a side stream and captured once as a torch.cuda.CUDAGraph (one memory
     pool for all), then replayed. A capture that fails is said once on stderr and the shapes
     run eagerly from then on (give_up). StaticSteps (a model's steps over a slot cache) and
-    marscli.drafters.eagle3.HeadSteps (an EAGLE-3 head's passes) are two."""
+    marscli.drafters.eagle3_slots.HeadSlots (an EAGLE-3 head's passes) are two."""
 
     #: What give_up says failed (the subclass's words).
     captured_what = "capturing a step as a CUDA graph"

@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
+from marscli.drafters.eagle3 import Eagle3Drafter
 from marscli.drafters.eagle3_head import (
     AUX_LAYERS_KEY,
     FeatureTap,
@@ -745,3 +748,163 @@ def test_logprobs_and_shared_prefills_with_eagle3(target, heads, tree):
         assert shared[i].token_ids == alone.generate_ids(ids, sp[i]).token_ids
     assert alone.prefix_tokens_reused == 0
 
+
+
+# --------------------------------------------------------------------------- the head's slot cache
+
+
+class WrittenBytes(TorchDispatchMode):
+    """Bytes of floating-point data an operation writes, over every operation run inside the
+    block (the model's, the cache's, attention's): a fresh result's size, or for an in-place
+    operation the size of what it writes from (scatter's source, a copy's source); views write
+    nothing. An independent measure of a pass's memory work, whatever the code calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            written = (args[1:], kwargs) if func._schema.is_mutable else out
+            self.total += sum(t.numel() * t.element_size() for t in tree_flatten(written)[0]
+                              if isinstance(t, torch.Tensor) and t.is_floating_point())
+        return out
+
+
+def head_job(head, B: int, length: int, static: bool):
+    """A batched head over B rows whose prompts are `length` tokens and more (row b: b more),
+    their (random) prompt features committed: (drafter, seqs)."""
+    from marscli.drafters.eagle3 import BatchedEagle3Drafter
+
+    d = BatchedEagle3Drafter(head, 4, vocab_size=head.cfg.vocab_size)
+    if static:
+        d.step_kind = "static"
+        d.reset()
+    g = torch.Generator().manual_seed(length)
+    seqs = [torch.randint(3, head.cfg.vocab_size, (length + b,), generator=g).tolist() for b in range(B)]
+    d.add_rows([s[:-1] for s in seqs], [SamplingParams()] * B)
+    for b, s in enumerate(seqs):
+        d.observe(b, torch.randn(len(s) - 1, head.n_features, generator=g))
+    return d, seqs
+
+
+def head_step(d, seqs, g, k: int = 4):
+    """One engine step's worth of head work: two tokens committed a row (their features),
+    then a chain of k drafts for every row."""
+    for b in range(len(seqs)):
+        seqs[b] += torch.randint(3, d.head.cfg.vocab_size, (2,), generator=g).tolist()
+        d.observe(b, torch.randn(2, d.head.n_features, generator=g))
+    return d.propose(seqs, [k] * len(seqs))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_the_heads_step_work_does_not_grow_with_length(target, heads, static):
+    """The batched head keeps its cache in slot buffers (marscli.drafters.eagle3_slots): a
+    step's head work (its catch-up pass and a chain of 4 drafts for 3 rows) writes the same
+    floating-point bytes whether the rows hold 20 or 700 entries (before, every row's cache
+    was left-padded and concatenated every step and its shared heads repeated: 0.56 MB a step
+    at 20 entries, 10.7 MB at 700), and its shapes and buffers outlive the step."""
+    head = heads["random"].head
+    written = []
+    for length in (20, 700):
+        d, seqs = head_job(head, 3, length, static)
+        g = torch.Generator().manual_seed(1)
+        head_step(d, seqs, g)  # the prompts' pass, and shapes built
+        head_step(d, seqs, g)  # the buffers hold the next step
+        buffers = d.slots.k.data_ptr()
+        with WrittenBytes() as w:
+            head_step(d, seqs, g)
+        written.append(w.total)
+        assert d.slots.k.data_ptr() == buffers and d.slots.lengths == [len(s) - 1 for s in seqs]
+        assert (d.steps is not None) == static
+    assert written[0] == written[1] > 0, written
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_the_heads_slots_draft_what_each_row_drafts_alone(target, heads, static):
+    """Rows in the head's slots (rows leaving and joining, the buffers growing past their
+    first capacity, greedy and sampled rows) draft what an Eagle3Drafter drafts for each alone
+    (its own concatenated cache)."""
+    head = heads["fitted"].head
+    d, seqs = head_job(head, 3, 50, static)
+    samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams()]
+    d.rows = [type(r)(len(s) - 1, sp) for r, s, sp in zip(d.rows, seqs, samplings)]
+    # each row's features, kept to feed the single drafters
+    g = torch.Generator().manual_seed(7)
+    feats = [torch.randn(len(s) - 1, head.n_features, generator=g) for s in seqs]
+    for r, f in zip(d.rows, feats):
+        r.pending = [f]
+    singles = []
+    for s, sp, f in zip(seqs, samplings, feats):
+        one = Eagle3Drafter(head, 4, vocab_size=head.cfg.vocab_size)
+        one.start(s[:-1], sp)
+        one.observe(f)
+        singles.append(one)
+    capacities = set()
+    for step in range(40):
+        if step == 10:  # row 0 leaves, a long row joins
+            d.keep([1, 2])
+            singles = singles[1:]
+            seqs = seqs[1:]
+            s = torch.randint(3, head.cfg.vocab_size, (90,), generator=g).tolist()
+            f = torch.randn(89, head.n_features, generator=g)
+            d.add_rows([s[:-1]], [SamplingParams(temperature=0.6, seed=9)])
+            d.observe(2, f)
+            one = Eagle3Drafter(head, 4, vocab_size=head.cfg.vocab_size)
+            one.start(s[:-1], SamplingParams(temperature=0.6, seed=9))
+            one.observe(f)
+            singles.append(one)
+            seqs.append(s)
+        ks = [(step + b) % 5 for b in range(len(seqs))]
+        got = d.propose(seqs, ks)
+        for b, (one, seq, k) in enumerate(zip(singles, seqs, ks)):
+            assert got[b].tokens == one.propose(seq, k).tokens, (step, b)
+        capacities.add(d.slots.capacity)
+        for b, one in enumerate(singles):  # a step: 1-3 tokens committed with their features
+            n = 1 + (step + b) % 3
+            new = torch.randint(3, head.cfg.vocab_size, (n,), generator=g).tolist()
+            f = torch.randn(n, head.n_features, generator=g)
+            seqs[b] = seqs[b] + new
+            d.observe(b, f)
+            one.observe(f)
+    assert len(capacities) > 1, capacities  # the buffers grew with rows in them
+
+
+def test_the_batched_head_reads_the_host_once_per_chain(target, heads, monkeypatch):
+    """What would be a device-to-host transfer on a GPU, counted on a CPU (static steps, the
+    draws' dense path): a batched EAGLE-3 job reads the target's verdicts once a step and the
+    head's drafts once per chain for the whole batch (at most one per draft position), greedy
+    and sampled rows alike."""
+    from marscli.engine.host_reads import count_host_reads
+    from marscli.verification import draws
+
+    monkeypatch.setattr(draws, "DENSE_DEVICES", frozenset({"cpu"}))
+    cfg = DraftConfig(kind="eagle3", model="x", num_draft_tokens=4, adaptive=False)
+    drafters = build_drafters(cfg, target, heads["fitted"], batch_size=3, batched_model=True)
+    engine = Engine(target, drafters, VerifyConfig("mars", 0.05, "prob-ratio").rule, cfg, 3, compile_mode="static")
+    samplings = [SamplingParams(max_tokens=MAX_NEW, temperature=float(i % 2), seed=i) for i in range(len(PROMPTS))]
+    items = range(len(PROMPTS))
+    job = lambda i: (target.tokenizer(PROMPTS[i]).input_ids, samplings[i])  # noqa: E731
+    dict(engine.run(items, job))  # shapes built, buffers grown
+    steps, chains = [0], [0]
+    step, propose, prefill = engine.step, drafters.propose, engine.start_rows
+
+    def counted_step():
+        steps[0] += 1
+        return step()
+
+    def counted_propose(seqs, ks, bonus=False):
+        chains[0] += any(k > 0 for k in ks)
+        return propose(seqs, ks, bonus)
+
+    def uncounted_prefill(joiners):  # prompts are read on the host anyway; steps are counted
+        with reads.paused():
+            return prefill(joiners)
+
+    engine.step, drafters.propose, engine.start_rows = counted_step, counted_propose, uncounted_prefill
+    with count_host_reads() as reads:
+        got = dict(engine.run(items, job))
+    assert len(got) == len(PROMPTS) and steps[0] > 0 and chains[0] > 0
+    assert reads.by_kind["cpu"] == steps[0], reads.by_kind  # the verdicts, once a step
+    assert reads.total <= steps[0] + chains[0], (reads.by_kind, steps[0], chains[0])
