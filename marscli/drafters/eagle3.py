@@ -202,10 +202,9 @@ class Eagle3Drafter(DrafterBase):
             F = frontier.numel()
             E = anc.shape[0]
             # A frontier node sees every committed entry, its ancestors' entries and itself.
-            rows = torch.zeros(F, E, dtype=torch.bool, device=dev)
-            has_parent = f_parent_entry >= 0
-            if E and bool(has_parent.any()):
-                rows[has_parent] = anc[f_parent_entry[has_parent]]
+            # (level 1's frontier hangs under the root, every later one under a tree entry:
+            # known on the host, so no level asks the device)
+            rows = anc[f_parent_entry] if E else torch.zeros(F, 0, dtype=torch.bool, device=dev)
             mask = torch.cat([torch.ones(F, T, dtype=torch.bool, device=dev), rows,
                               torch.eye(F, dtype=torch.bool, device=dev)], 1)[None, None]
             pos = torch.full((1, F), T + level - 1, device=dev)
@@ -236,9 +235,14 @@ class Eagle3Drafter(DrafterBase):
             parent_row = best // top.indices.shape[1]  # which frontier node each came from
             f_hidden = out[:, parent_row]
             f_parent_entry = E + parent_row
-        tokens = torch.cat(tok_chunks).tolist()
-        parents = torch.cat(par_chunks).tolist()
-        scores = torch.cat(score_chunks).float().tolist()
+        # one transfer for the whole tree: token ids and parents are exact in float64, and so
+        # are the float32 scores
+        flat = torch.cat([torch.cat(tok_chunks).double(), torch.cat(par_chunks).double(),
+                          torch.cat(score_chunks).double()]).tolist()
+        N = len(flat) // 3
+        tokens = [int(x) for x in flat[:N]]
+        parents = [int(x) for x in flat[N: 2 * N]]
+        scores = flat[2 * N:]
         # Rerank: the best tokens - 1 nodes; ties go to the earlier node, so a parent (never
         # scored below its child, and generated earlier) always ranks ahead of its children.
         keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: shape.tokens - 1]

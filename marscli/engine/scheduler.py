@@ -604,7 +604,7 @@ class Engine:
         accepted path stays in the cache."""
         r = self.rows[0]
         seq = r.seq
-        tree = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+        tree = DraftTree(tokens, parents)
         base = r.npos  # the positions cached before the root
         if isinstance(self.kv, SlotCache):  # static or captured: the tree at a step's shape
             ids, pos, block = tree_block(tree, seq.seq[-1], base, self.device)
@@ -613,16 +613,17 @@ class Engine:
             logits, _ = self._captured(lambda: tree_forward(self.model, self.kv.cache, tree, seq.seq[-1], base))
         N = len(tree)
         s = seq.sampling
-        guard, span = tree_guard(seq, tokens, parents, logits, tree.depth().tolist())
+        depths = tree.depth_list()
+        guard, span = tree_guard(seq, tokens, parents, logits, depths)
         res = verify_tree(tree, logits, rule=self.rule, temperature=s.temperature, top_k=s.top_k,
                           top_p=s.top_p, seed=s.seed, position=len(seq.out), guard=guard,
                           relax_left=seq.relax_left())
-        path = [int(i) for i in res.path]
+        path = list(res.path)
         n = len(path)
-        depth = int(tree.depth().max())
+        depth = max(depths)
         rows = [0] + [i + 1 for i in path]  # logits rows that decided something
         decided = rows[: min(n + 1, depth)]  # rows whose children were judged
-        relaxable = int(res.relaxable[torch.tensor(decided, dtype=torch.long)].sum()) if decided else 0
+        relaxable = sum(res.relaxable_rows[r] for r in decided)
         seq.stats.tree_nodes += N
         observation = None
         if seq.observer is not None:

@@ -121,8 +121,9 @@ def tree_guard(seq: Sequence, tokens: list[int], parents: list[int], logits: tor
         rows = torch.tensor(parents, dtype=torch.long, device=logits.device) + 1
         judge = logits[rows]  # [N, V] each node's parent's row (the root's: row 0)
         stop = stop_positions(torch.tensor(tokens, dtype=torch.long, device=logits.device).view(1, N),
-                              judge.unsqueeze(0), torch.tensor([seq.stop_tokens], dtype=torch.long))[0].cpu()
-        guard = stop if guard is None else guard | stop
+                              judge.unsqueeze(0), torch.tensor([seq.stop_tokens], dtype=torch.long))[0]
+        # on the logits' device: the verdict's one transfer brings what it decided
+        guard = stop if guard is None else guard.to(stop.device) | stop
     return guard, span
 
 

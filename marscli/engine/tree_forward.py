@@ -80,8 +80,8 @@ def tree_block(tree: DraftTree, root_token: int, past_len: int, device
     """A tree step's inputs for a slot cache (marscli.models.slots, which writes root + nodes at
     past_len .. past_len + N and masks the cache itself): input_ids [1, N+1], position_ids
     [1, N+1] (past_len + depth) and the ancestor mask [1, N+1, N+1] bool (ancestors and self)."""
-    ids = torch.cat([torch.tensor([root_token], dtype=torch.long), tree.tokens.cpu()])
-    pos = past_len + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth()])
+    ids = torch.tensor([root_token] + tree.token_list, dtype=torch.long)
+    pos = torch.tensor([past_len] + [past_len + d for d in tree.depth_list()], dtype=torch.long)
     return ids[None].to(device), pos[None].to(device), tree.ancestor_mask()[None].to(device)
 
 

@@ -47,37 +47,41 @@ class DraftTree:
     parents: torch.Tensor  # [N] long: parent node index, ROOT for the root's children
 
     def __post_init__(self) -> None:
+        # the structure on the host, once: a drafter builds it there (lists), and the walk,
+        # the masks and the depths read it there (no transfer for a tree made on a device
+        # but this one)
+        parents = self.parents.tolist() if isinstance(self.parents, torch.Tensor) else list(self.parents)
+        tokens = self.tokens.tolist() if isinstance(self.tokens, torch.Tensor) else list(self.tokens)
         self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
         self.parents = torch.as_tensor(self.parents, dtype=torch.long)
         assert self.tokens.dim() == 1, f"tokens must be [N], got {tuple(self.tokens.shape)}"
         assert self.parents.shape == self.tokens.shape, (
             f"parents {tuple(self.parents.shape)} must match tokens {tuple(self.tokens.shape)}"
         )
-        idx = torch.arange(len(self.parents))
-        bad = (self.parents >= idx) | (self.parents < ROOT)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise ValueError(
-                f"node {i} has parent {int(self.parents[i])}: a parent must be ROOT ({ROOT}) or "
-                "an earlier node"
-            )
+        for i, p in enumerate(parents):
+            if not ROOT <= p < i:
+                raise ValueError(f"node {i} has parent {p}: a parent must be ROOT ({ROOT}) or an earlier node")
+        self.parent_list: list[int] = parents
+        self.token_list: list[int] = tokens
 
     def __len__(self) -> int:
-        return int(self.tokens.numel())
+        return len(self.parent_list)
 
     @staticmethod
     def chain(tokens: list[int]) -> DraftTree:
         """A path (the chain case): node i is the child of node i - 1."""
-        n = len(tokens)
-        return DraftTree(torch.tensor(tokens, dtype=torch.long).reshape(n),
-                         torch.arange(n, dtype=torch.long) - 1)
+        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def depth_list(self) -> list[int]:
+        """Each node's depth: 1 for the root's children, parent's depth + 1 below."""
+        out = [0] * len(self)
+        for i, p in enumerate(self.parent_list):
+            out[i] = 1 if p == ROOT else out[p] + 1
+        return out
 
     def depth(self) -> torch.Tensor:
-        """[N] long: 1 for the root's children, parent's depth + 1 below."""
-        out = [0] * len(self)
-        for i, p in enumerate(self.parents.tolist()):
-            out[i] = 1 if p == ROOT else out[p] + 1
-        return torch.tensor(out, dtype=torch.long)
+        """[N] long: depth_list() as a tensor."""
+        return torch.tensor(self.depth_list(), dtype=torch.long)
 
     def child_lists(self) -> list[list[int]]:
         """All children at once: entry 0 the root's, entry i + 1 node i's (index order).
@@ -85,18 +89,18 @@ class DraftTree:
         Indexed like the logits rows: row r scores the tokens of child_lists()[r].
         """
         out: list[list[int]] = [[] for _ in range(len(self) + 1)]
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.parent_list):
             out[p + 1].append(i)
         return out
 
     def children(self, i: int) -> list[int]:
         """Children of node i (i = ROOT: of the root), in index order."""
         assert ROOT <= i < len(self), f"no node {i} in a tree of {len(self)}"
-        return [j for j, p in enumerate(self.parents.tolist()) if p == i]
+        return [j for j, p in enumerate(self.parent_list) if p == i]
 
     def leaves(self) -> list[int]:
         """Nodes without children, in index order."""
-        has_child = set(self.parents.tolist())
+        has_child = set(self.parent_list)
         return [i for i in range(len(self)) if i not in has_child]
 
     def ancestor_mask(self) -> torch.Tensor:
@@ -105,7 +109,7 @@ class DraftTree:
         n = len(self)
         m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
         m[:, 0] = True
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.parent_list):
             m[i + 1] = m[p + 1]  # parents come first, so row p + 1 is complete
             m[i + 1, i + 1] = True
         return m
@@ -126,6 +130,8 @@ class TreeVerifyResult:
     #: [N] float32: a per-token rule's statistic of each node (judged at its parent's row);
     #: None for strict and MARS, whose statistic is the row's
     node_statistic: torch.Tensor | None = None
+    #: relaxable on the host ([N+1] bools), as the walk's one transfer brought it
+    relaxable_rows: list[bool] | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -133,7 +139,7 @@ class TreeVerifyResult:
 
     def emitted(self, tree: DraftTree) -> list[int]:
         """Tokens this step emits: the accepted path's tokens, then the next token."""
-        return [int(tree.tokens[i]) for i in self.path] + [self.next_token]
+        return [tree.token_list[i] for i in self.path] + [self.next_token]
 
 
 def verify_tree(
@@ -192,11 +198,14 @@ def verify_tree(
     decision, _ = guarded_decision(rule, facts, torch.ones_like(facts.strict_ok), node_guard)
     ok = decision.ok | facts.strict_ok  # [N] the target's own token always (as in the chain)
     relaxed_t = relaxed_positions(ok, decision.relaxable, facts.strict_ok)  # [N] ok only if relaxed
+    report = _row_report(rule, facts, decision.relaxable, stat, rows, row_guarded)
     # the walk's inputs come to the host in ONE transfer: ok, relaxed, strict_ok, prefer [N]
-    # each, then every row's own token [N+1]
-    host = torch.cat([ok.long(), relaxed_t.long(), facts.strict_ok.long(), prefer.long(), own.long()]).tolist()
+    # each, then every row's own token and whether the rule relaxes it [N+1] each
+    host = torch.cat([ok.long(), relaxed_t.long(), facts.strict_ok.long(), prefer.long(), own.long(),
+                      report[1].long()]).tolist()
     ok_h, relaxed = [bool(x) for x in host[:n]], [bool(x) for x in host[n: 2 * n]]
-    strict_h, prefer_h, own_h = host[2 * n: 3 * n], host[3 * n: 4 * n], host[4 * n:]
+    strict_h, prefer_h = host[2 * n: 3 * n], host[3 * n: 4 * n]
+    own_h, relaxable_h = host[4 * n: 5 * n + 1], [bool(x) for x in host[5 * n + 1:]]
     budget = math.inf if relax_left is None else relax_left
     if p is None:
         path = _tree_greedy(tree.child_lists(), ok_h, relaxed, budget)
@@ -204,8 +213,7 @@ def verify_tree(
         path = _tree_sampling(tree.child_lists(), [bool(x) for x in strict_h], relaxed,
                               [bool(x) for x in prefer_h], budget)
     nxt = int(own_h[path[-1] + 1 if path else 0])  # the row after the path: its top-1, or its draw
-    return TreeVerifyResult(path, nxt, [relaxed[i] for i in path],
-                            *_row_report(rule, facts, decision.relaxable, stat, rows, row_guarded))
+    return TreeVerifyResult(path, nxt, [relaxed[i] for i in path], *report, relaxable_rows=relaxable_h)
 
 
 def _row_draws(tree: DraftTree, p: torch.Tensor, seed: int | None, position: int | None) -> torch.Tensor:

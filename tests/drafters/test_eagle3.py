@@ -908,3 +908,41 @@ def test_the_batched_head_reads_the_host_once_per_chain(target, heads, monkeypat
     assert len(got) == len(PROMPTS) and steps[0] > 0 and chains[0] > 0
     assert reads.by_kind["cpu"] == steps[0], reads.by_kind  # the verdicts, once a step
     assert reads.total <= steps[0] + chains[0], (reads.by_kind, steps[0], chains[0])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_tree_step_reads_the_host_twice(target, heads, temperature, monkeypatch):
+    """An EAGLE-3 tree step at a captured step's shapes (static, the draws' dense path) reads
+    the host twice: the head's whole tree in one transfer (no level asks the device) and the
+    verdict in one (the relaxable rows with it). Before: 8 device reads a step (a sync per
+    tree level, three for the tree, one for the relaxable count), and 13-17 counted."""
+    from marscli.engine.host_reads import count_host_reads
+    from marscli.verification import draws
+
+    monkeypatch.setattr(draws, "DENSE_DEVICES", frozenset({"cpu"}))
+    engine = make_engine(target, "eagle3", heads["fitted"], tree_depth=4, tree_top_k=3, tree_tokens=16,
+                         verify=VerifyConfig("mars", 0.05, "prob-ratio"), compile_mode="static")
+    s = SamplingParams(max_tokens=MAX_NEW, temperature=temperature, seed=3)
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    want = engine.generate_ids(ids, s)  # shapes built
+    steps, trees = [0], [0]
+    step, propose_tree, prefill = engine.step, engine.drafters.propose_tree, engine.start_rows
+
+    def counted_step():
+        steps[0] += 1
+        return step()
+
+    def counted_tree(*a, **k):
+        trees[0] += 1
+        return propose_tree(*a, **k)
+
+    def uncounted_prefill(joiners):  # the prompt is read on the host anyway
+        with reads.paused():
+            return prefill(joiners)
+
+    engine.step, engine.drafters.propose_tree, engine.start_rows = counted_step, counted_tree, uncounted_prefill
+    with count_host_reads() as reads:
+        got = engine.generate_ids(ids, s)
+    assert got.token_ids == want.token_ids and got.stats.tree_nodes > 0 and trees[0] > 0
+    # every tree step: two reads; a step without a tree (the record's last token): one
+    assert reads.total <= steps[0] + trees[0], (reads.by_kind, steps[0], trees[0])
