@@ -64,6 +64,7 @@ from torch import nn
 
 from marscli.errors import ModelLoadError
 from marscli.io.results import usual_file_mode
+from marscli.models.fastpath import folded_gqa
 from marscli.models.quant import output_rows
 from marscli.models.sources import KIND_DIR, fingerprint_or_none, resolve_source
 
@@ -211,8 +212,6 @@ class _Attention(nn.Module):
         the query axis: marscli.models.fastpath.folded_gqa), never copied per query head.
         Returns (out [B, S, H], k [B, kv, S, hd], v [B, kv, S, hd])."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        from marscli.models.fastpath import folded_gqa
 
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.nh, self.hd).transpose(1, 2)
