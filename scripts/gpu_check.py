@@ -256,6 +256,7 @@ def step_table(target, kind: str, batch_sizes: list[int], ns: list[int], context
     import torch
 
     from marscli.engine.costs import time_forwards
+    from marscli.models.slots import StepPlan
 
     model = target.model
     dev = target.device
@@ -268,7 +269,7 @@ def step_table(target, kind: str, batch_sizes: list[int], ns: list[int], context
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    t = time_forwards(model, dev, tuple(batch_sizes), tuple(ns), context=context, repeats=3, step=kind)
+    t = time_forwards(model, dev, tuple(batch_sizes), tuple(ns), context=context, repeats=3, step=StepPlan(kind))
     seconds = time.perf_counter() - t0
     rows = []
     for B, row in zip(batch_sizes, t):
@@ -301,9 +302,14 @@ def step_caches(engine) -> dict:
     the draft model's steps): its step kind, shapes built, captured, capture seconds and error."""
     out = {}
     d = engine.drafters
+
+    def kind_of(plan):  # a drafter's StepPlan on its device, None for a drafter without one
+        return getattr(plan, "kind", None)
+
     for name, steps, kind in (("target", getattr(engine.kv, "steps", None), engine.step_kind),
-                              ("head", getattr(d, "steps", None), getattr(d, "steps_kind", None)),
-                              ("draft", getattr(getattr(d, "kv", None), "steps", None), getattr(d, "kv_kind", None))):
+                              ("head", getattr(d, "steps", None), kind_of(getattr(d, "slots_plan", None))),
+                              ("draft", getattr(getattr(d, "kv", None), "steps", None),
+                               kind_of(getattr(d, "kv_plan", None)))):
         if steps is None and kind is None:
             continue
         out[name] = {"step_kind": kind, "built": getattr(steps, "built", 0), "captures": getattr(steps, "captures", 0),
@@ -406,7 +412,8 @@ def probe(target, head, draft, prompts: list[list[int]], k: int, compile_mode: s
     from marscli.config import SamplingParams
     from marscli.engine.costs import time_forwards
     from marscli.engine.host_reads import count_host_reads
-    from marscli.engine.scheduler import step_kind
+    from marscli.engine.scheduler import step_plan
+    from marscli.models.slots import StepPlan
 
     dev = target.device
     out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
@@ -442,10 +449,11 @@ def probe(target, head, draft, prompts: list[list[int]], k: int, compile_mode: s
         row["second_run_shapes_built"] = (engine.kv.steps.built if steps is not None else 0) - before
         out["engines"][mode] = row
         log(f"probe {mode}: {row}")
-    kinds = sorted({step_kind(compile_mode, dev, target.model), "static"})
+    kinds = sorted({step_plan(compile_mode, dev, target.model).kind, "static"})
     t11 = {}
     for kind in kinds:
-        t11[kind] = 1e3 * time_forwards(target.model, dev, (1,), (1,), context=512, repeats=5, step=kind)[0][0]
+        t = time_forwards(target.model, dev, (1,), (1,), context=512, repeats=5, step=StepPlan(kind))
+        t11[kind] = 1e3 * t[0][0]
     out["t_1_1_ms"] = t11
     log(f"probe: t(1,1) ms {t11}")
     return out
@@ -514,7 +522,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("MARSCLI_COSTS", "static")  # modes compared at the same draft lengths
     import torch
 
-    from marscli.engine.scheduler import step_kind
+    from marscli.engine.scheduler import step_plan
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -607,7 +615,7 @@ def main(argv=None) -> int:
                     save()
                 if ns and path in ("bf16", "model"):
                     for c in compiles:
-                        kind = step_kind(c, target.device, target.model)
+                        kind = step_plan(c, target.device, target.model).kind
                         if over(f"{path} steps {kind}"):
                             continue
                         try:

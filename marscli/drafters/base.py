@@ -231,6 +231,10 @@ class BatchedDrafter(Protocol):
     def reset(self) -> None:
         """Drop every row."""
 
+    def use_plan(self, plan: Any) -> None:
+        """Run whatever forwards the drafter runs as the engine's StepPlan says
+        (marscli.models.slots): static shapes, CUDA graphs, or eagerly."""
+
     def add_row(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Append a row for a new record (prefilling whatever the drafter caches)."""
 
@@ -281,6 +285,9 @@ class RowDrafters:
             finish = getattr(d, "finish", None)
             if finish is not None:
                 finish()
+
+    def use_plan(self, plan) -> None:
+        """Per-row drafters run no batched forward: nothing follows the plan."""
 
     def reset(self) -> None:
         self._finish(self.rows)

@@ -35,7 +35,7 @@ from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Pr
 from marscli.drafters.eagle3_head import Eagle3Head
 from marscli.drafters.eagle3_slots import HeadSlots
 from marscli.drafters.kinds import EAGLE3
-from marscli.models.slots import step_on
+from marscli.models.slots import EAGER, StepPlan
 from marscli.verification.chain import sampled_groups, sampling_probs
 from marscli.verification.draws import coupled_draw, position_keys
 
@@ -279,7 +279,7 @@ class BatchedEagle3Drafter:
     """
 
     tree = None
-    step_kind = "eager"  # the engine's (Engine.step_kind): "static" or "graphs" run static shapes
+    plan = EAGER  # the engine's StepPlan (use_plan): static or graphs run static shapes
 
     def __init__(self, head: Eagle3Head, k_max: int, *, vocab_size: int):
         self.head = head
@@ -301,12 +301,18 @@ class BatchedEagle3Drafter:
         """No row. The slot buffers and their shapes live with the head: a run at the step
         kind of the last one builds nothing again."""
         self.rows: list[_HeadRow] = []
-        kind = step_on(self.step_kind, self.head.device)
-        if self.slots is None or getattr(self, "steps_kind", None) != kind:
-            self.slots = HeadSlots(self.head, static=kind in ("static", "graphs"), graphs=kind == "graphs")
-            self.steps_kind = kind
+        plan = self.plan.on(self.head.device)
+        if plan.compiled:  # a compiled CPU engine's head stays eager
+            plan = EAGER
+        if self.slots is None or self.slots_plan != plan:
+            self.slots = HeadSlots(self.head, static=plan.static, graphs=plan.graphs)
+            self.slots_plan = plan
         else:
             self.slots.clear_rows()
+
+    def use_plan(self, plan: StepPlan) -> None:
+        """Run the head's passes as the engine's plan says (from the next reset on)."""
+        self.plan = plan
 
     def add_row(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         # The head's prompt entries come from the target's prefill features (observe).

@@ -11,7 +11,7 @@ from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Pr
 from marscli.drafters.kinds import MODEL
 from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback, to_device
 from marscli.models.prefill import DRAFT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
-from marscli.models.slots import SlotCache, supports
+from marscli.models.slots import EAGER, SlotCache, StepPlan, supports
 from marscli.verification.chain import sampled_groups, sampling_probs
 from marscli.verification.draws import coupled_draw, position_keys
 
@@ -244,7 +244,7 @@ class BatchedModelDrafter(DraftModelSettings):
     feature_layers: tuple[int, ...] = ()
     tree = None
     slot_cache = True
-    step_kind = "eager"  # the engine's (Engine.step_kind): "graphs", "compiled", "static" or "eager"
+    plan = EAGER  # the engine's StepPlan (use_plan)
 
     def __init__(self, model, k_max: int, **kw):
         super().__init__(model, k_max, **kw)
@@ -253,18 +253,23 @@ class BatchedModelDrafter(DraftModelSettings):
         self.slots_fit = supports(model)  # read once: no sliding-window layer
         self.reset()
 
+    def use_plan(self, plan: StepPlan) -> None:
+        """Run the draft model's steps as the engine's plan says (from the next reset on)."""
+        self.plan = plan
+
     def reset(self) -> None:
         # Its rows in slots (marscli.models.slots) where the model allows, else with holes;
-        # its steps captured as the engine's are (step_kind, set by the engine). A slot cache
-        # of the same step kind is kept, emptied: its captured shapes live with the model.
+        # its steps run as the engine's plan says (use_plan). A slot cache of the same plan is
+        # kept, emptied: its captured shapes live with the model.
         kv = getattr(self, "kv", None)
-        if isinstance(kv, SlotCache) and getattr(self, "kv_kind", None) == self.step_kind:
+        plan = self.plan.on(self.device)
+        if isinstance(kv, SlotCache) and getattr(self, "kv_plan", None) == plan:
             kv.clear_rows()
         elif self.slot_cache and self.slots_fit:
-            self.kv = SlotCache.for_step(self.model, self.device, self.step_kind, pad_id=self.pad_id)
+            self.kv = SlotCache.for_step(self.model, self.device, plan, pad_id=self.pad_id)
         else:
             self.kv = HoleCache(self.model, self.device, masked=True)
-        self.kv_kind = self.step_kind
+        self.kv_plan = plan
         self.rows: list[_Row] = []
         if not hasattr(self, "prefiller"):  # the prefix cache outlives the rows and jobs
             self.prefiller = Prefiller(self.model, self.device, PrefixCache(DRAFT_PREFIX_CACHE_MIB * MIB),

@@ -15,9 +15,10 @@ from marscli.config import RELAX_EVERY, DraftConfig, VerifyConfig
 from marscli.drafters.factory import build_drafters
 from marscli.drafters.kinds import drafter_kind
 from marscli.engine.costs import step_costs
-from marscli.engine.scheduler import Engine, step_kind
+from marscli.engine.scheduler import Engine, step_plan
 from marscli.errors import UsageError
 from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB
+from marscli.models.slots import StepPlan
 from marscli.verification.registry import STRICT
 
 
@@ -39,26 +40,26 @@ def build_engine(target, draft_model, verify_cfg: VerifyConfig, draft_cfg: Draft
     relax_at: where a relaxed rule judges proposals (config.RELAX_AT).
     calibrating: a strict engine collecting for calibration (Engine's ``calibrating``).
     prefix_cache_mib: the bound of the run's prefix cache (0: off; marscli.models.prefill).
-    compile_mode: --compile (auto, on, off; marscli.models.slots, Engine.step_kind).
+    compile_mode: --compile (auto, on, off; the engine's StepPlan: marscli.engine.scheduler.step_plan).
     Raises UsageError for what the engine cannot run (trees or sliding-window models at
     batch size > 1)."""
 
     # A captured (compiled, static) engine's draft model and EAGLE-3 head step so too, at
     # batch size 1 as well.
-    captured = step_kind(compile_mode, target.device, target.model) != "eager"
+    plan = step_plan(compile_mode, target.device, target.model)  # once: the engine, drafters, costs
     drafters = build_drafters(draft_cfg, target, draft_model, batch_size=batch_size,
                               job_corpus=(draft_cfg.job_corpus and verify_cfg.rule.name == STRICT)
-                              if job_corpus is None else job_corpus, batched_model=captured)
+                              if job_corpus is None else job_corpus, batched_model=plan.static)
     try:
         engine = Engine(target, drafters, verify_cfg.rule, draft_cfg, batch_size, guard=verify_cfg.guard,
                         spans=spans, prefix_cache_mib=prefix_cache_mib, compile_mode=compile_mode,
-                        relax_at=relax_at, calibrating=calibrating)
+                        relax_at=relax_at, calibrating=calibrating, plan=plan)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if drafter_kind(draft_cfg.kind).drafts and draft_cfg.adaptive and (not draft_cfg.tree or draft_cfg.sibling_tree):
         # Compiled steps (a CPU's --compile on) are timed at their shapes, eagerly: compiling
         # each timed shape would take minutes (docs/engine.md, "The captured step").
-        timed = "static" if engine.step_kind == "compiled" else engine.step_kind
+        timed = StepPlan("static") if plan.compiled else plan
         try:  # after the engine installed its CPU kernels: the costs of the forwards it runs
             engine.costs = step_costs(target, draft_model, draft_cfg.kind, batch_size,
                                       note=note or (lambda _: None), step=timed)

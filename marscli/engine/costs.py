@@ -37,7 +37,7 @@ from marscli.models.fastpath import signature as fastpath_signature
 from marscli.models.int8_decoder import SIGNATURE as INT8_DECODER
 from marscli.models.kvcache import HoleCache, rollback
 from marscli.models.quant import CPU_INT8
-from marscli.models.slots import SlotCache, step_on, supports
+from marscli.models.slots import EAGER, SlotCache, StepPlan, supports
 from marscli.models.sources import cache_root
 
 COSTS_ENV = "MARSCLI_COSTS"
@@ -162,11 +162,11 @@ def _sync(device) -> None:
 
 def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple[int, ...],
                   context: int = MEASURE_CONTEXT, repeats: int = MEASURE_REPEATS,
-                  vocab: int | None = None, step: str = "eager") -> list[list[float]]:
+                  vocab: int | None = None, step: StepPlan = EAGER) -> list[list[float]]:
     """Seconds [len(batch_sizes)][len(new_tokens)] of one forward of `model` over B rows of n
     new tokens after `context` cached tokens, through the engine's own cache (the plain call
-    at B = 1, rows in slots above; step "graphs" or "static": the captured step's slot cache
-    at every B, its graphs captured in the warm-up round; Engine.step_kind). The fastest of
+    at B = 1, rows in slots above; a static step plan (graphs, static): the captured step's
+    slot cache at every B, its graphs captured in the warm-up round; Engine.plan). The fastest of
     `repeats` rounds after a warm-up round: the shape's cost, not the machine's load."""
     import torch
 
@@ -179,7 +179,7 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
         one.add_prefilled(prompt)
         kv = [(layer.keys, layer.values) for layer in one.layers()]
         for B in batch_sizes:
-            if step != "eager":
+            if step.static:
                 kvc = SlotCache.for_step(model, device, step, slots=B)
                 kvc.add_rows([(kv, context)] * B)
             elif B == 1:
@@ -212,7 +212,7 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
 
 
 def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identity: dict | None,
-             context: int = MEASURE_CONTEXT, step: str = "eager") -> dict[str, Any]:
+             context: int = MEASURE_CONTEXT, step: StepPlan = EAGER) -> dict[str, Any]:
     """What a measurement depends on: the weights, device, dtype, software and threads."""
     import torch
 
@@ -231,7 +231,7 @@ def cost_key(target, batch_sizes: tuple[int, ...], draft_kind: str, draft_identi
         "int8_decoder": INT8_DECODER if CPU_INT8 in (ident.get("quantization"),
                                                      (draft_identity or {}).get("quantization")) else None,
         "context": context,
-        "step": step,  # eager, or the captured step (Engine.step_kind)
+        "step": step.kind,  # eager, or the captured step (Engine.plan)
         "batch_sizes": list(batch_sizes),
         "new_tokens": list(MEASURE_NEW_TOKENS),
         "drafter": draft_kind,
@@ -250,7 +250,7 @@ def costs_path(key: dict[str, Any]) -> Path:
 
 
 def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int, ...],
-                   target_s: list[list[float]], context: int, step: str = "eager") -> list[float]:
+                   target_s: list[list[float]], context: int, step: StepPlan = EAGER) -> list[float]:
     """One draft position's seconds per batch size: a draft model is timed like the target
     (one new token); an EAGLE-3 head is reckoned from the target's one-token forward by its
     share of the weights (a decoder layer and a head against the whole target); prompt
@@ -258,7 +258,7 @@ def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int,
     if draft_kind == MODEL and draft_model is not None:
         model = getattr(draft_model, "model", draft_model)
         device = model.get_input_embeddings().weight.device
-        return [r[0] for r in time_forwards(model, device, batch_sizes, (1,), context, step=step_on(step, device))]
+        return [r[0] for r in time_forwards(model, device, batch_sizes, (1,), context, step=step.on(device))]
     if draft_kind == EAGLE3 and draft_model is not None:
         head = getattr(draft_model, "head", draft_model)
         t_params = sum(p.numel() for p in target.model.parameters())
@@ -269,7 +269,7 @@ def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int,
 
 
 def measure_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size: int = 1,
-                  context: int = MEASURE_CONTEXT, step: str = "eager") -> StepCosts:
+                  context: int = MEASURE_CONTEXT, step: StepPlan = EAGER) -> StepCosts:
     """Time the target (and the drafter) now; no cache."""
     ctx = context
     if target.context_length:
@@ -303,9 +303,9 @@ def read_costs(path: Path, key: dict[str, Any] | None = None) -> StepCosts:
 
 
 def step_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size: int = 1,
-               note: Note = _silent, mode: str | None = None, step: str = "eager") -> StepCosts:
+               note: Note = _silent, mode: str | None = None, step: StepPlan = EAGER) -> StepCosts:
     """The costs an engine's draft-length policy uses ($MARSCLI_COSTS, see the module), of the
-    steps it runs (step: Engine.step_kind; a captured step is timed captured)."""
+    steps it runs (step: the engine's StepPlan; a captured step is timed captured)."""
     mode = mode or os.environ.get(COSTS_ENV) or COSTS_MEASURE
     if mode == COSTS_STATIC:
         return static_costs(target.device.type)

@@ -66,7 +66,7 @@ from marscli.errors import UsageError
 from marscli.models.fastpath import install_cpu_fastpath, install_folded_gqa_attention
 from marscli.models.kvcache import HoleCache, sliding_layers, to_device
 from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
-from marscli.models.slots import SlotCache, graphs_blocker
+from marscli.models.slots import EAGER, SlotCache, StepPlan, graphs_blocker
 from marscli.models.slots import supports as supports_slots
 from marscli.verification.chain import verify_rows
 from marscli.verification.registry import REGRET, Rule
@@ -88,8 +88,9 @@ class Row:
     logprobs: list[lp.TokenLogprob] | None = None  # per emitted token, when the record asks
 
 
-def step_kind(mode: str, device, model) -> str:
-    """How an engine's steps run for --compile `mode` (config.COMPILE_MODES):
+def step_plan(mode: str, device, model) -> StepPlan:
+    """How an engine's steps run for --compile `mode` (config.COMPILE_MODES), decided once per
+    engine (a StepPlan):
 
     - "graphs": static shapes replayed as CUDA graphs; on CUDA for auto and on;
     - "compiled": static shapes compiled by torch.compile (inductor); on a CPU for on only:
@@ -103,19 +104,19 @@ def step_kind(mode: str, device, model) -> str:
     Chain and tree steps alike; an EAGLE-3 head's target features are outputs of the step,
     and its own chain passes follow the step kind (marscli.drafters.eagle3_slots.HeadSlots)."""
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
-        return "eager"
+        return EAGER
     if not supports_slots(model):
-        return "eager"
+        return EAGER
     if mode == "static":
-        return "static"
+        return StepPlan("static")
     if device.type == "cuda":
         blocker = graphs_blocker(model)
         if blocker is not None:  # static shapes, eagerly: never a capture that cannot work
             _say_once(f"marscli: no CUDA graphs for this model ({blocker}); its steps run eagerly "
                       "at the captured step's shapes\n")
-            return "static"
-        return "graphs"
-    return "compiled"
+            return StepPlan("static")
+        return StepPlan("graphs")
+    return StepPlan("compiled")
 
 
 _SAID: set[str] = set()
@@ -145,7 +146,7 @@ class Engine:
                  batch_size: int = 1, costs=None, guard: GuardConfig = GUARD_OFF,
                  spans: SpanConfig | None = None, prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB,
                  slot_cache: bool = True, compile_mode: str = "auto", relax_at: str = RELAX_EVERY,
-                 calibrating: bool = False):
+                 calibrating: bool = False, plan: StepPlan | None = None):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         if relax_at not in RELAX_AT:
@@ -215,14 +216,13 @@ class Engine:
         #: Batched rows keep their keys and values in a slot cache (marscli.models.slots);
         #: False: the hole cache (marscli.models.kvcache.HoleCache), as before it.
         self.slot_cache = slot_cache
-        #: How a step's forward runs: "eager"; "graphs" (static shapes replayed as CUDA
-        #: graphs); "compiled" (those shapes compiled by torch.compile); "static" (those
-        #: shapes, eagerly: tests). step_kind() says when.
+        #: How a step's forward runs (a StepPlan: eager, static, graphs or compiled; step_plan
+        #: says when), decided once: the drafters run their passes by it too.
         self.compile_mode = compile_mode
-        self.step_kind = step_kind(compile_mode, self.device, self.model)
-        if self.step_kind != "eager" and not slot_cache:
+        self.plan = plan if plan is not None else step_plan(compile_mode, self.device, self.model)
+        if self.plan.static and not slot_cache:
             raise ValueError("captured steps run on the slot cache")
-        self._drafters_step_kind()
+        self.drafters.use_plan(self.plan)
         self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
         self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
         self.prefill_seconds = 0.0  # time spent prefilling joining records
@@ -276,11 +276,11 @@ class Engine:
         self.rows: list[Row] = []
         # The target's cache, one row per record: in slots, or masked with holes when rows
         # share it, rolled back in place at batch size 1.
-        kind = (self.step_kind, self.batch_size > 1 and self.slot_cache, self.tap)
+        kind = (self.plan, self.batch_size > 1 and self.slot_cache, self.tap)
         if not fresh and isinstance(getattr(self, "kv", None), SlotCache) and self.kv_kind == kind:
             self.kv.clear_rows()
-        elif self.step_kind != "eager":  # at every batch size, batch size 1 included
-            self.kv = SlotCache.for_step(self.model, self.device, self.step_kind, slots=self.batch_size,
+        elif self.plan.static:  # at every batch size, batch size 1 included
+            self.kv = SlotCache.for_step(self.model, self.device, self.plan, slots=self.batch_size,
                                          pad_id=self.pad_id, tap=self.tap)
         elif self.batch_size > 1 and self.slot_cache:
             self.kv = SlotCache(self.model, self.device, slots=self.batch_size)
@@ -299,18 +299,17 @@ class Engine:
             raise ValueError("use_drafters: the new drafter must draft the same tree shape")
         self.drafters = drafters
         self.tap = FeatureTap(self.model, drafters.feature_layers) if drafters.feature_layers else None
-        self.step_kind = step_kind(self.compile_mode, self.device, self.model)
-        self._drafters_step_kind()
+        self.drafters.use_plan(self.plan)
         self.last_features = None
         # its entries hold the features the previous drafter read
         self.prefix = PrefixCache(self.prefix.capacity, features=self.tap is not None)
         self.prefiller.cache = self.prefix
         self.drafters.reset()
 
-    def _drafters_step_kind(self) -> None:
-        """A batched draft model's steps run as the target's do (BatchedModelDrafter)."""
-        if hasattr(self.drafters, "step_kind"):
-            self.drafters.step_kind = self.step_kind
+    @property
+    def step_kind(self) -> str:
+        """The plan's kind, for reports: "eager", "static", "graphs" or "compiled"."""
+        return self.plan.kind
 
     def forget_earlier_records(self) -> None:
         """Empty the job corpus the n-gram drafter falls back on (drafters.ngram.JobCorpus),
@@ -665,7 +664,7 @@ class Engine:
         """A step's target forward over the cache (kw: a tree's block, SlotCache.forward); its
         features in last_features. A captured step's cache hooks them out itself (a graph's
         replay runs no hook)."""
-        if self.step_kind != "eager" and self.tap is not None:
+        if self.plan.static and self.tap is not None:
             out = self.kv.forward(ids, new_mask, pos, **kw)
             self.last_features = out.features
             return out

@@ -28,6 +28,8 @@ window of their own; `supports` says which).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -131,10 +133,50 @@ def graphs_blocker(model) -> str | None:
     return None
 
 
-def step_on(kind: str, device) -> str:
-    """The step kind (Engine.step_kind) a cache on `device` runs: CUDA graphs need CUDA (a
-    draft model placed elsewhere than its target runs eagerly); a compiled step runs anywhere."""
-    return "eager" if kind == "graphs" and torch.device(device).type != "cuda" else kind
+#: How a step's forwards can run (StepPlan.kind).
+STEP_KINDS = ("eager", "static", "graphs", "compiled")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a loaded engine's forwards run: one frozen value, decided once for the engine
+    (marscli.engine.scheduler.step_plan) and handed to everything that runs forwards at its
+    step's shapes: the target's slot cache, a batched draft model's, the EAGLE-3 head's slots
+    (``use_plan``) and the cost measurement (timed as it runs).
+
+    kind: "eager"; "static" (bucketed shapes on buffers that outlive a step, run eagerly:
+    what a CPU's tests run, and a model that cannot be captured); "graphs" (those shapes
+    captured once each as CUDA graphs and replayed); "compiled" (compiled by torch.compile)."""
+
+    kind: str = "eager"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"a step runs {', '.join(STEP_KINDS)}, not {self.kind!r}")
+
+    @property
+    def static(self) -> bool:
+        """Static shapes (graphs and compiled steps are static too)."""
+        return self.kind != "eager"
+
+    @property
+    def graphs(self) -> bool:
+        return self.kind == "graphs"
+
+    @property
+    def compiled(self) -> bool:
+        return self.kind == "compiled"
+
+    def on(self, device) -> StepPlan:
+        """The plan a cache on `device` runs: CUDA graphs need CUDA (a draft model placed
+        elsewhere than its target runs eagerly); a compiled step runs anywhere."""
+        return EAGER if self.graphs and torch.device(device).type != "cuda" else self
+
+    def __str__(self) -> str:
+        return self.kind
+
+
+EAGER = StepPlan()
 
 
 def _round_up(n: int, bucket: int) -> int:
@@ -239,12 +281,10 @@ class SlotCache:
         self.write_index = None
 
     @classmethod
-    def for_step(cls, model, device, kind: str, **kw) -> SlotCache:
-        """A slot cache whose forwards run as step kind `kind` does (Engine.step_kind: "eager",
-        "static", "graphs" or "compiled"; step_on says what runs on `device`)."""
-        kind = step_on(kind, device)
-        return cls(model, device, static=kind != "eager", graphs=kind == "graphs",
-                   compiled=kind == "compiled", **kw)
+    def for_step(cls, model, device, plan: StepPlan, **kw) -> SlotCache:
+        """A slot cache whose forwards run as `plan` says on `device` (StepPlan.on)."""
+        plan = plan.on(device)
+        return cls(model, device, static=plan.static, graphs=plan.graphs, compiled=plan.compiled, **kw)
 
     @property
     def rows(self) -> int:

@@ -33,6 +33,7 @@ from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine
 from marscli.errors import ModelLoadError
 from marscli.models.loading import load_model
+from marscli.models.slots import StepPlan
 from marscli.training.ttt import pass_mask
 from marscli.verification.rules import margin_statistic, top2
 from tests.engines import make_engine
@@ -779,7 +780,7 @@ def head_job(head, B: int, length: int, static: bool):
 
     d = BatchedEagle3Drafter(head, 4, vocab_size=head.cfg.vocab_size)
     if static:
-        d.step_kind = "static"
+        d.use_plan(StepPlan("static"))
         d.reset()
     g = torch.Generator().manual_seed(length)
     seqs = [torch.randint(3, head.cfg.vocab_size, (length + b,), generator=g).tolist() for b in range(B)]

@@ -27,6 +27,7 @@ from marscli.models.fastpath import (
     PACKED_FROM,
     packed_enabled,
 )
+from marscli.models.slots import StepPlan
 
 
 @pytest.fixture
@@ -155,8 +156,8 @@ def test_a_captured_step_is_timed_as_it_runs(target):
     batch size (the eager B = 1 call is not what they run), and their key says so: a
     measurement of the eager step never serves them."""
     got = costs_mod.time_forwards(target.model, target.device, (1, 2), (1, 3), context=8, repeats=1,
-                                  step="static")
+                                  step=StepPlan("static"))
     assert len(got) == 2 and all(len(r) == 2 and all(t > 0 for t in r) for r in got)
     eager = costs_mod.cost_key(target, (1, 2), "ngram", None)
-    captured = costs_mod.cost_key(target, (1, 2), "ngram", None, step="graphs")
+    captured = costs_mod.cost_key(target, (1, 2), "ngram", None, step=StepPlan("graphs"))
     assert eager["step"] == "eager" and captured["step"] == "graphs" and eager != captured

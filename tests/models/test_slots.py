@@ -116,15 +116,15 @@ def test_models_whose_forward_cannot_be_captured_get_static_steps(capsys):
     """bitsandbytes 8-bit layers, offloaded weights and dynamic RoPE break a CUDA graph
     capture: such a model's steps run at the static shapes eagerly on CUDA, said once, and
     no capture is attempted; a plain model gets graphs."""
-    from marscli.engine.scheduler import step_kind
+    from marscli.engine.scheduler import step_plan
     from marscli.models.slots import graphs_blocker
 
     cuda = torch.device("cuda")
     model = tiny_llama(64)
-    assert graphs_blocker(model) is None and step_kind("auto", cuda, model) == "graphs"
+    assert graphs_blocker(model) is None and step_plan("auto", cuda, model).kind == "graphs"
     model.config.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}
     assert graphs_blocker(model) == "dynamic RoPE scaling"
-    assert step_kind("auto", cuda, model) == "static" and step_kind("on", cuda, model) == "static"
+    assert step_plan("auto", cuda, model).kind == "static" and step_plan("on", cuda, model).kind == "static"
     model.config.rope_scaling = None
     model.hf_device_map = {"model.layers.0": 0, "model.layers.1": "cpu"}
     assert "offloaded" in graphs_blocker(model)
@@ -134,6 +134,6 @@ def test_models_whose_forward_cannot_be_captured_get_static_steps(capsys):
         pass
     model.lm_head = Linear8bitLt(4, 4)
     assert graphs_blocker(model) == "bitsandbytes 8-bit layers"
-    assert step_kind("auto", torch.device("cpu"), model) == "eager"  # a CPU never captures
+    assert step_plan("auto", torch.device("cpu"), model).kind == "eager"  # a CPU never captures
     err = capsys.readouterr().err
     assert err.count("no CUDA graphs for this model (dynamic RoPE scaling)") == 1
