@@ -205,13 +205,18 @@ class ModelDrafter(DraftModelSettings, DrafterBase):
         reach = 1.0  # the draft model's probability of its own chain so far
         extra = self.tree.top_k - 1
         for i in range(k):
-            tok = int(logits.argmax())
+            arg = logits.argmax().view(1)
             probs = torch.softmax(logits.float(), dim=-1)
+            top = torch.topk(probs, extra + 1)
+            # one transfer a position: the argmax, its probability and the top's ids and
+            # probabilities (all exact in float64)
+            got = torch.cat([arg.double(), probs[arg].double(), top.indices.double(), top.values.double()]).tolist()
+            tok, p_tok = int(got[0]), got[1]
+            ids, ps = [int(t) for t in got[2: extra + 3]], got[extra + 3:]
             if extra > 0:
-                top = torch.topk(probs, extra + 1)
-                alts = [(float(p), int(t)) for p, t in zip(top.values, top.indices) if int(t) != tok and p > 0][:extra]
+                alts = [(p, t) for p, t in zip(ps, ids) if t != tok and p > 0][:extra]
                 alternatives += [(reach * p, i, t) for p, t in alts]
-            reach *= float(probs[tok])
+            reach *= p_tok
             chain.append(tok)
             if i + 1 < k:
                 logits = fit_vocab(self._forward([tok]), self.vocab_size)

@@ -73,6 +73,8 @@ def near(tiny_model_dir):
 
 
 def test_the_trees_chain_is_the_chain_proposal_and_siblings_are_the_next_choices(target, draft):
+    from marscli.engine.host_reads import count_host_reads
+
     vocab = target.model.get_output_embeddings().weight.shape[0]
     shape = SiblingTree(k_max=5, top_k=3, tokens=30)
     tree_drafter = ModelDrafter(draft.model, 5, vocab_size=vocab, tree=shape)
@@ -97,7 +99,9 @@ def test_the_trees_chain_is_the_chain_proposal_and_siblings_are_the_next_choices
         assert score == pytest.approx(reach * float(probs[tok]), rel=1e-4)
     # the next proposal after a sibling was committed rolls the draft cache back correctly
     committed = ids + [tokens[5]]
-    again = tree_drafter.propose_tree(committed, 3)[0][:3]
+    with count_host_reads() as reads:  # one transfer a draft position (3 a position before)
+        again = tree_drafter.propose_tree(committed, 3)[0][:3]
+    assert reads.total <= 3, reads.by_kind
     fresh = ModelDrafter(draft.model, 3, vocab_size=vocab)
     fresh.start(committed, SamplingParams())
     assert again == fresh.propose(committed, 3).tokens
