@@ -192,7 +192,8 @@ def tiny_head(target):
 
 class ForwardTimer:
     """Seconds spent in the target's step forwards (the engine's cache forward: eager, or a
-    captured graph's replay; synchronised), and how many. Prefills are not counted."""
+    captured graph's replay; an eager tree step's tree_forward; synchronised), and how many.
+    Prefills are not counted."""
 
     def __init__(self, model, device_type: str):
         import torch
@@ -218,14 +219,32 @@ class ForwardTimer:
                 return out
 
             cls.forward = timed
-            self._patched.append((cls, orig))
+            self._patched.append((cls, "forward", orig))
+        # an eager tree step runs its forward over the contiguous cache directly
+        from marscli.engine import scheduler
+
+        tree = scheduler.tree_forward
+
+        def timed_tree(m, *a, **k):
+            if m is not model:
+                return tree(m, *a, **k)
+            self._sync()
+            t0 = time.perf_counter()
+            out = tree(m, *a, **k)
+            self._sync()
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            return out
+
+        scheduler.tree_forward = timed_tree
+        self._patched.append((scheduler, "tree_forward", tree))
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
 
     def close(self) -> None:
-        for cls, orig in self._patched:
-            cls.forward = orig
+        for owner, name, orig in self._patched:
+            setattr(owner, name, orig)
 
 
 def copy_bandwidth(device: str) -> float:
