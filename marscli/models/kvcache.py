@@ -11,8 +11,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 
-@functools.lru_cache(maxsize=None)
-
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A step input built on the host, on the device: on CUDA through pinned memory and a
     non-blocking copy (the host tensor stays the host's to read and change)."""
@@ -20,6 +18,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
+
+@functools.lru_cache(maxsize=None)
 def _cache_keyword(forward) -> str:
     try:
         params = inspect.signature(forward).parameters

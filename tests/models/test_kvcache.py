@@ -94,3 +94,28 @@ def test_batch_rows_join_and_leave_in_place():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert len(set(bufs)) == 1, "rows leaving and joining must stay in the one buffer"
     assert len(set(copied_bufs)) > 1  # without room for the batch, a joining row copies it
+
+
+def test_step_inputs_are_not_kept_and_the_cache_keyword_is_read_once():
+    """to_device (every step's ids, mask and positions) keeps no reference to what it moved:
+    a memoised to_device (a61640f to here: a decorator meant for _cache_keyword) kept every
+    step's inputs, and on CUDA their device copies, alive for the life of the process. The
+    forward's cache keyword is what is read once per forward function."""
+    import gc
+    import weakref
+
+    from marscli.models import kvcache
+
+    t = torch.zeros(3, dtype=torch.long)
+    ref = weakref.ref(t)
+    moved = kvcache.to_device(t, torch.device("cpu"))
+    assert torch.equal(moved, torch.zeros(3, dtype=torch.long))
+    del t, moved
+    gc.collect()
+    assert ref() is None
+    model = tiny_llama(16)
+    kvcache._cache_keyword.cache_clear()
+    for _ in range(3):
+        kvcache.cache_kw(model, None)
+    info = kvcache._cache_keyword.cache_info()
+    assert info.misses == 1 and info.hits == 2, info
