@@ -19,7 +19,8 @@ entries per row up to a TOKEN_BUCKETS size, the span up to HEAD_SPAN_BUCKET x a 
 on CUDA each shape is captured once as a CUDA graph and replayed (CapturedShapes). Padding
 rows are free slots (they write at their columns 0 .. and are never read); padding entries of
 a row write past its committed length (scratch). A prompt's pass, and a catch-up of more than
-CATCH_UP_TOKENS entries a row, run eagerly.
+CATCH_UP_TOKENS entries a row, run eagerly. The passes' small inputs (tokens, lengths) are
+built on the host and go over through pinned memory without blocking (kvcache.to_device).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from marscli.drafters.eagle3_head import Eagle3Head
+from marscli.models.kvcache import to_device
 from marscli.models.slots import ROW_BUCKETS, TOKEN_BUCKETS, CapturedShapes, bucket_of, span_bucket
 
 #: A pass attends over HEAD_SPAN_BUCKET x a power of two columns (static shapes), and the
@@ -150,15 +152,15 @@ class HeadSlots(CapturedShapes):
             tok_h[i, :p] = torch.tensor(tokens[b], dtype=torch.long)
             where.extend(range(i * P, i * P + p))
         x = torch.zeros(B * P, F, dtype=feats[rows[0]].dtype, device=dev)
-        x.index_copy_(0, torch.tensor(where, dtype=torch.long).to(dev),
+        x.index_copy_(0, to_device(torch.tensor(where, dtype=torch.long), dev),
                       torch.cat([feats[b] for b in rows], 0).to(dev, x.dtype))
         return x.view(B, P, F), tok_h, lens
 
     def _take_outputs(self, rows: list[int], out: torch.Tensor, at_row: list[int], lens: list[int]) -> None:
         """Each row's newest output: out[at_row[i], lens[i] - 1] into out[rows[i]]."""
         dev = out.device
-        src = out[torch.tensor(at_row, device=dev), torch.tensor([p - 1 for p in lens], device=dev)]
-        self.out.index_copy_(0, torch.tensor(rows, dtype=torch.long, device=dev), src.to(self.out.dtype))
+        src = out[to_device(torch.tensor(at_row), dev), to_device(torch.tensor([p - 1 for p in lens]), dev)]
+        self.out.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.long), dev), src.to(self.out.dtype))
         for b, p in zip(rows, lens):
             self.lengths[b] += p
 
@@ -174,7 +176,7 @@ class HeadSlots(CapturedShapes):
         # causal, and a row's padding entries see its real ones only (never an empty row)
         mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < n[:, None, None])
         mask = mask | torch.eye(P, dtype=torch.bool, device=dev)[None]
-        out, k, v = head(x, tok_h.to(dev), pos.expand(B, P), None, mask[:, None], target_features=True)
+        out, k, v = head(x, to_device(tok_h, dev), pos.expand(B, P), None, mask[:, None], target_features=True)
         slots = torch.tensor(rows, dtype=torch.long, device=dev)
         self.k[:, :, :P].index_copy_(0, slots, k.to(self.k.dtype))
         self.v[:, :, :P].index_copy_(0, slots, v.to(self.v.dtype))
@@ -195,7 +197,7 @@ class HeadSlots(CapturedShapes):
         self._room(Bb, L)
         x, tok_h, lens = self._inputs(x_rows, feats, tokens, len(x_rows), P)
         dev = self.head.device
-        order = torch.tensor(x_rows, dtype=torch.long, device=dev)
+        order = to_device(torch.tensor(x_rows, dtype=torch.long), dev)
         n_h = torch.tensor(self.lengths + [0] * (Bb - B), dtype=torch.long)
         if static:
             key = ("catch-up", Bb, Pb, L)
@@ -206,15 +208,15 @@ class HeadSlots(CapturedShapes):
             st["x"][:, :P].index_copy_(0, order, x)
             tok = torch.zeros(Bb, Pb, dtype=torch.long)
             tok[x_rows, :P] = tok_h
-            st["tok"].copy_(tok, non_blocking=True)
-            st["at"].copy_(n_h, non_blocking=True)
+            st["tok"].copy_(to_device(tok, dev))
+            st["at"].copy_(to_device(n_h, dev))
             out = self._replay(st, self._run_catch_up, "res")
         else:
             xs = x.new_zeros(B, P, x.shape[2])
             xs.index_copy_(0, order, x)
             tok = torch.zeros(B, P, dtype=torch.long)
             tok[x_rows] = tok_h
-            out = self._catch_up_pass(xs, tok.to(dev), n_h.to(dev), L)
+            out = self._catch_up_pass(xs, to_device(tok, dev), to_device(n_h, dev), L)
         self.written += Bb * Pb
         self._take_outputs(x_rows, out, x_rows, lens)
 
@@ -259,7 +261,7 @@ class HeadSlots(CapturedShapes):
             return out0, first, None
         n_h = torch.tensor(self.lengths + [0] * (Bb - B), dtype=torch.long)
         if not static:
-            n = n_h.to(dev)
+            n = to_device(n_h, dev)
 
             def step(out, toks, i):
                 self.written += B
@@ -272,7 +274,7 @@ class HeadSlots(CapturedShapes):
             "n": torch.zeros(Bb, dtype=torch.long, device=dev),
             "i": torch.zeros(1, dtype=torch.long, device=dev),
             "at": torch.zeros(Bb, dtype=torch.long, device=dev), "L": L})
-        st["n"].copy_(n_h, non_blocking=True)
+        st["n"].copy_(to_device(n_h, dev))
 
         def static_step(out, toks, i):
             st["out"][:B] = out
