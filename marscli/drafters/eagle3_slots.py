@@ -140,15 +140,15 @@ class HeadSlots(CapturedShapes):
         if rest:
             self._catch_up(rest, feats, tokens)
 
-    def _inputs(self, rows: list[int], feats, tokens, B: int, P: int):
-        """x [B, P, F] (row rows[i]'s features in row i, zeros after them), tok [B, P] (host
-        built), the rows' entry counts and their last entries' index."""
+    def _inputs(self, rows: list[int], places: list[int], feats, tokens, B: int, P: int):
+        """A pass's inputs, row rows[i] in pass row places[i] (zeros elsewhere): x [B, P, F]
+        on the device, tok [B, P] built on the host, and the rows' entry counts."""
         dev = self.head.device
         F = feats[rows[0]].shape[1]
         lens = [feats[b].shape[0] for b in rows]
         tok_h = torch.zeros(B, P, dtype=torch.long)
         where: list[int] = []
-        for i, (b, p) in enumerate(zip(rows, lens)):
+        for b, i, p in zip(rows, places, lens):
             tok_h[i, :p] = torch.tensor(tokens[b], dtype=torch.long)
             where.extend(range(i * P, i * P + p))
         x = torch.zeros(B * P, F, dtype=feats[rows[0]].dtype, device=dev)
@@ -170,7 +170,7 @@ class HeadSlots(CapturedShapes):
         head, dev = self.head, self.head.device
         B, P = len(rows), max(feats[b].shape[0] for b in rows)
         self._room(max(rows) + 1, P)
-        x, tok_h, lens = self._inputs(rows, feats, tokens, B, P)
+        x, tok_h, lens = self._inputs(rows, list(range(B)), feats, tokens, B, P)
         pos = torch.arange(P, device=dev)
         n = torch.tensor(lens, device=dev)
         # causal, and a row's padding entries see its real ones only (never an empty row)
@@ -188,37 +188,28 @@ class HeadSlots(CapturedShapes):
         nothing new run padding entries past their lengths: scratch)."""
         B = self.rows
         P = max(feats[b].shape[0] for b in rows)
-        full = [b if b in rows else None for b in range(B)]
-        x_rows = [b for b in full if b is not None]
         static = self.static and P <= CATCH_UP_TOKENS
         Bb, Pb = (bucket_of(B, ROW_BUCKETS), bucket_of(P, TOKEN_BUCKETS)) if static else (B, P)
         need = max(self.lengths) + Pb
         L = span_bucket(need, HEAD_SPAN_BUCKET) if static else need
         self._room(Bb, L)
-        x, tok_h, lens = self._inputs(x_rows, feats, tokens, len(x_rows), P)
+        # each row in its own pass row, the shape's padding included
+        x, tok_h, lens = self._inputs(rows, rows, feats, tokens, Bb, Pb)
         dev = self.head.device
-        order = to_device(torch.tensor(x_rows, dtype=torch.long), dev)
         n_h = torch.tensor(self.lengths + [0] * (Bb - B), dtype=torch.long)
         if static:
             key = ("catch-up", Bb, Pb, L)
-            st = self._shape(key, lambda: {
-                "x": x.new_zeros(Bb, Pb, x.shape[2]), "tok": torch.zeros(Bb, Pb, dtype=torch.long, device=dev),
+            st, _ = self._shape(key, lambda: {
+                "x": torch.zeros_like(x), "tok": torch.zeros(Bb, Pb, dtype=torch.long, device=dev),
                 "at": torch.zeros(Bb, dtype=torch.long, device=dev), "L": L})
-            st["x"].zero_()
-            st["x"][:, :P].index_copy_(0, order, x)
-            tok = torch.zeros(Bb, Pb, dtype=torch.long)
-            tok[x_rows, :P] = tok_h
-            st["tok"].copy_(to_device(tok, dev))
+            st["x"].copy_(x)
+            st["tok"].copy_(to_device(tok_h, dev))
             st["at"].copy_(to_device(n_h, dev))
             out = self._replay(st, self._run_catch_up, "res")
         else:
-            xs = x.new_zeros(B, P, x.shape[2])
-            xs.index_copy_(0, order, x)
-            tok = torch.zeros(B, P, dtype=torch.long)
-            tok[x_rows] = tok_h
-            out = self._catch_up_pass(xs, to_device(tok, dev), to_device(n_h, dev), L)
+            out = self._catch_up_pass(x, to_device(tok_h, dev), to_device(n_h, dev), L)
         self.written += Bb * Pb
-        self._take_outputs(x_rows, out, x_rows, lens)
+        self._take_outputs(rows, out, rows, lens)
 
     def _catch_up_pass(self, x: torch.Tensor, tok: torch.Tensor, n: torch.Tensor, L: int) -> torch.Tensor:
         """Entries j of row b at column n_b + j, each seeing the row's columns up to its own."""
@@ -232,14 +223,6 @@ class HeadSlots(CapturedShapes):
 
     def _run_catch_up(self, st: dict) -> torch.Tensor:
         return self._catch_up_pass(st["x"], st["tok"], st["at"], st["L"])
-
-    def _shape(self, key, make) -> dict:
-        st = self.shapes.pop(key, None)
-        if st is None:
-            st = make()
-            self.built += 1
-        self._keep(key, st)
-        return st
 
     # ------------------------------------------------------------------ draft positions
 
@@ -268,7 +251,7 @@ class HeadSlots(CapturedShapes):
                 return self._draft_pass(out, toks.view(B, 1), n + i, L)
 
             return out0, first, step
-        st = self._shape(("draft", Bb, L), lambda: {
+        st, _ = self._shape(("draft", Bb, L), lambda: {
             "out": torch.zeros(Bb, 1, self.out.shape[1], dtype=self.out.dtype, device=dev),
             "tok": torch.zeros(Bb, 1, dtype=torch.long, device=dev),
             "n": torch.zeros(Bb, dtype=torch.long, device=dev),

@@ -172,9 +172,6 @@ class StepPlan:
         elsewhere than its target runs eagerly); a compiled step runs anywhere."""
         return EAGER if self.graphs and torch.device(device).type != "cuda" else self
 
-    def __str__(self) -> str:
-        return self.kind
-
 
 EAGER = StepPlan()
 
@@ -463,6 +460,17 @@ class CapturedShapes:
         self.shapes.clear()
         self.pool = None
 
+    def _shape(self, key, make) -> tuple[dict, bool]:
+        """Shape `key`'s buffers (made by make() the first time: then fresh is True), now the
+        most recently used: (st, fresh)."""
+        st = self.shapes.pop(key, None)
+        fresh = st is None
+        if fresh:
+            st = make()
+            self.built += 1
+        self._keep(key, st)
+        return st, fresh
+
     def _keep(self, key, st: dict) -> None:
         """st is shape `key`'s, the most recently used."""
         self.shapes[key] = st
@@ -632,13 +640,7 @@ class StaticSteps(CapturedShapes):
         need = max(c.lengths, default=0) + Sb
         c._room(Bb, need)  # may drop every captured shape: the buffers changed
         L = min(c.capacity, span_bucket(need, c.bucket))
-        key = (Bb, Sb, L)
-        st = self.shapes.pop(key, None)
-        fresh = st is None
-        if fresh:
-            st = self._inputs(Bb, Sb, L, ids.device)
-            self.built += 1
-        self._keep(key, st)
+        st, fresh = self._shape((Bb, Sb, L), lambda: self._inputs(Bb, Sb, L, ids.device))
         # This step's inputs into the shape's buffers: rows past B and tokens past S are padding.
         at = write_positions(c.lengths + [0] * (Bb - B), Sb, ids.device)
         real = torch.arange(Bb, device=ids.device)[:, None] < B  # [Bb, 1]
