@@ -218,7 +218,6 @@ class Engine:
         self.slot_cache = slot_cache
         #: How a step's forward runs (a StepPlan: eager, static, graphs or compiled; step_plan
         #: says when), decided once: the drafters run their passes by it too.
-        self.compile_mode = compile_mode
         self.plan = plan if plan is not None else step_plan(compile_mode, self.device, self.model)
         if self.plan.static and not slot_cache:
             raise ValueError("captured steps run on the slot cache")
