@@ -198,46 +198,36 @@ class ForwardTimer:
     def __init__(self, model, device_type: str):
         import torch
 
+        from marscli.engine import scheduler
         from marscli.models.kvcache import HoleCache
         from marscli.models.slots import SlotCache
 
         self.seconds, self.calls = 0.0, 0
         self._sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
         self._patched = []
-        for cls in (HoleCache, SlotCache):
-            orig = cls.forward
+        # each patched callable's first argument says whose forward it is (a draft model's
+        # cache is not timed); an eager tree step runs its forward over the contiguous cache
+        # directly (scheduler.tree_forward)
+        for owner, name, model_of in ((HoleCache, "forward", lambda kv: kv.model),
+                                      (SlotCache, "forward", lambda kv: kv.model),
+                                      (scheduler, "tree_forward", lambda m: m)):
+            orig = getattr(owner, name)
+            setattr(owner, name, self._timed(orig, model, model_of))
+            self._patched.append((owner, name, orig))
 
-            def timed(kv, *a, _orig=orig, **k):
-                if kv.model is not model:  # a draft model's cache
-                    return _orig(kv, *a, **k)
-                self._sync()
-                t0 = time.perf_counter()
-                out = _orig(kv, *a, **k)
-                self._sync()
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-                return out
-
-            cls.forward = timed
-            self._patched.append((cls, "forward", orig))
-        # an eager tree step runs its forward over the contiguous cache directly
-        from marscli.engine import scheduler
-
-        tree = scheduler.tree_forward
-
-        def timed_tree(m, *a, **k):
-            if m is not model:
-                return tree(m, *a, **k)
+    def _timed(self, orig, model, model_of):
+        def timed(first, *a, **k):
+            if model_of(first) is not model:
+                return orig(first, *a, **k)
             self._sync()
             t0 = time.perf_counter()
-            out = tree(m, *a, **k)
+            out = orig(first, *a, **k)
             self._sync()
             self.seconds += time.perf_counter() - t0
             self.calls += 1
             return out
 
-        scheduler.tree_forward = timed_tree
-        self._patched.append((scheduler, "tree_forward", tree))
+        return timed
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
