@@ -191,33 +191,28 @@ def tiny_head(target):
 
 
 class ForwardTimer:
-    """Seconds spent in the target's step forwards (the engine's cache forward: eager, or a
-    captured graph's replay; an eager tree step's tree_forward; synchronised), and how many.
-    Prefills are not counted."""
+    """Seconds spent in the target's step forwards (the engine's cache forward, chain or tree:
+    eager, or a captured graph's replay; synchronised), and how many. Prefills are not
+    counted."""
 
     def __init__(self, model, device_type: str):
         import torch
 
-        from marscli.engine import scheduler
-        from marscli.models.kvcache import HoleCache
+        from marscli.models.kvcache import ContiguousCache
         from marscli.models.slots import SlotCache
 
         self.seconds, self.calls = 0.0, 0
         self._sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
         self._patched = []
-        # each patched callable's first argument says whose forward it is (a draft model's
-        # cache is not timed); an eager tree step runs its forward over the contiguous cache
-        # directly (scheduler.tree_forward)
-        for owner, name, model_of in ((HoleCache, "forward", lambda kv: kv.model),
-                                      (SlotCache, "forward", lambda kv: kv.model),
-                                      (scheduler, "tree_forward", lambda m: m)):
-            orig = getattr(owner, name)
-            setattr(owner, name, self._timed(orig, model, model_of))
-            self._patched.append((owner, name, orig))
+        # each cache's model says whose forward it is (a draft model's cache is not timed)
+        for owner in (ContiguousCache, SlotCache):
+            orig = owner.forward
+            owner.forward = self._timed(orig, model)
+            self._patched.append((owner, "forward", orig))
 
-    def _timed(self, orig, model, model_of):
+    def _timed(self, orig, model):
         def timed(first, *a, **k):
-            if model_of(first) is not model:
+            if first.model is not model:
                 return orig(first, *a, **k)
             self._sync()
             t0 = time.perf_counter()

@@ -71,3 +71,18 @@ def toward_strict(family: RuleFamily, a: float, b: float) -> bool:
 def as_error(item: RecordError) -> dict[str, Any]:
     """A record error as a result line's error object."""
     return {"type": item.type, "message": item.message, "line": item.line}
+
+
+def slot_tree_forward(model, past: list[int], tree: DraftTree, root_token: int, **kw):
+    """The engine's tree step on its own: a one-row slot cache holding `past`, then one
+    forward over root + every node (marscli.engine.tree_forward.tree_block's inputs as
+    SlotCache.forward's block). Returns (float32 logits [N+1, V], the model's output, the
+    cache); kw go to the model (output_hidden_states...)."""
+    from marscli.engine.tree_forward import tree_block
+    from marscli.models.slots import SlotCache
+
+    kv = SlotCache(model, "cpu", slots=1)
+    kv.add_prefilled(list(past))
+    ids, pos, block = tree_block(tree, root_token, len(past), "cpu")
+    out = kv.forward(ids, None, pos, block=block, **kw)
+    return out.logits[0].float(), out, kv

@@ -10,8 +10,8 @@ from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM, NONE
 from marscli.drafters.model import BatchedModelDrafter, ModelDrafter, SiblingTree
 from marscli.drafters.ngram import JobCorpus, NgramDrafter, NoDrafter
 from marscli.models.fastpath import install_cpu_fastpath, install_folded_gqa_attention
-from marscli.models.kvcache import sliding_layers
 from marscli.models.quant import output_rows
+from marscli.models.slots import supports as supports_slots
 
 
 def _tree_shape(draft_cfg: DraftConfig):
@@ -57,8 +57,8 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None)
 
 def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_size: int = 1,
                    job_corpus: bool = False, batched_model: bool = False) -> BatchedDrafter:
-    """The BatchedDrafter for an engine: at batch size > 1 a draft model (without
-    sliding-window layers) or an EAGLE-3 head drafting chains drafts for all rows in one pass
+    """The BatchedDrafter for an engine: at batch size > 1 a draft model (one a slot cache
+    can hold: marscli.models.slots.supports) or an EAGLE-3 head drafting chains drafts for all rows in one pass
     per position; everything else (and every drafter at batch size 1) runs one drafter per
     row. job_corpus: n-gram drafters share a JobCorpus of the job's finished records.
     Hybrid drafting (an n-gram drafter and a draft model per row) runs one drafter per row at
@@ -70,9 +70,8 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     if (batch_size > 1 or batched_model) and draft_cfg.kind == EAGLE3 and not draft_cfg.tree:
         return BatchedEagle3Drafter(one.head, one.k_max, vocab_size=one.vocab_size)
     if ((batch_size > 1 or batched_model) and draft_cfg.kind == MODEL and not draft_cfg.hybrid and not draft_cfg.tree
-            and not sliding_layers(draft_model.model)):
-        # (windowed layers cannot be rolled back per row: those get a ModelDrafter per row)
-
+            and supports_slots(draft_model.model)):
+        # (a model slots cannot hold, e.g. with windowed layers: a ModelDrafter per row)
         return BatchedModelDrafter(one.model, one.k_max, vocab_size=one.vocab_size, context=draft_cfg.context)
     corpus = None
     if job_corpus and (draft_cfg.kind == NGRAM or draft_cfg.hybrid):

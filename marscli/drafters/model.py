@@ -9,7 +9,7 @@ import torch
 from marscli.config import SamplingParams
 from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
 from marscli.drafters.kinds import MODEL
-from marscli.models.kvcache import HoleCache, cache_kw, new_cache, rollback, to_device
+from marscli.models.kvcache import cache_kw, new_cache, rollback, to_device
 from marscli.models.prefill import DRAFT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.models.slots import EAGER, SlotCache, StepPlan, supports
 from marscli.verification.chain import sampled_groups, sampling_probs
@@ -239,7 +239,7 @@ class _Row:
 
 class BatchedModelDrafter(DraftModelSettings):
     """ModelDrafter for a whole batch (a BatchedDrafter): one draft-model forward per draft
-    position for all rows, over a masked HoleCache of its own.
+    position for all rows, over a slot cache of its own (marscli.models.slots).
 
     Each row drafts what a ModelDrafter would for it alone: the same greedy argmax or the
     same coupled draws for the same k; only the float summation order of the draft model's
@@ -248,14 +248,15 @@ class BatchedModelDrafter(DraftModelSettings):
 
     feature_layers: tuple[int, ...] = ()
     tree = None
-    slot_cache = True
     plan = EAGER  # the engine's StepPlan (use_plan)
 
     def __init__(self, model, k_max: int, **kw):
         super().__init__(model, k_max, **kw)
         tok = getattr(model.config, "pad_token_id", None)
         self.pad_id = tok if isinstance(tok, int) else 0
-        self.slots_fit = supports(model)  # read once: no sliding-window layer
+        if not supports(model):  # build_drafters gives those a ModelDrafter per row
+            raise ValueError("a batched draft model needs a model a slot cache can hold "
+                             "(no sliding-window layer, an attention that takes a custom mask)")
         self.reset()
 
     def use_plan(self, plan: StepPlan) -> None:
@@ -263,17 +264,15 @@ class BatchedModelDrafter(DraftModelSettings):
         self.plan = plan
 
     def reset(self) -> None:
-        # Its rows in slots (marscli.models.slots) where the model allows, else with holes;
-        # its steps run as the engine's plan says (use_plan). A slot cache of the same plan is
-        # kept, emptied: its captured shapes live with the model.
+        # Its rows in slots (marscli.models.slots); its steps run as the engine's plan says
+        # (use_plan). A slot cache of the same plan is kept, emptied: its captured shapes
+        # live with the model.
         kv = getattr(self, "kv", None)
         plan = self.plan.on(self.device)
         if isinstance(kv, SlotCache) and getattr(self, "kv_plan", None) == plan:
             kv.clear_rows()
-        elif self.slot_cache and self.slots_fit:
-            self.kv = SlotCache.for_step(self.model, self.device, plan, pad_id=self.pad_id)
         else:
-            self.kv = HoleCache(self.model, self.device, masked=True)
+            self.kv = SlotCache.for_step(self.model, self.device, plan, pad_id=self.pad_id)
         self.kv_plan = plan
         self.rows: list[_Row] = []
         if not hasattr(self, "prefiller"):  # the prefix cache outlives the rows and jobs

@@ -35,7 +35,7 @@ from typing import Any
 from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM
 from marscli.models.fastpath import signature as fastpath_signature
 from marscli.models.int8_decoder import SIGNATURE as INT8_DECODER
-from marscli.models.kvcache import HoleCache, rollback
+from marscli.models.kvcache import ContiguousCache, rollback
 from marscli.models.quant import CPU_INT8
 from marscli.models.slots import EAGER, SlotCache, StepPlan, supports
 from marscli.models.sources import cache_root
@@ -44,7 +44,7 @@ COSTS_ENV = "MARSCLI_COSTS"
 COSTS_MEASURE = "measure"
 COSTS_REMEASURE = "remeasure"
 COSTS_STATIC = "static"
-COSTS_FORMAT = 2  # 2: batched rows timed over the slot cache
+COSTS_FORMAT = 3  # 2: batched rows timed over the slot cache; 3: batch size 1 too
 #: Context length (tokens already cached per row) the forwards are timed at.
 MEASURE_CONTEXT = 256
 #: New tokens per row the forwards are timed at (others are interpolated).
@@ -164,9 +164,9 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
                   context: int = MEASURE_CONTEXT, repeats: int = MEASURE_REPEATS,
                   vocab: int | None = None, step: StepPlan = EAGER) -> list[list[float]]:
     """Seconds [len(batch_sizes)][len(new_tokens)] of one forward of `model` over B rows of n
-    new tokens after `context` cached tokens, through the engine's own cache (the plain call
-    at B = 1, rows in slots above; a static step plan (graphs, static): the captured step's
-    slot cache at every B, its graphs captured in the warm-up round; Engine.plan). The fastest of
+    new tokens after `context` cached tokens, through the engine's own cache (rows in slots
+    at every B, captured in the warm-up round under a static step plan: Engine.plan; the
+    plain one-row call for a model slots cannot hold, at B = 1 only). The fastest of
     `repeats` rounds after a warm-up round: the shape's cost, not the machine's load."""
     import torch
 
@@ -175,18 +175,18 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
     prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
     out: list[list[float]] = []
     with torch.inference_mode():
-        one = HoleCache(model, device, masked=False)
+        one = ContiguousCache(model, device)
         one.add_prefilled(prompt)
-        kv = [(layer.keys, layer.values) for layer in one.layers()]
+        kv = one.row_kv(context)
+        slots = supports(model)
         for B in batch_sizes:
-            if step.static:
+            if slots:
                 kvc = SlotCache.for_step(model, device, step, slots=B)
                 kvc.add_rows([(kv, context)] * B)
             elif B == 1:
                 kvc = one
-            else:  # the batched engine's cache: slots where the model allows (marscli.models.slots)
-                kvc = SlotCache(model, device, slots=B) if supports(model) else HoleCache(model, device, masked=True)
-                kvc.add_rows([(kv, context)] * B)
+            else:
+                raise ValueError("time_forwards: a model slots cannot hold decodes one row at a time")
             inputs = []
             for n in new_tokens:
                 ids = torch.randint(0, vocab, (B, n), generator=gen).to(device)

@@ -61,10 +61,10 @@ from marscli.engine.sequence import (
     StepObservation,
 )
 from marscli.engine.step_inputs import chain_inputs, tree_guard
-from marscli.engine.tree_forward import check_tree_support, tree_block, tree_forward
+from marscli.engine.tree_forward import check_tree_support, tree_block
 from marscli.errors import UsageError
 from marscli.models.fastpath import install_cpu_fastpath, install_folded_gqa_attention
-from marscli.models.kvcache import HoleCache, sliding_layers, to_device
+from marscli.models.kvcache import ContiguousCache, sliding_layers, to_device
 from marscli.models.prefill import DEFAULT_PREFIX_CACHE_MIB, MIB, Prefiller, PrefixCache
 from marscli.models.slots import EAGER, SlotCache, StepPlan, graphs_blocker
 from marscli.models.slots import supports as supports_slots
@@ -145,7 +145,7 @@ class Engine:
     def __init__(self, target, drafters: BatchedDrafter, rule: Rule, draft_cfg: DraftConfig,
                  batch_size: int = 1, costs=None, guard: GuardConfig = GUARD_OFF,
                  spans: SpanConfig | None = None, prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB,
-                 slot_cache: bool = True, compile_mode: str = "auto", relax_at: str = RELAX_EVERY,
+                 compile_mode: str = "auto", relax_at: str = RELAX_EVERY,
                  calibrating: bool = False, plan: StepPlan | None = None):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
@@ -204,26 +204,29 @@ class Engine:
         tok = target.tokenizer
         self.pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
         sliding = sliding_layers(self.model)
-        if batch_size > 1:
-            if sliding:
-                raise ValueError(
-                    "batched decoding does not support models with sliding-window attention "
-                    f"layers (layers {sliding[:4]}...); use --batch-size 1")
+        if batch_size > 1 and sliding:
+            raise ValueError(
+                "batched decoding does not support models with sliding-window attention "
+                f"layers (layers {sliding[:4]}...); use --batch-size 1")
         if self.device.type == "cpu":
             install_cpu_fastpath(self.model)
         elif self.device.type == "cuda":  # verification reads each shared K/V head once
             install_folded_gqa_attention(self.model)
-        #: Batched rows keep their keys and values in a slot cache (marscli.models.slots);
-        #: False: the hole cache (marscli.models.kvcache.HoleCache), as before it.
-        self.slot_cache = slot_cache
+        #: Rows keep their keys and values in a slot cache (marscli.models.slots) at every
+        #: batch size; a model it cannot hold decodes one record at a time in a contiguous
+        #: cache (marscli.models.kvcache.ContiguousCache).
+        self.slots_fit = supports_slots(self.model)
+        if batch_size > 1 and not self.slots_fit:
+            raise ValueError(
+                "batched decoding needs an attention that takes a custom mask (sdpa or eager); "
+                f"this model uses {getattr(self.model.config, '_attn_implementation', None)!r}; "
+                "use --batch-size 1")
         #: How a step's forward runs (a StepPlan: eager, static, graphs or compiled; step_plan
         #: says when), decided once: the drafters run their passes by it too.
         self.plan = plan if plan is not None else step_plan(compile_mode, self.device, self.model)
-        if self.plan.static and not slot_cache:
-            raise ValueError("captured steps run on the slot cache")
         self.drafters.use_plan(self.plan)
         self.oom_retries = 0  # how many times the batch was halved (for reports and tests)
-        self.peak_cache_bytes = 0  # largest target KV cache seen (holes and padding included)
+        self.peak_cache_bytes = 0  # largest target KV cache seen (slot buffers, spare capacity included)
         self.prefill_seconds = 0.0  # time spent prefilling joining records
         # Sliding-window layers keep state of their own beside keys/values: no prefix reuse.
         self.prefix = PrefixCache(0 if sliding else int(prefix_cache_mib * MIB), features=self.tap is not None)
@@ -273,19 +276,16 @@ class Engine:
         and its captured shapes live with the loaded model, so the next run (or record, or
         bench row) captures nothing again; ``fresh`` (after out-of-memory) builds a new one."""
         self.rows: list[Row] = []
-        # The target's cache, one row per record: in slots, or masked with holes when rows
-        # share it, rolled back in place at batch size 1.
-        kind = (self.plan, self.batch_size > 1 and self.slot_cache, self.tap)
+        # The target's cache, one row per record: in slots at every batch size, or one row,
+        # rolled back in place, for a model slots cannot hold.
+        kind = (self.plan, self.tap)
         if not fresh and isinstance(getattr(self, "kv", None), SlotCache) and self.kv_kind == kind:
             self.kv.clear_rows()
-        elif self.plan.static:  # at every batch size, batch size 1 included
+        elif self.slots_fit:
             self.kv = SlotCache.for_step(self.model, self.device, self.plan, slots=self.batch_size,
                                          pad_id=self.pad_id, tap=self.tap)
-        elif self.batch_size > 1 and self.slot_cache:
-            self.kv = SlotCache(self.model, self.device, slots=self.batch_size)
         else:
-            self.kv = HoleCache(self.model, self.device, masked=self.batch_size > 1,
-                                batch_capacity=self.batch_size)
+            self.kv = ContiguousCache(self.model, self.device)
         self.kv_kind = kind
         self.drafters.reset()
 
@@ -372,13 +372,13 @@ class Engine:
         try:
             prompts = [list(j.ids if first else j.ids[:-1]) for j in joiners]
             logits = None
-            if self.kv.masked:
+            if isinstance(self.kv, SlotCache):
                 done = self.prefiller.prefill(prompts, self._captured, logits=first)
                 self.kv.add_rows([(p.kv, p.length) for p in done])
                 features = [p.features for p in done]
                 if first:
                     logits = torch.stack([p.logits for p in done]).unsqueeze(1)  # [n, 1, V]
-            else:  # batch size 1: the plain single-sequence call, after the cached prefix
+            else:  # a model slots cannot hold: the plain single-sequence call, after the cached prefix
                 assert len(joiners) == 1, "a contiguous cache takes one row"
                 f, last = self._prefill_alone(prompts[0], last=first)
                 features = [f]
@@ -418,7 +418,7 @@ class Engine:
 
     def _prefill_alone(self, prompt: list[int], last: bool = False
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Prefill one prompt into the contiguous cache (batch size 1) after the longest
+        """Prefill one prompt into the contiguous cache (a model slots cannot hold) after the longest
         cached prefix; insert it into the prefix cache. Returns its features [L, F] (None
         when none are read) and, with `last`, the logits [V] at its last token (which is
         then computed even when the cache holds the whole prompt)."""
@@ -604,11 +604,8 @@ class Engine:
         seq = r.seq
         tree = DraftTree(tokens, parents)
         base = r.npos  # the positions cached before the root
-        if isinstance(self.kv, SlotCache):  # static or captured: the tree at a step's shape
-            ids, pos, block = tree_block(tree, seq.seq[-1], base, self.device)
-            logits = self._step_forward(ids, None, pos, block=block).logits[0].float()  # [N+1, V]
-        else:
-            logits, _ = self._captured(lambda: tree_forward(self.model, self.kv.cache, tree, seq.seq[-1], base))
+        ids, pos, block = tree_block(tree, seq.seq[-1], base, self.device)  # trees need slots (check_tree_support)
+        logits = self._step_forward(ids, None, pos, block=block).logits[0].float()  # [N+1, V]
         N = len(tree)
         s = seq.sampling
         depths = tree.depth_list()

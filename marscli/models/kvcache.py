@@ -1,5 +1,6 @@
-"""Every KV cache of marscli: growing layers, rollback, tree compaction, and the engine's
-batched cache with holes (HoleCache)."""
+"""The KV cache pieces below the slot cache (marscli.models.slots): growing layers, rollback,
+host-to-device step inputs, and the contiguous one-row cache of a model that slots cannot
+hold (ContiguousCache)."""
 
 from __future__ import annotations
 
@@ -52,34 +53,14 @@ class GrowingLayer(DynamicLayer):
     batch) still ends inside the buffer, so the next update writes after its end in place.
     Anything else that replaces keys/values (index_select, padding, gather) simply gets a new
     buffer at the next update: the class never needs to know who changed what.
-
-    The buffer may also hold more batch rows than the view (``batch_capacity``: a batched
-    cache that a finished row left and a new row will join): the view is then its first
-    rows, and HoleCache moves, drops and adds rows inside the buffer instead of copying the
-    whole cache twice (once to select rows, once more to regrow at the next append).
     """
-
-    #: Batch rows a new buffer is allocated for (at least the rows it must hold).
-    batch_capacity = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        rows = self.batch_capacity
-        self.keys, self._kbuf = _append(self.keys, getattr(self, "_kbuf", None), key_states, rows)
-        self.values, self._vbuf = _append(self.values, getattr(self, "_vbuf", None), value_states, rows)
+        self.keys, self._kbuf = _append(self.keys, getattr(self, "_kbuf", None), key_states)
+        self.values, self._vbuf = _append(self.values, getattr(self, "_vbuf", None), value_states)
         return self.keys, self.values
-
-    def views(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(key buffer, value buffer, first slot) when keys and values are views of the first
-        rows of this layer's buffers at the same slots; None otherwise."""
-        kbuf, vbuf = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
-        if self.keys is None or self.values is None or self.keys.numel() == 0:
-            return None
-        ks, vs = _start_in(kbuf, self.keys), _start_in(vbuf, self.values)
-        if ks is None or ks != vs or self.keys.shape != self.values.shape:
-            return None
-        return kbuf, vbuf, ks
 
     def reset(self) -> None:
         self._kbuf = self._vbuf = None
@@ -111,9 +92,8 @@ def _start_in(buf: torch.Tensor | None, cur: torch.Tensor) -> int | None:
     return start if start + cur.shape[2] <= buf.shape[2] else None
 
 
-def _append(cur: torch.Tensor | None, buf: torch.Tensor | None, new: torch.Tensor, rows: int = 0):
-    """(cur followed by new, as a view of a buffer; that buffer). A new buffer has room for
-    at least `rows` batch rows."""
+def _append(cur: torch.Tensor | None, buf: torch.Tensor | None, new: torch.Tensor):
+    """(cur followed by new, as a view of a buffer; that buffer)."""
     B, S = new.shape[0], new.shape[2]
     T = 0 if cur is None or cur.numel() == 0 else cur.shape[2]
     start = _start_in(buf, cur) if T else None
@@ -121,7 +101,7 @@ def _append(cur: torch.Tensor | None, buf: torch.Tensor | None, new: torch.Tenso
         buf[:B, :, start + T: start + T + S] = new
         return buf[:B, :, start: start + T + S], buf
     cap = max(T + S + GROW_MIN, int((T + S) * GROW))
-    fresh = new.new_empty(max(B, rows), new.shape[1], cap, new.shape[3])
+    fresh = new.new_empty(B, new.shape[1], cap, new.shape[3])
     if T:
         fresh[:B, :, :T] = cur
     fresh[:B, :, T: T + S] = new
@@ -157,100 +137,38 @@ def rollback(cache: DynamicCache, length: int) -> None:
     cache.crop(length - current)
 
 
-def check_plain_layers(cache) -> None:
-    """Raise ValueError unless every layer is a plain (growing) DynamicLayer: subclasses keep
-    extra per-position state (sliding windows, indexer keys, quantized residuals) that a
-    gather of keys/values would leave out of step."""
-    for i, layer in enumerate(cache.layers):
-        if type(layer) not in (DynamicLayer, GrowingLayer):
-            raise ValueError(
-                f"draft trees need a plain DynamicCache; layer {i} is a {type(layer).__name__}"
-            )
-
-
-def compact_cache(cache, past_len: int, path: list[int]) -> None:
-    """After a tree step: keep the past, the root and the accepted path's nodes (path order);
-    drop the rest.
-
-    Afterwards every layer holds past_len + 1 + len(path) positions, contiguous, as if root and
-    path had been fed as a chain (their keys carry the rotary positions past_len + depth, which
-    are exactly the chain positions along a path).
-    """
-    check_plain_layers(cache)
-    # In place, so inference mode: the engine's cache tensors are inference tensors, which
-    # refuse in-place writes outside it.
-    with torch.inference_mode():
-        _compact_path(cache, past_len, path)
-
-
-def _compact_path(cache, past_len: int, path: list[int]) -> None:
-    start = past_len + 1  # first tree node's slot
-    k = len(path)
-    # A path is root-to-leaf, so its indices increase; prefix paths (0, 1, ..., k-1) need only
-    # the crop.
-    assert all(a < b for a, b in zip(path, path[1:])), f"path {path} is not increasing"
-    for layer in cache.layers:
-        if not layer.is_initialized:
-            continue  # KV-sharing layers hold nothing
-        total = layer.keys.shape[-2]
-        assert total >= start and all(0 <= i < total - start for i in path), (
-            f"cache layer of {total} positions cannot hold path {path} after {start}"
-        )
-        if path != list(range(k)):
-            src = torch.tensor(path, dtype=torch.long, device=layer.keys.device) + start
-            # In place, O(len(path)) instead of copying the whole cache: the gather copies the
-            # path's entries before the (overlapping) write.
-            layer.keys[..., start:start + k, :] = layer.keys[..., src, :]
-            layer.values[..., start:start + k, :] = layer.values[..., src, :]
-        # A view: a growing layer appends after it in place.
-        layer.keys = layer.keys[..., : start + k, :]
-        layer.values = layer.values[..., : start + k, :]
-
-
 # --------------------------------------------------------------------------------------------
 # The engine's cache: one row per record
 
 
-#: Compact when the cache is longer than COMPACT_RATIO x the longest row's valid tokens
-#: (plus COMPACT_SLACK slots, so short sequences are not compacted every step).
-COMPACT_RATIO = 1.5
-COMPACT_SLACK = 32
+class ContiguousCache:
+    """The KV cache of one record whose model a slot cache cannot hold (sliding-window
+    layers, which record their past only to be cropped, or an attention that takes no custom
+    mask: marscli.models.slots.supports): at most one row and never a hole. The drafts a step
+    rejects are at the end, so they are rolled back (cropped), and a forward is the plain
+    single-sequence call (no mask, no position ids). Every other model's rows, at every
+    batch size, live in a SlotCache, whose interface this one shares (forward / commit /
+    truncate_row / keep_rows / trim / nbytes)."""
 
+    masked = False
 
-class HoleCache:
-    """A model's KV cache for a batch of records, one row each.
-
-    masked (batch size > 1): a batched cache whose rows keep only some of their slots:
-    ``mask`` [B, T] says which (1: a token of that row's sequence, in order; 0: padding or a
-    rejected draft). Every forward passes that mask and explicit per-row position ids.
-
-    contiguous (batch size 1): at most one row and never a hole: the drafts a step rejects are
-    at the end, so they are rolled back (cropped) instead of masked, and a forward is the plain
-    single-sequence call (no mask, no position ids). This is also what keeps sliding-window
-    layers, which record their past only to be cropped, exact at batch size 1.
-    """
-
-    def __init__(self, model, device, *, masked: bool, batch_capacity: int = 0):
+    def __init__(self, model, device):
         self.model = model
         self.device = device
-        self.masked = masked
-        self.batch_capacity = batch_capacity if masked else 0
         self.reset()
 
     def reset(self) -> None:
         self.cache = new_cache(self.model)
-        for layer in self.cache.layers:
-            if isinstance(layer, GrowingLayer):  # room for the whole batch: rows join in place
-                layer.batch_capacity = self.batch_capacity
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, T]
+        self.length = 0
+        self._rows = 0
 
     def clear_rows(self) -> None:
-        """No row (as SlotCache.clear_rows; a hole cache keeps nothing worth keeping)."""
+        """No row (as SlotCache.clear_rows; a contiguous cache keeps nothing worth keeping)."""
         self.reset()
 
     @property
     def rows(self) -> int:
-        return self.mask.shape[0]
+        return self._rows
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers() for t in (layer.keys, layer.values))
@@ -261,218 +179,69 @@ class HoleCache:
 
     # ------------------------------------------------------------------ forward and commit
 
-    def forward(self, ids: torch.Tensor, new_mask: torch.Tensor, pos: torch.Tensor, **kw):
-        """Run the model on ids [B, S] (new_mask [B, S]: 1 for real tokens, position ids pos
-        [B, S]) over the cache; the new slots stay in the cache until commit()."""
-        if not self.masked:
-            assert ids.shape[0] == 1 and bool(new_mask.all()), "a contiguous cache runs one unpadded row"
-            return self.model(input_ids=ids, **cache_kw(self.model, self.cache), use_cache=True, **kw)
-        attn = torch.cat([self.mask, new_mask], 1)  # [B, T + S]
-        return self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                          **cache_kw(self.model, self.cache), use_cache=True, **kw)
+    def forward(self, ids: torch.Tensor, new_mask: torch.Tensor | None, pos: torch.Tensor, **kw):
+        """Run the model on the one row's ids [1, S] over the cache (new_mask and pos are the
+        slot cache's and not read: the row is never padded and its positions follow the
+        cache); the new positions stay in the cache until commit()."""
+        assert ids.shape[0] == 1 and self._rows == 1, "a contiguous cache runs one row"
+        return self.model(input_ids=ids, **cache_kw(self.model, self.cache), use_cache=True, **kw)
 
     def commit(self, new_mask: torch.Tensor, kept: list[int] | None = None) -> None:
-        """Record which of the last forward's new slots each row keeps ([B, S]; kept, the
-        per-row counts, is SlotCache's shortcut and not read here)."""
-        if not self.masked:
-            drop = int(new_mask.shape[1] - new_mask.sum())
-            rollback(self.cache, self.cache.get_seq_length() - drop)
-            new_mask = new_mask[:, : new_mask.shape[1] - drop]
-        self.mask = torch.cat([self.mask, new_mask.to(self.mask.device)], 1)
-
-    def append_kept(self, n: int) -> None:
-        """The cache (one row) grew by n slots that all stay (after a tree step's compaction)."""
-        assert not self.masked, "trees run on a contiguous cache"
-        self.mask = torch.cat([self.mask, self.mask.new_ones(1, n)], 1)
-
-    def keep_path(self, b: int, path: list[int]) -> None:
-        """After a tree forward (marscli.engine.tree_forward) over the one row: keep the root
-        and the accepted path's nodes (compact_cache), as SlotCache.keep_path does."""
-        assert not self.masked and b == 0, "trees run on a contiguous cache"
-        compact_cache(self.cache, self.mask.shape[1], path)
-        self.append_kept(1 + len(path))
+        """The row keeps the first kept[0] (or new_mask.sum()) of the last forward's new
+        positions: the rest is rolled back."""
+        n = int(kept[0]) if kept is not None else int(new_mask.sum())
+        self.length += n
+        rollback(self.cache, self.length)
 
     def truncate_row(self, b: int, keep: int) -> None:
-        """Mask out row b's valid slots beyond its first `keep` (a per-row rollback)."""
-        if not self.masked:
-            rollback(self.cache, keep)
-            self.mask = self.mask[:, :keep]
-            return
-        valid = self.mask[b].nonzero().flatten()
-        if keep < valid.numel():
-            self.mask[b, valid[keep:]] = 0
+        """The row keeps its first `keep` positions (a rollback)."""
+        assert b == 0, "a contiguous cache holds one row"
+        self.length = min(self.length, keep)
+        rollback(self.cache, self.length)
 
-    # ------------------------------------------------------------------ rows
+    def trim(self) -> None:
+        """Nothing to trim: the row has no holes."""
+
+    # ------------------------------------------------------------------ the row
 
     def add_prefilled(self, ids: list[int], run=None, *, past=None) -> torch.Tensor | None:
-        """Append a row for a record whose cached tokens are `ids` (a prompt, or a prompt but
-        its pending last token), prefilled alone, so no padding ever enters the pass (batched
-        joins go through marscli.models.prefill and ``add_rows``). past: (m, keys/values per
-        layer [1, H, m, D]) already computed for the m tokens before ids (a cached prefix;
-        copied). run(forward) wraps the model call (the engine captures target features
-        there). Returns the logits [V] at the last of ids on the contiguous cache (None
-        when ids is empty, and on a masked cache)."""
+        """Hold a record whose cached tokens are `ids` (a prompt, or a prompt but its pending
+        last token), prefilled in one pass. past: (m, keys/values per layer [1, H, m, D])
+        already computed for the m tokens before ids (a cached prefix; copied). run(forward)
+        wraps the model call (the engine captures target features there). Returns the
+        logits [V] at the last of ids (None when ids is empty)."""
+        assert self._rows == 0, "a contiguous cache holds one row"
         run = run or (lambda f: f())
         m = 0
-        if not self.masked:
-            assert self.rows == 0, "a contiguous cache holds one row"
-            if past is not None and past[0]:
-                m, kv = past
-                self.cache = new_cache(self.model)
-                for layer, pair in zip(self.cache.layers, kv):
-                    if pair is not None:
-                        _hold_copy(layer, pair, len(ids))
-            logits = None
-            if ids:
-                x = torch.tensor([ids], dtype=torch.long, device=self.device)
-                logits = run(lambda: self.model(input_ids=x, **cache_kw(self.model, self.cache), use_cache=True,
-                                                logits_to_keep=1)).logits[0, -1]
-            self.mask = torch.ones(1, m + len(ids), dtype=torch.long, device=self.device)
-            return logits
-        assert past is None, "a masked cache takes cached prefixes through add_rows"
-        kv = None
+        if past is not None and past[0]:
+            m, kv = past
+            self.cache = new_cache(self.model)
+            for layer, pair in zip(self.cache.layers, kv):
+                if pair is not None:
+                    _hold_copy(layer, pair, len(ids))
+        logits = None
         if ids:
-            c = new_cache(self.model)
             x = torch.tensor([ids], dtype=torch.long, device=self.device)
-            run(lambda: self.model(input_ids=x, **cache_kw(self.model, c), use_cache=True, logits_to_keep=1))
-            kv = [(layer.keys, layer.values) for layer in c.layers]
-        self.add_rows([(kv, len(ids))])
+            logits = run(lambda: self.model(input_ids=x, **cache_kw(self.model, self.cache), use_cache=True,
+                                            logits_to_keep=1)).logits[0, -1]
+        self.length = m + len(ids)
+        self._rows = 1
+        return logits
 
     def row_kv(self, length: int) -> list:
-        """The one row's first `length` positions per layer ([1, H, length, D] views; None
-        for a layer that holds nothing) of a contiguous cache."""
-        assert not self.masked and self.rows == 1
+        """The row's first `length` positions per layer ([1, H, length, D] views; None for a
+        layer that holds nothing)."""
+        assert self._rows == 1
         return [(layer.keys[:, :, :length], layer.values[:, :, :length])
                 if layer.is_initialized and layer.keys is not None and layer.keys.numel() else None
                 for layer in self.cache.layers]
 
-    def add_row(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None, L: int) -> None:
-        """Append a row whose L cached slots are kv (per layer [1, H, L, D]; None if L == 0)."""
-        self.add_rows([(kv, L)])
-
-    def add_rows(self, rows: list[tuple[list | None, int]]) -> None:
-        """Append rows, each (kv, L): its L cached slots per layer ([1, H, L, D], None for a
-        layer that holds nothing; kv None when L == 0), right-aligned at the batch's cache
-        length (left padding, masked out; the batch is left-padded instead when a row is
-        longer). Rows are written into the layer's buffer when it has room for them (a
-        growing layer's buffer holds the batch's capacity), else one new buffer for the
-        batch's capacity is made: the batch is copied at most once per join."""
-        assert self.masked, "only a masked cache takes rows of other lengths"
-        n = len(rows)
-        B, T = self.mask.shape
-        new_t = max([T] + [L for _, L in rows])
-        added = torch.zeros(n, new_t, dtype=torch.long, device=self.device)
-        for j, (_, L) in enumerate(rows):
-            if L:
-                added[j, new_t - L:] = 1
-        self.mask = torch.cat([_left_pad_mask(self.mask, new_t), added], 0)
-        if new_t == 0:
-            return
-        ref = next((kv for kv, L in rows if L), None)
-        for li, layer in enumerate(self.cache.layers):
-            cur = None
-            if B and T and layer.is_initialized and layer.keys is not None and layer.keys.numel():
-                cur = (layer.keys, layer.values)
-            proto = cur if cur is not None else (ref[li] if ref is not None else None)
-            if proto is None:
-                continue  # nothing cached in this layer (KV sharing), or nowhere yet
-            pk, pv = proto
-            got = layer.views() if isinstance(layer, GrowingLayer) and cur is not None and new_t == T else None
-            if got is not None and got[0].shape[0] >= B + n:
-                kbuf, vbuf, start = got
-            else:
-                cap = max(new_t + GROW_MIN, int(new_t * GROW))
-                rows_cap = max(B + n, self.batch_capacity)
-                kbuf = pk.new_empty(rows_cap, pk.shape[1], cap, pk.shape[3])
-                vbuf = pv.new_empty(rows_cap, pv.shape[1], cap, pv.shape[3])
-                start = 0
-                if B:
-                    old = T if cur is not None else 0
-                    for buf, x in ((kbuf, pk if cur is not None else None), (vbuf, pv if cur is not None else None)):
-                        buf[:B, :, : new_t - old] = 0  # padding: masked out, but 0 x NaN is NaN
-                        if x is not None:
-                            buf[:B, :, new_t - old: new_t] = x
-            for j, (kv, L) in enumerate(rows):
-                b = B + j
-                for buf, x in ((kbuf, kv[li][0] if L else None), (vbuf, kv[li][1] if L else None)):
-                    buf[b, :, start: start + new_t - L] = 0
-                    if x is not None:
-                        buf[b, :, start + new_t - L: start + new_t] = x[0]
-            if not layer.is_initialized:
-                layer.lazy_initialization(pk, pv)
-            _hold(layer, kbuf, vbuf, B + n, start, new_t)
-
     def keep_rows(self, keep: list[int]) -> None:
-        """Keep only these rows (in this order)."""
+        """Keep the row ([0]) or none ([])."""
         if not keep:
             self.reset()
             return
-        if not self.masked:
-            assert keep == [0], keep
-            return
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.mask = self.mask.index_select(0, idx)
-        # In place when every kept row either stays or comes from a row past the new end
-        # (never one that an earlier move overwrote): rows move inside the layer's buffer.
-        n = len(keep)
-        movable = all(src == i or src >= n for i, src in enumerate(keep)) or keep == sorted(keep)
-        for layer in self.layers():
-            if not (movable and _keep_in_place(layer, keep)):
-                layer.keys = layer.keys.index_select(0, idx)
-                layer.values = layer.values.index_select(0, idx)
-        self.trim()
-
-    def trim(self) -> None:
-        """Drop slots no row uses at the left and right ends; compact when holes dominate."""
-        T = self.mask.shape[1]
-        if T == 0 or not self.masked:
-            return
-        used = self.mask.any(0).nonzero()
-        if used.numel() == 0:
-            lo, hi = T, T
-        else:
-            lo, hi = int(used[0]), int(used[-1]) + 1
-        if hi < T or lo > 0:
-            self.mask = self.mask[:, lo:hi]
-            for layer in self.layers():
-                layer.keys = layer.keys[:, :, lo:hi]
-                layer.values = layer.values[:, :, lo:hi]
-        longest = int(self.mask.sum(1).max()) if self.mask.numel() else 0
-        if self.mask.shape[1] > COMPACT_RATIO * longest + COMPACT_SLACK:
-            self.compact()
-
-    def compact(self) -> None:
-        """Gather each row's valid slots to the right end (left padding); same order."""
-        counts = self.mask.sum(1)  # [B]
-        new_t = int(counts.max())
-        B, T = self.mask.shape
-        # For each row, source index of each destination slot (padding reads slot 0, masked).
-        order = torch.sort(self.mask, dim=1, stable=True).indices  # invalid first, then valid in order
-        index = order[:, T - new_t:]  # [B, new_t]
-        self.mask = self.mask.gather(1, index)
-        for layer in self.layers():
-            gi = index[:, None, :, None].expand(B, layer.keys.shape[1], new_t, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, gi)
-            layer.values = layer.values.gather(2, index[:, None, :, None].expand(
-                B, layer.values.shape[1], new_t, layer.values.shape[3]))
-
-
-def _keep_in_place(layer, keep: list[int]) -> bool:
-    """Keep rows `keep` of a growing layer by moving them inside its buffers (row i gets row
-    keep[i]; the caller checked that no source is overwritten before it is read); False
-    when the layer's keys are not views of its buffers."""
-    got = layer.views() if isinstance(layer, GrowingLayer) else None
-    if got is None or len(set(keep)) != len(keep) or max(keep) >= layer.keys.shape[0]:
-        return False
-    kbuf, vbuf, start = got
-    T = layer.keys.shape[2]
-    for i, src in enumerate(keep):
-        if src != i:
-            kbuf[i, :, start: start + T] = kbuf[src, :, start: start + T]
-            vbuf[i, :, start: start + T] = vbuf[src, :, start: start + T]
-    n = len(keep)
-    layer.keys, layer.values = kbuf[:n, :, start: start + T], vbuf[:n, :, start: start + T]
-    return True
+        assert keep == [0], keep
 
 
 def _hold(layer, kbuf: torch.Tensor, vbuf: torch.Tensor, rows: int, start: int, length: int) -> None:
@@ -496,18 +265,3 @@ def _hold_copy(layer, pair: tuple[torch.Tensor, torch.Tensor], room: int) -> Non
     if not layer.is_initialized:
         layer.lazy_initialization(k, v)
     _hold(layer, kbuf, vbuf, k.shape[0], 0, m)
-
-
-def left_pad(x: torch.Tensor, length: int) -> torch.Tensor:
-    """Left-pad [B, H, T, D] with zeros along T to `length`."""
-    extra = length - x.shape[2]
-    if extra <= 0:
-        return x
-    return torch.cat([x.new_zeros(x.shape[:2] + (extra,) + x.shape[3:]), x], 2)
-
-
-def _left_pad_mask(m: torch.Tensor, length: int) -> torch.Tensor:
-    extra = length - m.shape[1]
-    if extra <= 0:
-        return m
-    return torch.cat([m.new_zeros(m.shape[0], extra), m], 1)

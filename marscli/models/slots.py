@@ -19,11 +19,12 @@ With ``static`` every forward runs at bucketed shapes on input buffers that outl
 ``compiled`` (``--compile on`` on a CPU) each shape is compiled once by torch.compile
 (`StaticSteps`; the engine's `--compile`, docs/engine.md "The captured step").
 
-It has the masked HoleCache's interface (forward / commit / truncate_row / add_rows /
-keep_rows / trim / nbytes), so the engine and the draft model take either. What it does not
-take, HoleCache keeps: an eager engine at batch size 1 (the contiguous, unmasked path, and the
-tree step that compacts it), and models with sliding-window layers (their cache layers keep a
-window of their own; `supports` says which).
+It holds the engine's rows at every batch size and step kind, batch size 1 and tree steps
+included, and the batched draft model's. What it cannot hold (`supports` says which: models
+with sliding-window layers, whose cache layers keep a window of their own, or an attention
+that takes no custom mask) decodes one record at a time in marscli.models.kvcache's
+ContiguousCache, which shares its interface (forward / commit / truncate_row / keep_rows /
+trim / nbytes).
 """
 
 from __future__ import annotations

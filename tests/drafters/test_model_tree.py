@@ -20,12 +20,11 @@ from marscli.drafters.factory import build_drafter, build_drafters
 from marscli.drafters.hybrid import HybridDrafter
 from marscli.drafters.model import ModelDrafter, SiblingTree
 from marscli.engine import build_engine
-from marscli.engine.tree_forward import tree_forward
-from marscli.models.kvcache import cache_kw, new_cache
 from marscli.models.loading import load_model
 from marscli.verification.registry import Rule
 from marscli.verification.tree import DraftTree, verify_tree
 from tests.oracles import hf_greedy
+from tests.verify_helpers import slot_tree_forward
 
 PROMPTS = [
     "hello world, hello marscli; the cat sat on the mat. hello world, hello",
@@ -238,10 +237,8 @@ def test_the_sampling_walk_over_a_sibling_tree_reproduces_the_targets_law(target
     tokens, parents, _ = drafter.propose_tree(ids, 3)
     assert len(tokens) == 6 and parents[3] == -1  # a sibling at the root
     tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
-    cache = new_cache(target.model)
     with torch.no_grad():
-        target.model(torch.tensor([ids[:-1]]), **cache_kw(target.model, cache), use_cache=True)
-    logits, _ = tree_forward(target.model, cache, tree, ids[-1], len(ids) - 1)
+        logits, _, _ = slot_tree_forward(target.model, ids[:-1], tree, ids[-1])
     # a temperature at which the target's first choice has about half the mass (the tiny
     # random model's own logits are nearly flat)
     lo, hi = 1e-4, 10.0

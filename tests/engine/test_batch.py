@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import marscli.engine.scheduler as scheduler_mod
-import marscli.models.kvcache as kv_mod
 from marscli.config import DraftConfig, SamplingParams, VerifyConfig
 from marscli.drafters.base import RowDrafters
 from marscli.drafters.factory import build_drafter, build_drafters
@@ -44,9 +43,9 @@ def sampling_for(i: int, temperature: float = 0.0, **kw) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=24 + 9 * (i % 4), seed=100 + i, **kw)
 
 
-def engine_of(target, factory, vcfg, dcfg, batch_size, eos=None, slot_cache=True) -> Engine:
+def engine_of(target, factory, vcfg, dcfg, batch_size, eos=None) -> Engine:
     """An engine whose rows each run their own drafter from factory."""
-    engine = Engine(target, RowDrafters(factory), vcfg.rule, dcfg, batch_size, slot_cache=slot_cache)
+    engine = Engine(target, RowDrafters(factory), vcfg.rule, dcfg, batch_size)
     if eos is not None:
         engine.settings = dataclasses.replace(engine.settings, eos=frozenset(eos))
     return engine
@@ -57,9 +56,8 @@ def singles(target, factory, vcfg, dcfg, prompts, samplings, eos=None):
     return [engine.generate_ids(target.tokenizer(p).input_ids, s) for p, s in zip(prompts, samplings)]
 
 
-def batched(target, factory, vcfg, dcfg, prompts, samplings, batch_size, eos=None, order=None,
-            slot_cache=True):
-    engine = engine_of(target, factory, vcfg, dcfg, batch_size, eos, slot_cache)
+def batched(target, factory, vcfg, dcfg, prompts, samplings, batch_size, eos=None, order=None):
+    engine = engine_of(target, factory, vcfg, dcfg, batch_size, eos)
     order = list(range(len(prompts))) if order is None else order
     got = {}
     arrival = []
@@ -146,39 +144,29 @@ def test_refill_order_never_changes_results(target):
         assert_same(ref, got)
 
 
-def test_compaction_keeps_results(target, monkeypatch):
-    # The hole cache (the slot cache has no holes), compacting at every chance: every step's
-    # holes are squeezed out.
-    monkeypatch.setattr(kv_mod, "COMPACT_RATIO", 1.0)
-    monkeypatch.setattr(kv_mod, "COMPACT_SLACK", 0)
-    calls = []
-    real = kv_mod.HoleCache.compact
-    monkeypatch.setattr(kv_mod.HoleCache, "compact", lambda self: (calls.append(1), real(self)))
-    dcfg = ngram_cfg(k=6, adaptive=False)
-    factory = lambda: build_drafter(dcfg, target)  # noqa: E731
-    samplings = [sampling_for(i) for i in range(len(PROMPTS))]
-    ref = singles(target, factory, MARS, dcfg, PROMPTS, samplings)
-    got, _, _ = batched(target, factory, MARS, dcfg, PROMPTS, samplings, 3, slot_cache=False)
-    assert calls, "the test must compact"
-    assert_same(ref, got)
-
-
 @pytest.mark.parametrize("vcfg,temperature", [(STRICT, 0.0), (MARS, 0.0), (MARS, 1.0)],
                          ids=["strict", "mars", "mars-sampled"])
-def test_slot_and_hole_caches_give_the_same_records(target, vcfg, temperature):
+def test_slot_and_contiguous_caches_give_the_same_records(target, vcfg, temperature, monkeypatch):
     """A record's text does not depend on the cache kind: rows joining and leaving a batch of
-    3 (slot cache, marscli.models.slots) decode what they decode over the hole cache, and
-    what each decodes alone."""
+    3 and rows alone, all in slots (marscli.models.slots), decode what each decodes alone in
+    the contiguous cache that a model slots cannot hold gets (marscli.models.kvcache)."""
+    import marscli.engine.scheduler as sched
+
     dcfg = ngram_cfg(k=4, adaptive=False)
     factory = lambda: build_drafter(dcfg, target)  # noqa: E731
     samplings = [sampling_for(i, temperature=temperature) for i in range(len(PROMPTS))]
-    ref = singles(target, factory, vcfg, dcfg, PROMPTS, samplings)
     slots, _, engine = batched(target, factory, vcfg, dcfg, PROMPTS, samplings, 3)
     assert type(engine.kv).__name__ == "SlotCache"
-    holes, _, engine = batched(target, factory, vcfg, dcfg, PROMPTS, samplings, 3, slot_cache=False)
-    assert type(engine.kv).__name__ == "HoleCache"
-    assert_same(ref, slots)
-    assert_same(holes, slots)
+    alone_in_slots = singles(target, factory, vcfg, dcfg, PROMPTS, samplings)
+    with monkeypatch.context() as m:
+        m.setattr(sched, "supports_slots", lambda model: False)
+        engine = engine_of(target, factory, vcfg, dcfg, 1)
+        assert type(engine.kv).__name__ == "ContiguousCache"
+        contiguous = [engine.generate_ids(target.tokenizer(p).input_ids, s) for p, s in zip(PROMPTS, samplings)]
+        with pytest.raises(ValueError, match="batched decoding needs an attention"):
+            engine_of(target, factory, vcfg, dcfg, 2)
+    assert_same(contiguous, alone_in_slots)
+    assert_same(contiguous, slots)
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "model"])

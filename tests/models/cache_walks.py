@@ -1,5 +1,5 @@
-"""A walk through a batched KV cache that the cache tests share (marscli.models.kvcache's
-HoleCache, marscli.models.slots' SlotCache): every row's logits against a plain forward of its
+"""A walk through the batched KV cache (marscli.models.slots' SlotCache) that the cache tests
+share: every row's logits against a plain forward of its
 own sequence, through joins, leaves, rejected drafts and rollbacks."""
 
 from __future__ import annotations

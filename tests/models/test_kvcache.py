@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from marscli.models.kvcache import GrowingLayer, new_cache, rollback
-from tests.models.cache_walks import cache_walk, tiny_llama
+from tests.models.cache_walks import tiny_llama
 
 
 def _model():
@@ -68,32 +68,6 @@ def test_replaced_keys_get_a_new_buffer_and_stay_right():
         a = model(input_ids=nxt, past_key_values=ours, use_cache=True).logits
         b = model(input_ids=nxt, past_key_values=plain, use_cache=True).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def _hole_cache_walk(capacity: int):
-    """Rows join, decode, leave and are replaced (tests.models.cache_walks): every row's logits
-    at every step, and the key buffers each step wrote into (the batched cache of
-    marscli.models.kvcache.HoleCache)."""
-    from marscli.models.kvcache import HoleCache
-
-    model = _model()
-    buffers = []
-    kv = HoleCache(model, "cpu", masked=True, batch_capacity=capacity)
-    logits = cache_walk(kv, model, on_step=lambda kv: buffers.append(kv.cache.layers[0]._kbuf.data_ptr()))
-    return logits, buffers
-
-
-def test_batch_rows_join_and_leave_in_place():
-    """With room for the whole batch, rows leave and join inside the layer's buffer (no
-    copy of the cache), and every row's logits equal a plain forward of its own sequence,
-    as they do when every change copies the cache."""
-    in_place, bufs = _hole_cache_walk(capacity=4)
-    copied, copied_bufs = _hole_cache_walk(capacity=0)
-    assert len(in_place) == len(copied)
-    for a, b in zip(in_place, copied):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert len(set(bufs)) == 1, "rows leaving and joining must stay in the one buffer"
-    assert len(set(copied_bufs)) > 1  # without room for the batch, a joining row copies it
 
 
 def test_step_inputs_are_not_kept_and_the_cache_keyword_is_read_once():

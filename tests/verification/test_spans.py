@@ -45,7 +45,7 @@ from marscli.verification.spans import (
     strict_at,
 )
 from tests.engines import PROMPTS, RunnerUpDrafter, encode
-from tests.verify_helpers import strict_now
+from tests.verify_helpers import slot_tree_forward, strict_now
 
 CODE_ONLY = SpanRule((CODE,))
 ANSWER_ONLY = SpanRule((ANSWER,))
@@ -366,7 +366,6 @@ def test_spans_cost_nothing_for_strict_rules(target):
 def test_tree_steps_report_provenance_and_respect_spans(target):
     """A tree step through verify_tree: the accepted path's nodes are drafts, then the
     correction or bonus; no relaxed node lies in a span."""
-    from marscli.engine.tree_forward import tree_forward
     from marscli.verification.registry import Rule
     from marscli.verification.tree import DraftTree, verify_tree
 
@@ -381,12 +380,8 @@ def test_tree_steps_report_provenance_and_respect_spans(target):
     assert flags == [True, True, True, False]  # node 3 follows the closing fence
     with torch.no_grad():
         ids = encode(target, PROMPTS[0])
-        from marscli.models.kvcache import new_cache
-
-        cache = new_cache(target.model)
-        target.model(torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)
         tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
-        logits, _ = tree_forward(target.model, cache, tree, ids[-1], len(ids) - 1)
+        logits, _, _ = slot_tree_forward(target.model, ids[:-1], tree, ids[-1])
     res = verify_tree(tree, logits, rule=Rule("mars", 0.0, "prob-ratio"), guard=torch.tensor(flags))
     for j, i in enumerate(res.path):
         assert not (res.relaxed[j] and flags[i])

@@ -1,5 +1,5 @@
-"""Tests of marscli.engine.tree_forward: the draft tree, the tree forward and cache compaction on tiny random
-models, and tree verification.
+"""Tests of draft trees: the tree, the tree step over a slot cache and keeping its path on tiny
+random models (marscli.engine.tree_forward, SlotCache.keep_path), and tree verification.
 
 Verification is checked three ways: hand-made logits over a 10-token vocabulary for each branch
 (greedy, and sampled over many records' seeds: the walk takes the child that is each row's
@@ -24,14 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import marscli.verification.tree as mvt
-from marscli.engine.tree_forward import check_tree_support, tree_forward, tree_inputs
-from marscli.models.kvcache import compact_cache
+from marscli.engine.tree_forward import check_tree_support, tree_block
 from marscli.verification.chain import sampling_probs, verify
 from marscli.verification.draws import coupled_draw, position_keys, uniforms
 from marscli.verification.registry import LOGIT_RATIO, PROB_RATIO
 from marscli.verification.rules import NOT_RELAXABLE
 from marscli.verification.tree import ROOT, DraftTree, verify_tree
-from tests.verify_helpers import path_to, rule_from_theta
+from tests.verify_helpers import path_to, rule_from_theta, slot_tree_forward
 
 V = 10
 NINF = -math.inf
@@ -130,27 +129,17 @@ def test_tree_rejects_bad_parents_and_shapes():
         DraftTree(L([[1, 2]]), L([[-1, 0]]))
 
 
-def test_tree_inputs_by_hand():
+def test_tree_block_by_hand():
     t = tree_of([7, 8, 9], [-1, -1, 0])  # root -> {0: 7 -> {2: 9}, 1: 8}
-    ids, pos, mask = tree_inputs(t, root_token=4, past_len=2, dtype=torch.float32, device="cpu")
+    ids, pos, block = tree_block(t, root_token=4, past_len=2, device="cpu")
     assert ids.tolist() == [[4, 7, 8, 9]]
     assert pos.tolist() == [[2, 3, 3, 4]]
-    assert mask.shape == (1, 1, 4, 6) and mask.dtype == torch.float32
-    big = torch.finfo(torch.float32).min
-    visible = [
-        [1, 1, 1, 0, 0, 0],  # root: past + itself
-        [1, 1, 1, 1, 0, 0],  # node 0: + root
-        [1, 1, 1, 0, 1, 0],  # node 1: not its sibling
-        [1, 1, 1, 1, 0, 1],  # node 2: root, node 0, itself
+    assert block.dtype == torch.bool and block[0].int().tolist() == [
+        [1, 0, 0, 0],  # root: itself (and the whole past, which the slot cache adds)
+        [1, 1, 0, 0],  # node 0: + root
+        [1, 0, 1, 0],  # node 1: not its sibling
+        [1, 1, 0, 1],  # node 2: root, node 0, itself
     ]
-    want = torch.tensor([[0.0 if v else big for v in r] for r in visible])
-    assert torch.equal(mask[0, 0], want)
-    # additive in the requested dtype (bf16 model: bf16 mask with bf16's own minimum)
-    _, _, m16 = tree_inputs(t, 4, 0, torch.bfloat16, "cpu")
-    assert m16.dtype == torch.bfloat16 and m16.shape == (1, 1, 4, 4)
-    assert float(m16.min()) == torch.finfo(torch.bfloat16).min
-    with pytest.raises(AssertionError, match="float dtype"):
-        tree_inputs(t, 4, 0, torch.bool, "cpu")
 
 
 # ---------------------------------------- tiny models
@@ -191,13 +180,11 @@ def plain_logits(model, ids: list[int]) -> torch.Tensor:
         return model(input_ids=L([ids])).logits[0].float()
 
 
-def prefilled(model, past: list[int], growing: bool = False):
-    """A cache holding `past`: transformers' own, or marscli's (growing layers, the engine's)."""
+def prefilled(model, past: list[int]):
+    """transformers' own cache holding `past` (the oracle's)."""
     from transformers import DynamicCache
 
-    from marscli.models.kvcache import new_cache
-
-    cache = new_cache(model) if growing else DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)
     if past:
         with torch.no_grad():
             model(input_ids=L([past]), past_key_values=cache, use_cache=True)
@@ -213,21 +200,19 @@ MODEL_TREE = tree_of([11, 12, 13, 21, 22, 23, 31, 32, 33, 41], SAMPLE.parents.to
     ("family", "impl"),
     [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("gemma", "eager")],
 )
-def test_tree_forward_equals_each_root_path_as_a_sequence(family, impl):
+def test_a_tree_step_equals_each_root_path_as_a_sequence(family, impl):
     model = tiny(family, impl)
     t = MODEL_TREE
-    cache = prefilled(model, PAST)
     with torch.no_grad():
-        logits, hidden = tree_forward(model, cache, t, ROOT_TOKEN, len(PAST),
-                                      output_hidden_states=True)
+        logits, out, kv = slot_tree_forward(model, PAST, t, ROOT_TOKEN, output_hidden_states=True)
     assert logits.shape == (len(t) + 1, MODEL_VOCAB) and logits.dtype == torch.float32
-    assert cache.get_seq_length() == len(PAST) + 1 + len(t)
     base = PAST + [ROOT_TOKEN]
     assert torch.allclose(logits[0], plain_logits(model, base)[-1], atol=1e-4)
     for i in range(len(t)):
         seq = base + [int(t.tokens[j]) for j in path_to(t, i)]
         assert torch.allclose(logits[i + 1], plain_logits(model, seq)[-1], atol=1e-4), i
     # hidden states: embeddings + one per layer, [1, N+1, H]; the last matches a plain forward
+    hidden = out.hidden_states
     assert len(hidden) == model.config.num_hidden_layers + 1
     assert hidden[-1].shape == (1, len(t) + 1, model.config.hidden_size)
     seq = base + [int(t.tokens[j]) for j in path_to(t, 9)]
@@ -237,104 +222,57 @@ def test_tree_forward_equals_each_root_path_as_a_sequence(family, impl):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_chain_tree_equals_a_normal_forward(impl):
+def test_a_chain_tree_equals_a_normal_forward(impl):
     model = tiny("llama", impl)
     chain = [17, 4, 40, 2]
-    cache_a, cache_b = prefilled(model, PAST), prefilled(model, PAST)
     with torch.no_grad():
-        tree_logits, none = tree_forward(model, cache_a, DraftTree.chain(chain), ROOT_TOKEN,
-                                         len(PAST))
-        normal = model(input_ids=L([[ROOT_TOKEN] + chain]), past_key_values=cache_b,
-                       use_cache=True).logits[0]
-    assert none is None
+        tree_logits, _, kv = slot_tree_forward(model, PAST, DraftTree.chain(chain), ROOT_TOKEN)
+        cache = prefilled(model, PAST)
+        normal = model(input_ids=L([[ROOT_TOKEN] + chain]), past_key_values=cache, use_cache=True).logits[0]
     assert torch.allclose(tree_logits, normal, atol=1e-4)
-    for la, lb in zip(cache_a.layers, cache_b.layers):
-        assert torch.allclose(la.keys, lb.keys, atol=1e-5)
-        assert torch.allclose(la.values, lb.values, atol=1e-5)
+    n = len(PAST) + 1 + len(chain)
+    for la, lb in zip(kv.layers(), cache.layers):
+        assert torch.allclose(la.kbuf[:1, :, :n], lb.keys, atol=1e-5)
+        assert torch.allclose(la.vbuf[:1, :, :n], lb.values, atol=1e-5)
 
 
 def test_empty_tree_and_empty_past():
     model = tiny()
-    cache = prefilled(model, [])
     with torch.no_grad():
-        logits, _ = tree_forward(model, cache, DraftTree.chain([]), ROOT_TOKEN, 0)
+        logits, _, _ = slot_tree_forward(model, [], DraftTree.chain([]), ROOT_TOKEN)
     assert logits.shape == (1, MODEL_VOCAB)
     assert torch.allclose(logits[0], plain_logits(model, [ROOT_TOKEN])[-1], atol=1e-4)
 
 
-@pytest.mark.parametrize("growing", [False, True], ids=["dynamic", "growing"])
 @pytest.mark.parametrize("path", [[1, 5, 8], [0, 3, 7, 9], [0, 4], [2], []])
-def test_compact_cache_then_decode_equals_fresh_forward(path, growing):
+def test_keeping_a_path_then_decoding_equals_a_fresh_forward(path):
     model = tiny()
     t = MODEL_TREE
-    cache = prefilled(model, PAST, growing)
-    with torch.no_grad():
-        tree_forward(model, cache, t, ROOT_TOKEN, len(PAST))
-    compact_cache(cache, len(PAST), path)
-    kept = len(PAST) + 1 + len(path)
-    for layer in cache.layers:
-        assert layer.keys.shape[-2] == kept and layer.values.shape[-2] == kept
-    assert cache.get_seq_length() == kept
-    accepted = PAST + [ROOT_TOKEN] + [int(t.tokens[i]) for i in path]
-    nxt = 50
-    with torch.no_grad():
-        step = model(input_ids=L([[nxt]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    with torch.inference_mode():  # as the engine fills its cache: keep_path writes in place
+        _, _, kv = slot_tree_forward(model, PAST, t, ROOT_TOKEN)
+        kv.keep_path(0, path)
+        kept = len(PAST) + 1 + len(path)
+        assert kv.lengths == [kept]
+        accepted = PAST + [ROOT_TOKEN] + [int(t.tokens[i]) for i in path]
+        nxt = 50
+        step = kv.forward(L([[nxt]]), None, L([[kept]])).logits[0, -1]
+        kv.commit(None, [1])
     assert torch.allclose(step, plain_logits(model, accepted + [nxt])[-1], atol=1e-4)
-    # and the next step's tree sees the compacted past as a plain prefix
+    # and the next step's tree sees the kept past as a plain prefix
     t2 = tree_of([6, 7, 60], [-1, -1, 0])
-    with torch.no_grad():
-        logits, _ = tree_forward(model, cache, t2, 44, kept + 1)
+    with torch.inference_mode():
+        ids, pos, block = tree_block(t2, 44, kept + 1, "cpu")
+        logits = kv.forward(ids, None, pos, block=block).logits[0].float()
     for i in range(len(t2)):
         seq = accepted + [nxt, 44] + [int(t2.tokens[j]) for j in path_to(t2, i)]
         assert torch.allclose(logits[i + 1], plain_logits(model, seq)[-1], atol=1e-4)
 
 
-def test_compact_cache_on_an_inference_mode_cache():
-    # the engine fills its cache under torch.inference_mode(); compaction writes in place
-    model = tiny()
-    with torch.inference_mode():
-        cache = prefilled(model, PAST)
-        tree_forward(model, cache, MODEL_TREE, ROOT_TOKEN, len(PAST))
-    compact_cache(cache, len(PAST), [1, 5])
-    with torch.inference_mode():
-        step = model(input_ids=L([[50]]), past_key_values=cache, use_cache=True).logits[0, -1]
-    seq = PAST + [ROOT_TOKEN, 12, 23, 50]
-    assert torch.allclose(step, plain_logits(model, seq)[-1], atol=1e-4)
-
-
-def test_compact_cache_rejects_bad_paths():
-    model = tiny()
-    cache = prefilled(model, PAST)
-    with torch.no_grad():
-        tree_forward(model, cache, MODEL_TREE, ROOT_TOKEN, len(PAST))
-    with pytest.raises(AssertionError, match="not increasing"):
-        compact_cache(cache, len(PAST), [5, 1])
-    with pytest.raises(AssertionError, match="cannot hold path"):
-        compact_cache(cache, len(PAST), [0, 10])
-
-
-def test_tree_forward_checks_the_cache_length():
-    model = tiny()
-    cache = prefilled(model, PAST)
-    with pytest.raises(AssertionError, match="cache holds 7 positions"):
-        tree_forward(model, cache, MODEL_TREE, ROOT_TOKEN, len(PAST) - 1)
-
-
 @pytest.mark.parametrize("family", ["mistral-sliding", "qwen2-sliding"])
 def test_sliding_window_models_are_refused(family):
     model = tiny(family)
-    cache = prefilled(model, PAST[:2])
-    with pytest.raises(ValueError, match="not supported for models with sliding-window"):
-        tree_forward(model, cache, MODEL_TREE, ROOT_TOKEN, 2)
     with pytest.raises(ValueError, match="not supported for models with sliding-window"):
         check_tree_support(model)
-    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
-        compact_cache(cache, 1, [])
-    # a cache built without the config still does not fool the check
-    from transformers import DynamicCache
-
-    with pytest.raises(ValueError, match="sliding-window"):
-        tree_forward(model, DynamicCache(), MODEL_TREE, ROOT_TOKEN, 0)
 
 
 def test_unsupported_attention_implementation_is_refused():
