@@ -150,8 +150,6 @@ class ContiguousCache:
     batch size, live in a SlotCache, whose interface this one shares (forward / commit /
     truncate_row / keep_rows / trim / nbytes)."""
 
-    masked = False
-
     def __init__(self, model, device):
         self.model = model
         self.device = device
