@@ -386,7 +386,8 @@ class Sequence:
         position at a time: at the first token after which the output ends in a loop whose
         periodic tail begins at most ``loop_rewind`` tokens after a relaxed token (one a
         rewind has not already decided strictly), the step's tokens end there and the
-        record will rewind to the most recent such relaxed token. Returns (the tokens to
+        record will rewind to the most recent such relaxed token (the earliest, once
+        MAX_REWINDS rewinds have stopped its relaxations). Returns (the tokens to
         commit, the position to rewind to or None)."""
         W = self.settings.loop_rewind
         base = len(self.out)
@@ -399,7 +400,10 @@ class Sequence:
             onset = self.loops.onset(p)  # the stream is the output: an output position
             back = [r for r in self.relaxed_at if r >= onset - W and r not in self.strict_at]
             if back:
-                return emitted[: i + 1], max(back)
+                # The latest relaxation is the likeliest cause; once the record relaxes no
+                # more (MAX_REWINDS), its strict continuation looped again, so go straight
+                # to the earliest one left in the window: one rewind, not one per relaxation.
+                return emitted[: i + 1], (min(back) if self.stats.rewinds >= MAX_REWINDS else max(back))
         return emitted, None
 
     def rewind(self, r: int) -> None:

@@ -242,14 +242,6 @@ class ContiguousCache:
         assert keep == [0], keep
 
 
-def _hold(layer, kbuf: torch.Tensor, vbuf: torch.Tensor, rows: int, start: int, length: int) -> None:
-    """Make a layer's keys/values the first `rows` rows, slots [start, start + length), of
-    these buffers (a growing layer appends after them in place)."""
-    layer.keys, layer.values = kbuf[:rows, :, start: start + length], vbuf[:rows, :, start: start + length]
-    if isinstance(layer, GrowingLayer):
-        layer._kbuf, layer._vbuf = kbuf, vbuf
-
-
 def _hold_copy(layer, pair: tuple[torch.Tensor, torch.Tensor], room: int) -> None:
     """Give an empty layer a copy of keys/values [1, H, m, D], with room for `room` more
     positions (and the growing layer's spare capacity)."""
@@ -262,4 +254,8 @@ def _hold_copy(layer, pair: tuple[torch.Tensor, torch.Tensor], room: int) -> Non
     vbuf[:, :, :m] = v
     if not layer.is_initialized:
         layer.lazy_initialization(k, v)
-    _hold(layer, kbuf, vbuf, k.shape[0], 0, m)
+    # the layer's keys/values are the first m slots of the buffers; a growing layer appends
+    # after them in place
+    layer.keys, layer.values = kbuf[:, :, :m], vbuf[:, :, :m]
+    if isinstance(layer, GrowingLayer):
+        layer._kbuf, layer._vbuf = kbuf, vbuf
