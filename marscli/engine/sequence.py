@@ -303,10 +303,14 @@ class Sequence:
             return [False] * len(tokens)
         return self.spans.tree_flags(tokens, parents)
 
+    def rewinds_spent(self) -> bool:
+        """The record's relaxations derailed MAX_REWINDS times: it relaxes no more."""
+        return self.loops is not None and self.stats.rewinds >= MAX_REWINDS
+
     def relax_left(self) -> int | None:
         """Relaxations this record may still make (None: no budget; 0 too once its rewinds
         reached MAX_REWINDS: strict from there on)."""
-        if self.loops is not None and self.stats.rewinds >= MAX_REWINDS:
+        if self.rewinds_spent():
             return 0
         if self.relax_budget is None:
             return None
@@ -403,7 +407,7 @@ class Sequence:
                 # The latest relaxation is the likeliest cause; once the record relaxes no
                 # more (MAX_REWINDS), its strict continuation looped again, so go straight
                 # to the earliest one left in the window: one rewind, not one per relaxation.
-                return emitted[: i + 1], (min(back) if self.stats.rewinds >= MAX_REWINDS else max(back))
+                return emitted[: i + 1], (min(back) if self.rewinds_spent() else max(back))
         return emitted, None
 
     def rewind(self, r: int) -> None:

@@ -235,7 +235,6 @@ class SlotLayer(DynamicLayer):
 class SlotCache:
     """A model's KV cache for a batch of records, a slot each (see the module's docstring)."""
 
-
     def __init__(self, model, device, *, slots: int = 1, bucket: int = 1, static: bool = False,
                  graphs: bool = False, compiled: bool = False, pad_id: int = 0, tap=None):
         self.model = model
