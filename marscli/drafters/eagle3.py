@@ -41,6 +41,8 @@ from marscli.verification.draws import coupled_draw, position_keys
 
 #: Parent of a depth-1 node (its parent is the pending token, the tree's root).
 ROOT = -1
+#: Entries a single sequence's head cache holds at first (it doubles as it grows).
+HEAD_CACHE_START = 256
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,15 @@ class Eagle3Drafter(DrafterBase):
         self.sampling = sampling or SamplingParams()
         self.prompt_len = len(prompt_ids)
         self.tracker = AcceptanceTracker()
-        self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # committed entries' keys, values
+        # The head's cache: keys, values [1, kv, capacity, hd]; entries [0, n) are committed,
+        # a step's chain drafts and tree levels are written past them and dropped again (the
+        # next commit overwrites them). Grown by doubling, so a step writes only its own new
+        # entries, whatever the length (read through views, never concatenated).
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        #: key/value entries written into the cache (new entries and grown buffers' copies):
+        #: what a step's cache work is, for tests.
+        self.written = 0
         self.n = 0  # committed head entries (= committed positions with features, but the last)
         self.pending: list[torch.Tensor] = []  # target features not yet in the head's cache
         self.last_out: torch.Tensor | None = None  # [H] output of the newest committed entry
@@ -122,6 +132,29 @@ class Eagle3Drafter(DrafterBase):
         """Whether the head's cache holds every committed position of seq but the last."""
         return self.last_out is not None and self.n == len(seq) - 1
 
+    def _room(self, length: int) -> None:
+        """A cache of at least `length` entries (doubled when it grows; committed entries
+        copied over)."""
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if length <= cap:
+            return
+        a = self.head.midlayer.self_attn
+        new_cap = max(length, 2 * cap, HEAD_CACHE_START)
+        keys = torch.zeros(1, a.nkv, new_cap, a.hd, dtype=self.head.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        if self.n:
+            keys[:, :, : self.n] = self.keys[:, :, : self.n]
+            values[:, :, : self.n] = self.values[:, :, : self.n]
+            self.written += self.n
+        self.keys, self.values = keys, values
+
+    def _into(self, cols: torch.Tensor, end: int):
+        """The head pass's ``into`` for new entries at the cache's columns cols [1, S], the
+        last of them end - 1 (known on the host): the cache up to there."""
+        self._room(end)
+        self.written += cols.shape[1]
+        return self.keys[:, :, :end], self.values[:, :, :end], cols
+
     def _catch_up(self, seq: list[int]) -> bool:
         """Put the pending features into the cache as committed entries; True when the head
         is ready to draft the token after seq[-1]."""
@@ -133,9 +166,8 @@ class Eagle3Drafter(DrafterBase):
             dev = self.device
             tokens = torch.tensor([seq[self.n + 1: self.n + 1 + P]], dtype=torch.long, device=dev)
             pos = torch.arange(self.n, self.n + P, device=dev).unsqueeze(0)
-            out, k, v = self.head(feats.unsqueeze(0).to(dev), tokens, pos, self.past, target_features=True)
-            self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2),
-                                                          torch.cat([self.past[1], v], 2))
+            out, _, _ = self.head(feats.unsqueeze(0).to(dev), tokens, pos, into=self._into(pos, self.n + P),
+                                  target_features=True)
             self.n += P
             self.last_out = out[0, -1]
         return self.ready(seq)
@@ -152,7 +184,6 @@ class Eagle3Drafter(DrafterBase):
         if k <= 0 or not self._catch_up(seq):
             return Proposal([])
         head, dev = self.head, self.device
-        past = self.past
         out = self.last_out.view(1, 1, -1)
         tokens: list[int] = []
         at = len(seq) - self.prompt_len
@@ -162,8 +193,7 @@ class Eagle3Drafter(DrafterBase):
             tokens.append(int(tok))
             if i + 1 < k:  # the last draft needs no head pass
                 pos = torch.tensor([[self.n + i]], device=dev)
-                out, kk, vv = head(out, tok.view(1, 1), pos, past, target_features=False)
-                past = (torch.cat([past[0], kk], 2), torch.cat([past[1], vv], 2))
+                out, _, _ = head(out, tok.view(1, 1), pos, into=self._into(pos, self.n + i + 1), target_features=False)
         return Proposal(tokens)
 
     def accepted(self, proposed: int, accepted: int, seq: list[int]) -> None:
@@ -196,7 +226,6 @@ class Eagle3Drafter(DrafterBase):
         f_hidden = self.last_out.view(1, 1, -1).expand(1, n_nodes, -1)  # their parents' outputs
         f_parent_entry = torch.full((n_nodes,), -1, dtype=torch.long, device=dev)
         T = self.n
-        keys, values = self.past
         anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [E, E] ancestor-or-self of tree entries
         for level in range(1, levels):
             F = frontier.numel()
@@ -208,8 +237,10 @@ class Eagle3Drafter(DrafterBase):
             mask = torch.cat([torch.ones(F, T, dtype=torch.bool, device=dev), rows,
                               torch.eye(F, dtype=torch.bool, device=dev)], 1)[None, None]
             pos = torch.full((1, F), T + level - 1, device=dev)
-            out, k, v = head(f_hidden, f_tokens.view(1, F), pos, (keys, values), mask, target_features=False)
-            keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+            cols = torch.arange(T + E, T + E + F, device=dev).unsqueeze(0)  # the level's entries
+            keys, values, _ = self._into(cols, T + E + F)
+            out, _, _ = head(f_hidden, f_tokens.view(1, F), pos, None, mask, target_features=False,
+                             into=(keys, values, cols))
             new_anc = torch.zeros(E + F, E + F, dtype=torch.bool, device=dev)
             new_anc[:E, :E] = anc
             new_anc[E:, :E] = rows

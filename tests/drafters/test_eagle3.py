@@ -822,11 +822,49 @@ def test_the_heads_step_work_does_not_grow_with_length(target, heads, static):
     assert written[0] == written[1] > 0, written
 
 
+def single_head_step(d, seq, g):
+    """One tree step's worth of a single sequence's head work: two tokens committed (their
+    features), a draft tree, then a chain of 4 drafts."""
+    head = d.head
+    seq.extend(torch.randint(3, head.cfg.vocab_size, (2,), generator=g).tolist())
+    d.observe(torch.randn(2, head.n_features, generator=g))
+    tokens, _, _ = d.propose_tree(seq, max_path=99)
+    assert len(tokens) == d.tree.tokens - 1
+    assert len(d.propose(seq, 4).tokens) == 4
+
+
+def test_a_single_rows_tree_and_chain_work_does_not_grow_with_length(target, heads):
+    """A single sequence's head (tree drafting, batch size 1) keeps its cache in buffers that
+    grow by doubling: a step (two tokens committed with their features, a depth-3 tree of 12
+    tokens, a chain of 4) writes the same floating-point bytes at 20 entries as at 700, and
+    the same key/value entries (before, the whole cache was concatenated for the committed
+    entries, for each chain draft and for each tree level: O(length) a step)."""
+    from marscli.drafters.eagle3 import TreeShape
+
+    head = heads["random"].head
+    written, entries = [], []
+    for length in (20, 700):
+        g = torch.Generator().manual_seed(length)
+        d = Eagle3Drafter(head, 4, vocab_size=head.cfg.vocab_size, tree=TreeShape(3, 3, 12))
+        seq = torch.randint(3, head.cfg.vocab_size, (length,), generator=g).tolist()
+        d.start(seq[:-1])
+        d.observe(torch.randn(length - 1, head.n_features, generator=g))
+        single_head_step(d, seq, g)  # the prompt's entries
+        single_head_step(d, seq, g)  # the buffers grown past the step's scratch entries
+        buffers, before = d.keys.data_ptr(), d.written
+        with WrittenBytes() as w:
+            single_head_step(d, seq, g)
+        written.append(w.total)
+        entries.append(d.written - before)
+        assert d.keys.data_ptr() == buffers and d.n == len(seq) - 1
+    assert written[0] == written[1] > 0 and entries[0] == entries[1] == 2 + 9 + 3, (written, entries)
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_the_heads_slots_draft_what_each_row_drafts_alone(target, heads, static):
     """Rows in the head's slots (rows leaving and joining, the buffers growing past their
     first capacity, greedy and sampled rows) draft what an Eagle3Drafter drafts for each alone
-    (its own concatenated cache)."""
+    (its own cache)."""
     head = heads["fitted"].head
     d, seqs = head_job(head, 3, 50, static)
     samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams()]
