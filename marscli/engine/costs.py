@@ -50,6 +50,12 @@ MEASURE_CONTEXT = 256
 #: New tokens per row the forwards are timed at (others are interpolated).
 MEASURE_NEW_TOKENS = (1, 2, 3, 5, 9)
 MEASURE_REPEATS = 2
+#: A CPU measurement during which other processes kept more than this share of the machine's
+#: cores busy (/proc/stat's busy time less this process's own) was made on a busy machine:
+#: its figures are a contended machine's, not the model's (a measurement taken beside another
+#: job had t(1, 1) at 2.2x the idle figure and a flat curve at batch 1), so it serves the run
+#: it was made for but is not cached: the next run measures again.
+BUSY_OTHERS_SHARE = 0.25
 
 Note = Callable[[str], None]
 
@@ -84,6 +90,10 @@ class StepCosts:
     draft_s: tuple[float, ...]
     key: dict[str, Any] = field(default_factory=dict)
     source: str = COSTS_STATIC
+    #: CPU measurements: the share of the machine's cores other processes kept busy while
+    #: timing (BUSY_OTHERS_SHARE); None for static costs, device measurements and systems
+    #: without /proc/stat.
+    others_share: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.target_s) != len(self.batch_sizes) or any(len(r) != len(self.new_tokens) for r in self.target_s):
@@ -115,9 +125,12 @@ class StepCosts:
         return self.target(B, longest + 1) + self.draft(B, longest)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": COSTS_FORMAT, "key": self.key, "batch_sizes": list(self.batch_sizes),
-                "new_tokens": list(self.new_tokens), "target_seconds": [list(r) for r in self.target_s],
-                "draft_seconds": list(self.draft_s)}
+        d = {"format": COSTS_FORMAT, "key": self.key, "batch_sizes": list(self.batch_sizes),
+             "new_tokens": list(self.new_tokens), "target_seconds": [list(r) for r in self.target_s],
+             "draft_seconds": list(self.draft_s)}
+        if self.others_share is not None:
+            d["others_share"] = self.others_share
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any], source: str) -> StepCosts:
@@ -125,7 +138,8 @@ class StepCosts:
             raise ValueError(f"format {d.get('format')!r}, expected {COSTS_FORMAT}")
         return StepCosts(tuple(int(b) for b in d["batch_sizes"]), tuple(int(n) for n in d["new_tokens"]),
                          tuple(tuple(float(v) for v in r) for r in d["target_seconds"]),
-                         tuple(float(v) for v in d["draft_seconds"]), dict(d["key"]), source)
+                         tuple(float(v) for v in d["draft_seconds"]), dict(d["key"]), source,
+                         None if d.get("others_share") is None else float(d["others_share"]))
 
 
 def static_costs(device_type: str = "cpu", draft_ratio: float = 0.0) -> StepCosts:
@@ -160,14 +174,30 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _machine_busy() -> float | None:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple[int, ...],
                   context: int = MEASURE_CONTEXT, repeats: int = MEASURE_REPEATS,
-                  vocab: int | None = None, step: StepPlan = EAGER) -> list[list[float]]:
+                  vocab: int | None = None, step: StepPlan = EAGER,
+                  usage: list[float] | None = None) -> list[list[float]]:
     """Seconds [len(batch_sizes)][len(new_tokens)] of one forward of `model` over B rows of n
     new tokens after `context` cached tokens, through the engine's own cache (rows in slots
     at every B, captured in the warm-up round under a static step plan: Engine.plan; the
     plain one-row call for a model slots cannot hold, at B = 1 only). The fastest of
-    `repeats` rounds after a warm-up round: the shape's cost, not the machine's load."""
+    `repeats` rounds after a warm-up round: the shape's cost, not the machine's load.
+    usage: [the machine's busy CPU seconds less this process's, wall seconds] of the timed
+    rounds, added to (BUSY_OTHERS_SHARE; nothing where /proc/stat cannot be read)."""
     import torch
 
     vocab = vocab or model.get_input_embeddings().weight.shape[0]
@@ -199,10 +229,16 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
             for rnd in range(repeats + 1):
                 for j, (ids, new_mask, pos) in enumerate(inputs):
                     _sync(device)
-                    t0 = time.perf_counter()
+                    busy0 = _machine_busy() if usage is not None and rnd else None
+                    c0, t0 = time.process_time(), time.perf_counter()
                     kvc.forward(ids, new_mask, pos)
                     _sync(device)
                     dt = time.perf_counter() - t0
+                    if busy0 is not None:
+                        busy1 = _machine_busy()
+                        if busy1 is not None:
+                            usage[0] += max(busy1 - busy0 - (time.process_time() - c0), 0.0)
+                            usage[1] += dt
                     if not isinstance(kvc, SlotCache):  # a slot cache only counts what commit() keeps
                         rollback(kvc.cache, context)
                     if rnd:
@@ -250,7 +286,8 @@ def costs_path(key: dict[str, Any]) -> Path:
 
 
 def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int, ...],
-                   target_s: list[list[float]], context: int, step: StepPlan = EAGER) -> list[float]:
+                   target_s: list[list[float]], context: int, step: StepPlan = EAGER,
+                   usage: list[float] | None = None) -> list[float]:
     """One draft position's seconds per batch size: a draft model is timed like the target
     (one new token); an EAGLE-3 head is reckoned from the target's one-token forward by its
     share of the weights (a decoder layer and a head against the whole target); prompt
@@ -258,7 +295,8 @@ def _draft_seconds(target, draft_model, draft_kind: str, batch_sizes: tuple[int,
     if draft_kind == MODEL and draft_model is not None:
         model = getattr(draft_model, "model", draft_model)
         device = model.get_input_embeddings().weight.device
-        return [r[0] for r in time_forwards(model, device, batch_sizes, (1,), context, step=step.on(device))]
+        return [r[0] for r in time_forwards(model, device, batch_sizes, (1,), context, step=step.on(device),
+                                            usage=usage)]
     if draft_kind == EAGLE3 and draft_model is not None:
         head = getattr(draft_model, "head", draft_model)
         t_params = sum(p.numel() for p in target.model.parameters())
@@ -277,9 +315,13 @@ def measure_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size:
     bs = measure_batch_sizes(batch_size)
     draft_ident = getattr(draft_model, "identity", None)
     key = cost_key(target, bs, draft_kind, draft_ident, ctx, step)
-    t = time_forwards(target.model, target.device, bs, MEASURE_NEW_TOKENS, ctx, step=step)
-    d = _draft_seconds(target, draft_model, draft_kind, bs, t, ctx, step)
-    return StepCosts(bs, MEASURE_NEW_TOKENS, tuple(tuple(r) for r in t), tuple(d), key, "measured")
+    usage = [0.0, 0.0]
+    t = time_forwards(target.model, target.device, bs, MEASURE_NEW_TOKENS, ctx, step=step, usage=usage)
+    d = _draft_seconds(target, draft_model, draft_kind, bs, t, ctx, step, usage)
+    share = None
+    if target.device.type == "cpu" and usage[1] > 0:
+        share = round(usage[0] / (usage[1] * (os.cpu_count() or 1)), 3)
+    return StepCosts(bs, MEASURE_NEW_TOKENS, tuple(tuple(r) for r in t), tuple(d), key, "measured", share)
 
 
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -326,12 +368,19 @@ def step_costs(target, draft_model=None, draft_kind: str = NGRAM, batch_size: in
             note(f"{e}: measuring again")
     t0 = time.perf_counter()
     costs = measure_costs(target, draft_model, draft_kind, batch_size, ctx, step)
-    costs = StepCosts(costs.batch_sizes, costs.new_tokens, costs.target_s, costs.draft_s, costs.key, str(path))
-    try:
-        _write_atomic(path, costs.to_dict() | {"measured_in_seconds": round(time.perf_counter() - t0, 3)})
-    except OSError as e:  # a read-only cache: the measurement still serves this run
-        note(f"cannot cache step costs at {path}: {e}")
+    busy = costs.others_share is not None and costs.others_share > BUSY_OTHERS_SHARE
+    costs = StepCosts(costs.batch_sizes, costs.new_tokens, costs.target_s, costs.draft_s, costs.key,
+                      "measured on a busy CPU" if busy else str(path), costs.others_share)
+    where = f"cached in {path}"
+    if busy:
+        where = (f"not cached: other processes kept {costs.others_share:.0%} of the CPU busy, so these "
+                 "are a busy machine's figures; measured again next run")
+    else:
+        try:
+            _write_atomic(path, costs.to_dict() | {"measured_in_seconds": round(time.perf_counter() - t0, 3)})
+        except OSError as e:  # a read-only cache: the measurement still serves this run
+            note(f"cannot cache step costs at {path}: {e}")
     B = costs.batch_sizes[-1]
     note(f"measured step costs in {time.perf_counter() - t0:.1f} s: t({B}, 1) = "
-         f"{costs.target(B, 1) * 1e3:.1f} ms, t({B}, 9) = {costs.target(B, 9) * 1e3:.1f} ms (cached in {path})")
+         f"{costs.target(B, 1) * 1e3:.1f} ms, t({B}, 9) = {costs.target(B, 9) * 1e3:.1f} ms ({where})")
     return costs

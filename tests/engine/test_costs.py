@@ -32,14 +32,16 @@ from marscli.models.slots import StepPlan
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts the real measurements (time_forwards calls) and makes them small."""
+    """Counts the real measurements (time_forwards calls) and makes them small; the machine
+    reads as idle (no other process's CPU time), whatever else runs beside the tests."""
+    monkeypatch.setattr(costs_mod, "_machine_busy", lambda: 100.0)
     calls = []
     real = costs_mod.time_forwards
 
     def timed(model, device, batch_sizes, new_tokens, context=costs_mod.MEASURE_CONTEXT, repeats=1, vocab=None,
-              step="eager"):
+              step="eager", usage=None):
         calls.append((tuple(batch_sizes), tuple(new_tokens), context))
-        return real(model, device, batch_sizes, new_tokens, min(context, 16), 1, vocab, step)
+        return real(model, device, batch_sizes, new_tokens, min(context, 16), 1, vocab, step, usage)
 
     monkeypatch.setattr(costs_mod, "time_forwards", timed)
     monkeypatch.setenv(COSTS_ENV, "measure")
@@ -61,6 +63,32 @@ def test_measure_then_hit(target, counted):
     again = step_costs(target, None, "ngram", 4)
     assert counted == []  # a hit: nothing measured
     assert again.target_s == first.target_s and again.key == first.key
+
+
+def test_a_measurement_beside_other_work_serves_its_run_but_is_not_cached(target, counted, monkeypatch):
+    """Other processes' CPU time during the timed forwards (read from /proc/stat, this
+    process's own taken out) marks the figures a busy machine's: the run uses them, the cache
+    does not keep them, the note says so, and the next run measures again; an idle machine's
+    measurement is cached with the share it saw."""
+    clock = [0.0]
+
+    def busy_machine():  # every reading: 5 more seconds of other processes' work
+        clock[0] += 5.0
+        return clock[0]
+
+    monkeypatch.setattr(costs_mod, "_machine_busy", busy_machine)
+    notes = []
+    got = step_costs(target, None, "ngram", 2, note=notes.append)
+    assert got.others_share > costs_mod.BUSY_OTHERS_SHARE and got.source == "measured on a busy CPU"
+    assert not costs_path(got.key).exists()
+    assert any("not cached" in n and "busy" in n for n in notes), notes
+    counted.clear()
+    monkeypatch.setattr(costs_mod, "_machine_busy", lambda: 100.0)  # nothing else runs
+    again = step_costs(target, None, "ngram", 2)
+    assert len(counted) == 1 and again.others_share == 0.0
+    assert json.loads(costs_path(again.key).read_text())["others_share"] == 0.0
+    counted.clear()
+    assert step_costs(target, None, "ngram", 2).others_share == 0.0 and counted == []  # a hit
 
 
 def test_changed_key_measures_again(target, counted, monkeypatch):
