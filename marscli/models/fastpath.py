@@ -176,6 +176,13 @@ def cpu_sdpa_forward(module, query, key, value, attention_mask, dropout: float =
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    runs = kwargs.get("row_runs")
+    if runs and attention_mask is not None:
+        # a slot cache's groups of rows (marscli.models.slots.row_runs), each over the columns
+        # its rows can see: the same attention, reading each row's own length, not the longest
+        return torch.cat([sdpa(query[a:b], key[a:b, :, :L], value[a:b, :, :L], attention_mask[a:b, :, :, :L],
+                               dropout, scaling, bool(causal), groups > 1, compute_dtype)
+                          for a, b, L in runs], 0), None
     return sdpa(query, key, value, attention_mask, dropout, scaling, bool(causal), groups > 1, compute_dtype), None
 
 

@@ -62,6 +62,47 @@ def span_bucket(need: int, bucket: int) -> int:
 SPLIT_HEAD = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
 
 
+#: Attention implementations that attend row group by row group in eager steps (row_runs):
+#: the CPU's float32 SDPA (marscli.models.fastpath.cpu_sdpa_forward).
+RUN_ATTENTION = ("marscli_gqa_sdpa",)
+#: What one more attention call costs, in rows x columns of keys read (row_runs): about 30 us
+#: of dispatch and slicing against 0.18 us a row-column (batch 16 over 1,530 columns: 4.5 ms
+#: a layer, read-bound, on the 2-core CPU of docs/results.md).
+RUN_CALL_COST = 160
+#: Split only where it saves at least this share of the single call's reads.
+RUN_MIN_SAVING = 0.15
+
+
+def row_runs(needs: list[int], call_cost: int = RUN_CALL_COST) -> list[tuple[int, int, int]] | None:
+    """Contiguous groups of rows (slots first .. end - 1) and the columns each group attends
+    over, the longest need among its rows, so that a row reads about its own length instead
+    of the batch's longest: the grouping of least reads plus call_cost a group (an exact
+    dynamic program over the rows, in slot order). None when one call over everything is
+    within RUN_MIN_SAVING of it. needs[b]: the columns row b's queries can see (its length
+    plus the step's new tokens)."""
+    B = len(needs)
+    if B < 2:
+        return None
+    span = max(needs)
+    best = [0.0] + [float("inf")] * B
+    cut = [0] * (B + 1)
+    for j in range(1, B + 1):
+        m = 0
+        for i in range(j - 1, -1, -1):
+            m = max(m, needs[i])
+            c = best[i] + (j - i) * m + call_cost
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    if best[B] > (1.0 - RUN_MIN_SAVING) * (B * span + call_cost):
+        return None
+    runs, j = [], B
+    while j > 0:
+        i = cut[j]
+        runs.append((i, j, max(needs[i:j])))
+        j = i
+    return runs[::-1]
+
+
 def write_positions(lengths: list[int], S: int, device) -> torch.Tensor:
     """Where each row's S new tokens go: length_b + j, [B, S]."""
     return torch.tensor(lengths, dtype=torch.long, device=device)[:, None] + torch.arange(S, device=device)[None, :]
@@ -326,6 +367,11 @@ class SlotCache:
         at = write_positions(self.lengths, S, ids.device)
         self.write_index = at[:, None, :, None]
         mask = attention_mask(self.model, visible(at, self.span, block))
+        if _attention(self.model) in RUN_ATTENTION:
+            # rows attend over their own lengths, group by group (row_runs), not all over the longest
+            runs = row_runs([n + S for n in self.lengths])
+            if runs is not None:
+                kw = {**kw, "row_runs": runs}
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                           **cache_kw(self.model, self.cache), use_cache=True, **kw)
 

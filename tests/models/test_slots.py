@@ -134,3 +134,58 @@ def test_models_whose_forward_cannot_be_captured_get_static_steps(capsys):
     assert step_plan("auto", torch.device("cpu"), model).kind == "eager"  # a CPU never captures
     err = capsys.readouterr().err
     assert err.count("no CUDA graphs for this model (dynamic RoPE scaling)") == 1
+
+
+def test_rows_attend_over_their_own_lengths_group_by_group(monkeypatch):
+    """Eager CPU steps attend in groups of rows, each over the columns its rows can see
+    (row_runs: the least reads plus a call's cost), not every row over the longest: the
+    grouping is the cheapest one, one call where splitting saves little, and every row's
+    logits still equal its own plain forward through joins, leaves, drafts and growth."""
+    from marscli.models import slots as slots_mod
+    from marscli.models.fastpath import GQA_SDPA, install_gqa_attention
+
+    row_runs = slots_mod.row_runs
+    assert row_runs([500]) is None and row_runs([300] * 16) is None  # nothing to save
+    assert row_runs([100] * 8 + [1500] * 8) == [(0, 8, 100), (8, 16, 1500)]
+    assert row_runs([1500, 100, 1500, 100]) == [(0, 1, 1500), (1, 2, 100), (2, 3, 1500), (3, 4, 100)]
+    assert row_runs([1500, 1400, 100, 90]) == [(0, 2, 1500), (2, 4, 100)]
+    assert row_runs([1000, 990, 1010, 900]) is None  # within RUN_MIN_SAVING of one call
+    model = tiny_llama(512)
+    install_gqa_attention(model)
+    assert model.config._attn_implementation == GQA_SDPA
+    used = []
+
+    def every_row_alone(needs):  # the tiny rows are short: split wherever the lengths differ
+        runs = row_runs(needs, call_cost=0)
+        used.append(runs)
+        return runs
+
+    from marscli.models import fastpath
+
+    received = []
+    real_attention = fastpath.cpu_sdpa_forward
+
+    real_sdpa, sdpa_calls = fastpath.sdpa, []
+
+    def counted_sdpa(query, *a):
+        sdpa_calls.append(query.shape[0])
+        return real_sdpa(query, *a)
+
+    def recorded(module, query, key, value, mask, *a, **kw):
+        sdpa_calls.clear()
+        out = real_attention(module, query, key, value, mask, *a, **kw)
+        if kw.get("row_runs"):  # one SDPA call per group, over the group's rows
+            received.append(kw["row_runs"])
+            assert sdpa_calls == [b - a for a, b, _ in kw["row_runs"]]
+        return out
+
+    monkeypatch.setattr(slots_mod, "row_runs", every_row_alone)
+    monkeypatch.setattr(fastpath, "cpu_sdpa_forward", recorded)
+    monkeypatch.setattr(fastpath, "sdpa", counted_sdpa)
+    kv = SlotCache(model, "cpu", slots=2)
+    assert cache_walk(kv, model, longer=True)  # checks every row against a plain forward as it goes
+    split = [r for r in used if r is not None]
+    assert len(split) >= 10 and all(len(r) > 1 for r in split), used
+    # every layer's attention got the step's groups
+    layers = model.config.num_hidden_layers
+    assert received == [r for r in split for _ in range(layers)]
