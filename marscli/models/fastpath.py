@@ -176,6 +176,23 @@ def cpu_sdpa_forward(module, query, key, value, attention_mask, dropout: float =
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    segments = kwargs.get("packed_segments")
+    if segments and query.shape[0] == 1:
+        # a packed prefill pass (marscli.models.prefill): each prompt's queries over its own
+        # cached prefix and its own rest, causal; not every query over the whole row
+        outs = []
+        for q0, n, p0, m, k0 in segments:
+            q = query[:, :, q0: q0 + n]
+            k, v = key[:, :, k0: k0 + n], value[:, :, k0: k0 + n]
+            seg_mask = None
+            if m:
+                k = torch.cat([key[:, :, p0: p0 + m], k], 2)
+                v = torch.cat([value[:, :, p0: p0 + m], v], 2)
+                seg_mask = torch.ones(n, m + n, dtype=torch.bool, device=query.device)
+                seg_mask[:, m:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+                seg_mask = seg_mask[None, None]
+            outs.append(sdpa(q, k, v, seg_mask, dropout, scaling, True, groups > 1, compute_dtype))
+        return torch.cat(outs, 1), None
     runs = kwargs.get("row_runs")
     if runs and attention_mask is not None:
         # a slot cache's groups of rows (marscli.models.slots.row_runs), each over the columns

@@ -30,7 +30,7 @@ import torch
 
 from marscli.config import DEFAULT_PREFIX_CACHE_MIB  # noqa: F401 - the engine's default, re-exported
 from marscli.models.kvcache import GrowingLayer, cache_kw, new_cache
-from marscli.models.slots import attention_mask, supports
+from marscli.models.slots import RUN_ATTENTION, _attention, attention_mask, supports
 
 MIB = 1 << 20
 #: A draft model's own prefix cache (its keys/values are a fraction of the target's).
@@ -312,6 +312,9 @@ class Prefiller:
         self.token_cost = self.pair_cost = None
         if packing and supports(model):
             self.token_cost, self.pair_cost = layer_costs(model)
+        #: packed passes attend prompt by prompt (``packed_segments``: each over its own prefix
+        #: and rest, not the whole row through a mask): an attention that takes them
+        self.segmented = self.pair_cost is not None and _attention(model) in RUN_ATTENTION
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -379,6 +382,12 @@ class Prefiller:
         packed = self.packs(ms, [len(r) for r in rests])
         cache = new_cache(self.model)
         ids, mask, pos, rows, at, shift = (self._packed if packed else self._padded)(cache, pasts, rests)
+        kw = {}
+        if packed and self.segmented:
+            # (its queries' start and count, its prefix's keys' start and count, its rest's keys' start)
+            starts = list(itertools.accumulate([0] + ms))
+            kw["packed_segments"] = [(int(a), len(r), s0, m, shift + int(a))
+                                     for a, r, s0, m in zip(at.tolist(), rests, starts, ms)]
         dev = self.device
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
         # each prompt's last token in the pass: row rows_d[b], position last_d[b]
@@ -386,7 +395,7 @@ class Prefiller:
         with last_positions(self.model, rows_d, last_d) if logits else nullcontext():
             out = run(lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                          **cache_kw(self.model, cache), use_cache=True,
-                                         logits_to_keep=0 if logits else 1))
+                                         logits_to_keep=0 if logits else 1, **kw))
         last_logits = None
         if logits:
             last_logits = out.logits  # [n, 1, V]; a head no hook reached gives every position
@@ -430,7 +439,11 @@ class Prefiller:
             return False
         S, M, R = max(rs), max(ms), sum(rs)
         padded = len(rs) * S * (self.token_cost + (M + S) * self.pair_cost)
-        packed = R * self.token_cost + R * (sum(ms) + R) * self.pair_cost
+        if self.segmented:  # each prompt's queries over its own keys only
+            pairs = sum(r * (m + r) for m, r in zip(ms, rs))
+        else:
+            pairs = R * (sum(ms) + R)
+        packed = R * self.token_cost + pairs * self.pair_cost
         return packed < padded
 
     def _padded(self, cache, pasts: list, rests: list[list[int]]):

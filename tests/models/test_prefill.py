@@ -188,14 +188,35 @@ def test_prefiller_groups_within_the_token_budget(target):
     assert p.passes > 2  # the long prompt runs apart
 
 
-def test_packed_passes_equal_each_prompt_alone(target):
+def test_packed_passes_equal_each_prompt_alone(target, monkeypatch):
     """Prompts of different lengths after different cached prefixes, packed into one row with
     no padding: each prompt's keys/values and its last token's logits are those of a plain
-    forward of it alone, as the padded pass gives them; short rests pack (the padding costs
-    more than attention across rows), two long equal rests do not."""
+    forward of it alone, as the padded pass gives them, each prompt attending over its own
+    prefix and rest only (packed_segments); short rests pack (no padding to pay), two long
+    equal rests do not (nothing to save)."""
+    import marscli.models.fastpath as fastpath
+
     cache = PrefixCache(1 << 26)
     packed = Prefiller(target.model, target.device, cache, packing=True)
     assert packed.token_cost and packed.pair_cost
+    # the CPU's attention takes the pass prompt by prompt (packed_segments), one SDPA call each
+    assert packed.segmented
+    seen, real_attention, real_sdpa, calls = [], fastpath.cpu_sdpa_forward, fastpath.sdpa, []
+
+    def recorded(module, query, key, value, mask, *a, **kw):
+        calls.clear()
+        out = real_attention(module, query, key, value, mask, *a, **kw)
+        if kw.get("packed_segments"):
+            seen.append(kw["packed_segments"])
+            assert len(calls) == len(kw["packed_segments"])
+        return out
+
+    def counted(*a):
+        calls.append(1)
+        return real_sdpa(*a)
+
+    monkeypatch.setattr(fastpath, "cpu_sdpa_forward", recorded)
+    monkeypatch.setattr(fastpath, "sdpa", counted)
     prompts = [target.tokenizer(q).input_ids for q in
                ("the quick brown fox jumps over the lazy dog", "the quick brown cat", "x y",
                 "hello world hello world hello", "the quick brown fox sleeps")]
@@ -203,6 +224,7 @@ def test_packed_passes_equal_each_prompt_alone(target):
         packed.prefill([prompts[0]])  # a cached prefix for three of them
         rows = packed.prefill(prompts, logits=True)
     assert packed.padded == 0 and packed.reused > 0
+    assert seen and all(len(s) == len(prompts) for s in seen) and any(m for s in seen for _, _, _, m, _ in s)
     for x, r in zip(prompts, rows):
         with torch.inference_mode():
             out = target.model(torch.tensor([x]), use_cache=True)
