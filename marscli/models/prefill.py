@@ -30,7 +30,7 @@ import torch
 
 from marscli.config import DEFAULT_PREFIX_CACHE_MIB  # noqa: F401 - the engine's default, re-exported
 from marscli.models.kvcache import GrowingLayer, cache_kw, new_cache
-from marscli.models.slots import RUN_ATTENTION, _attention, attention_mask, supports
+from marscli.models.slots import RUN_ATTENTION, attention_implementation, attention_mask, supports
 
 MIB = 1 << 20
 #: A draft model's own prefix cache (its keys/values are a fraction of the target's).
@@ -314,7 +314,7 @@ class Prefiller:
             self.token_cost, self.pair_cost = layer_costs(model)
         #: packed passes attend prompt by prompt (``packed_segments``: each over its own prefix
         #: and rest, not the whole row through a mask): an attention that takes them
-        self.segmented = self.pair_cost is not None and _attention(model) in RUN_ATTENTION
+        self.segmented = self.pair_cost is not None and attention_implementation(model) in RUN_ATTENTION
         self.reset_counters()
 
     def reset_counters(self) -> None:

@@ -131,13 +131,13 @@ BOOL_MASK_ATTENTION = ("sdpa", "marscli_gqa_sdpa", "marscli_f64_sdpa", "marscli_
 ADDITIVE_MASK_ATTENTION = ("eager",)
 
 
-def _attention(model) -> str | None:
+def attention_implementation(model) -> str | None:
     return getattr(model.config, "_attn_implementation", None)
 
 
 def attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
     """`mask` (bool, True: attend) in the form `model`'s attention takes."""
-    if _attention(model) not in ADDITIVE_MASK_ATTENTION:
+    if attention_implementation(model) not in ADDITIVE_MASK_ATTENTION:
         return mask
     return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(
         ~mask, torch.finfo(model.dtype).min)
@@ -154,7 +154,8 @@ def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
 def supports(model) -> bool:
     """Whether a slot cache can hold `model`'s keys and values: no sliding-window layer, and an
     attention that takes a custom 4D mask (not flash or flex attention)."""
-    return not sliding_layers(model) and _attention(model) in BOOL_MASK_ATTENTION + ADDITIVE_MASK_ATTENTION
+    takes_mask = attention_implementation(model) in BOOL_MASK_ATTENTION + ADDITIVE_MASK_ATTENTION
+    return not sliding_layers(model) and takes_mask
 
 
 def graphs_blocker(model) -> str | None:
@@ -367,7 +368,7 @@ class SlotCache:
         at = write_positions(self.lengths, S, ids.device)
         self.write_index = at[:, None, :, None]
         mask = attention_mask(self.model, visible(at, self.span, block))
-        if _attention(self.model) in RUN_ATTENTION:
+        if attention_implementation(self.model) in RUN_ATTENTION:
             # rows attend over their own lengths, group by group (row_runs), not all over the longest
             runs = row_runs([n + S for n in self.lengths])
             if runs is not None:
