@@ -35,6 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from marscli.models.fastpath import GQA_SDPA
 from marscli.models.kvcache import cache_kw, new_cache, sliding_layers
 
 #: Room a slot's time axis grows by when a row outgrows it: GROW x what is needed, rounded up
@@ -64,7 +65,7 @@ SPLIT_HEAD = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalL
 
 #: Attention implementations that attend row group by row group in eager steps (row_runs):
 #: the CPU's float32 SDPA (marscli.models.fastpath.cpu_sdpa_forward).
-RUN_ATTENTION = ("marscli_gqa_sdpa",)
+RUN_ATTENTION = (GQA_SDPA,)
 #: What one more attention call costs, in rows x columns of keys read (row_runs): about 30 us
 #: of dispatch and slicing against 0.18 us a row-column (batch 16 over 1,530 columns: 4.5 ms
 #: a layer, read-bound, on the 2-core CPU of docs/results.md).
