@@ -226,23 +226,24 @@ def time_forwards(model, device, batch_sizes: tuple[int, ...], new_tokens: tuple
             row = [float("inf")] * len(new_tokens)
             # Rounds over all shapes (the first a warm-up): a burst of load on a shared
             # machine then spoils one round of every shape, not every round of one shape.
+            busy0 = None
             for rnd in range(repeats + 1):
+                if rnd == 1 and usage is not None:  # the timed rounds begin
+                    busy0, c0, w0 = _machine_busy(), time.process_time(), time.perf_counter()
                 for j, (ids, new_mask, pos) in enumerate(inputs):
                     _sync(device)
-                    busy0 = _machine_busy() if usage is not None and rnd else None
-                    c0, t0 = time.process_time(), time.perf_counter()
+                    t0 = time.perf_counter()
                     kvc.forward(ids, new_mask, pos)
                     _sync(device)
                     dt = time.perf_counter() - t0
-                    if busy0 is not None:
-                        busy1 = _machine_busy()
-                        if busy1 is not None:
-                            usage[0] += max(busy1 - busy0 - (time.process_time() - c0), 0.0)
-                            usage[1] += dt
                     if not isinstance(kvc, SlotCache):  # a slot cache only counts what commit() keeps
                         rollback(kvc.cache, context)
                     if rnd:
                         row[j] = min(row[j], dt)
+            busy1 = _machine_busy() if busy0 is not None else None
+            if busy1 is not None:  # other processes' busy time over the timed rounds
+                usage[0] += max(busy1 - busy0 - (time.process_time() - c0), 0.0)
+                usage[1] += time.perf_counter() - w0
             out.append(row)
     return out
 
