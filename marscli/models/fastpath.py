@@ -46,6 +46,18 @@ linear weights are held twice (the pair: 16.8 GB RSS after loading; its float32 
 8.2 GB), which MARSCLI_CPU_PACKED=0 avoids; autograd (the EAGLE-3 trainer) keeps the dense
 products.
 
+On Intel CPUs small products stay torch's own (2026-11-29). MKL chooses its kernels by the
+CPU's vendor, and everything above was measured on an AMD EPYC. On a 2-core Intel Xeon
+(Sapphire Rapids, AVX-512, same torch), the embedded model's decoder layers (30 x seven
+matrices, 425 MB) took 21.4 ms for one row through `F.linear`, against 49.3 ms padded to two
+columns; for 2 rows, 23.0 ms against 46.6 ms as `W @ x.T`; for 3, 25.6 ms (packed: 28.2). The
+lm_head took 5.2 ms for one row against 12.8 ms padded (fastest of 4 rounds, weights out of
+cache). So on a `GenuineIntel` CPU the products of 1-2 rows (and all of them without packed
+weights) are `F.linear`'s, and from 3 rows on the packed copy's, as everywhere
+(`small_rows()`; $MARSCLI_CPU_SMALL_ROWS=linear|transposed overrides the rule). The rule is
+the vendor, not a timing: the kernels' rounding reaches the text, which must not depend on a
+measurement.
+
 The patch applies to float32 nn.Linear modules on the CPU only: the lm_head for 1-32 rows
 (its 49152 x 576 matrix dominates), other layers for 1-9 rows (a batched step counts all its
 rows: batch 4 with one new token each is 4 rows), and from 3 rows on, at any count, to the
@@ -57,6 +69,7 @@ and correctness checks see the same kernels.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -65,8 +78,16 @@ from torch.nn import functional as F
 
 HEAD_ROWS = (1, 32)
 BODY_ROWS = (1, 9)
-#: One row is computed as two equal columns (see the module docstring).
+#: One row is computed as two equal columns (see the module docstring), where the small
+#: products are transposed (SMALL_TRANSPOSED).
 ONE_ROW = "padded to 2"
+#: How products of fewer than PACKED_FROM rows run (and all of them without packed weights):
+#: SMALL_TRANSPOSED, `W @ x.T` with one row padded to two, for MKL's slow small-row kernels on
+#: CPUs that are not Intel's; SMALL_LINEAR, torch's own `F.linear`, whose MKL kernels stream the
+#: weights at full speed on Intel CPUs (module docstring). ``small_rows()`` picks one.
+SMALL_TRANSPOSED = "transposed"
+SMALL_LINEAR = "linear"
+SMALL_ROWS_ENV = "MARSCLI_CPU_SMALL_ROWS"
 #: Rows from PACKED_FROM on (any count: verification, batched steps, prefill) go to oneDNN's
 #: matrix product on a copy of the weights reordered once into its blocked layout.
 PACKED_FROM = 3
@@ -83,21 +104,50 @@ def packed_available() -> bool:
 
 def packed_enabled() -> bool:
     """Packed weights are used where available unless the environment sets MARSCLI_CPU_PACKED=0."""
-    import os
-
     return os.environ.get("MARSCLI_CPU_PACKED", "1") != "0" and packed_available()
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's vendor string (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD...), or
+    None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return None
+
+
+def small_rows() -> str:
+    """How products of 1 to PACKED_FROM - 1 rows run on this machine: $MARSCLI_CPU_SMALL_ROWS
+    (``linear`` or ``transposed``) where set, else ``linear`` on Intel CPUs (MKL dispatches its
+    fast small-row kernels by vendor) and ``transposed`` elsewhere. A rule on what the CPU
+    is, never on a timing: the kernels' rounding reaches the text (the reproducibility
+    contract), so a run never picks them by a measurement."""
+    chosen = os.environ.get(SMALL_ROWS_ENV, "").strip().lower()
+    if chosen in (SMALL_LINEAR, SMALL_TRANSPOSED):
+        return chosen
+    if chosen:
+        raise ValueError(f"${SMALL_ROWS_ENV}={chosen!r}: expected {SMALL_LINEAR} or {SMALL_TRANSPOSED}")
+    return SMALL_LINEAR if cpu_vendor() == "GenuineIntel" else SMALL_TRANSPOSED
 
 
 def signature() -> dict:
     """What the patch does, for keys of measurements that depend on it (marscli.engine.costs)."""
-    return {"head_rows": list(HEAD_ROWS), "body_rows": list(BODY_ROWS), "contiguous": True, "one_row": ONE_ROW,
+    small = small_rows()
+    return {"head_rows": list(HEAD_ROWS), "body_rows": list(BODY_ROWS), "contiguous": True,
+            "one_row": ONE_ROW if small == SMALL_TRANSPOSED else None, "small_rows": small,
             "packed_from": PACKED_FROM if packed_enabled() else None}
 
 
-def _patch(linear: nn.Linear, lo: int, hi: int, packed: bool) -> None:
+def _patch(linear: nn.Linear, lo: int, hi: int, packed: bool, small: str) -> None:
     if getattr(linear, _PATCHED, False):
         return
     plain = linear.forward
+    if small == SMALL_LINEAR:  # torch's own product below PACKED_FROM rows
+        lo, hi = 1, 0
     if packed:
         # A second copy of the weights, in oneDNN's layout; the dense one stays for 1-2 rows
         # (faster there) and for anything else that reads `linear.weight`.
@@ -292,6 +342,7 @@ def install_cpu_fastpath(model: nn.Module, packed: bool | None = None) -> int:
     sets MARSCLI_CPU_PACKED=0) keeps a second, reordered copy of each weight for products of 3
     rows or more: it doubles the memory of the linear weights."""
     packed = packed_enabled() if packed is None else packed and packed_available()
+    small = small_rows()
     install_gqa_attention(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     n = 0
@@ -301,6 +352,6 @@ def install_cpu_fastpath(model: nn.Module, packed: bool | None = None) -> int:
         if mod.weight.device.type != "cpu" or mod.weight.dtype != torch.float32:
             continue
         lo, hi = HEAD_ROWS if mod is head else BODY_ROWS
-        _patch(mod, lo, hi, packed)
+        _patch(mod, lo, hi, packed, small)
         n += 1
     return n

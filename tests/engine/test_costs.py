@@ -26,6 +26,7 @@ from marscli.models.fastpath import (
     ONE_ROW,
     PACKED_FROM,
     packed_enabled,
+    small_rows,
 )
 from marscli.models.slots import StepPlan
 
@@ -166,8 +167,10 @@ def test_cost_key_names_what_was_measured(target):
     key = cost_key(target, (1, 2), "ngram", None)
     assert key["device"] == "cpu" and key["batch_sizes"] == [1, 2]
     assert key["target"]["name"] == target.identity["name"] and key["draft"] is None
+    small = small_rows()
     assert key["cpu_fastpath"] == {"head_rows": list(HEAD_ROWS), "body_rows": list(BODY_ROWS), "contiguous": True,
-                                   "one_row": ONE_ROW, "packed_from": PACKED_FROM if packed_enabled() else None}
+                                   "one_row": ONE_ROW if small == "transposed" else None, "small_rows": small,
+                                   "packed_from": PACKED_FROM if packed_enabled() else None}
 
 
 def test_a_changed_fast_path_is_measured_again(target, monkeypatch):
@@ -176,6 +179,10 @@ def test_a_changed_fast_path_is_measured_again(target, monkeypatch):
 
     before = costs_path(cost_key(target, (1,), "ngram", None))
     monkeypatch.setattr(fastpath, "BODY_ROWS", (2, 3))
+    assert costs_path(cost_key(target, (1,), "ngram", None)) != before
+    monkeypatch.undo()
+    other = "linear" if small_rows() == "transposed" else "transposed"
+    monkeypatch.setenv(fastpath.SMALL_ROWS_ENV, other)  # the small products' kernels
     assert costs_path(cost_key(target, (1,), "ngram", None)) != before
 
 

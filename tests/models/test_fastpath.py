@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from marscli.models.fastpath import BODY_ROWS, HEAD_ROWS, install_cpu_fastpath
+from marscli.models.fastpath import (
+    BODY_ROWS,
+    HEAD_ROWS,
+    SMALL_LINEAR,
+    SMALL_ROWS_ENV,
+    SMALL_TRANSPOSED,
+    install_cpu_fastpath,
+)
 
 
 class Toy(nn.Module):
@@ -19,7 +27,14 @@ class Toy(nn.Module):
         return self.head
 
 
-def test_fastpath_matches_linear_for_every_row_count():
+@pytest.fixture(params=[SMALL_TRANSPOSED, SMALL_LINEAR])
+def small(request, monkeypatch):
+    """Both ways of running small products, whatever this CPU's vendor picks."""
+    monkeypatch.setenv(SMALL_ROWS_ENV, request.param)
+    return request.param
+
+
+def test_fastpath_matches_linear_for_every_row_count(small):
     torch.manual_seed(0)
     m = Toy()
     ref = {name: (mod.weight.clone(), None if mod.bias is None else mod.bias.clone())
@@ -44,12 +59,14 @@ def test_fastpath_matches_linear_for_every_row_count():
     assert BODY_ROWS[0] == 1 and HEAD_ROWS[0] == 1  # 1-row decode is patched too
 
 
-def test_one_row_runs_as_a_two_column_matrix_product():
-    """A 1-row input never reaches torch's matrix-vector path: its one product has a second
-    (copied) column, which is what makes a 1-token forward as cheap as a 2-token one on CPUs
-    whose matrix-vector kernel streams the weights slowly (module docstring)."""
+def test_one_row_runs_as_a_two_column_matrix_product(monkeypatch):
+    """Transposed small products: a 1-row input never reaches torch's matrix-vector path: its
+    one product has a second (copied) column, which is what makes a 1-token forward as cheap
+    as a 2-token one on CPUs whose matrix-vector kernel streams the weights slowly (module
+    docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
+    monkeypatch.setenv(SMALL_ROWS_ENV, SMALL_TRANSPOSED)
     torch.manual_seed(0)
     m = Toy()
     install_cpu_fastpath(m)
@@ -70,13 +87,37 @@ def _products(m, rows):
                                                 "mkldnn::_linear_pointwise"}
 
 
-def test_three_rows_and_more_run_on_the_packed_weights():
+def test_small_products_follow_the_cpu_vendor(monkeypatch):
+    """Intel CPUs keep torch's own product for 1-2 rows (MKL's kernels there stream the
+    weights at full speed); other CPUs transpose it; the environment overrides the rule, and
+    the fast path's signature (a key of the measured costs) names the choice."""
+    from marscli.models import fastpath
+
+    monkeypatch.delenv(SMALL_ROWS_ENV, raising=False)
+    monkeypatch.setattr(fastpath, "cpu_vendor", lambda: "GenuineIntel")
+    assert fastpath.small_rows() == SMALL_LINEAR and fastpath.signature()["small_rows"] == SMALL_LINEAR
+    assert fastpath.signature()["one_row"] is None
+    m = Toy()
+    install_cpu_fastpath(m)
+    with torch.inference_mode():
+        for rows in (1, 2):
+            x = torch.randn(1, rows, 16)
+            assert torch.equal(m.body(x), nn.functional.linear(x, m.body.weight, m.body.bias)), rows
+    for vendor in ("AuthenticAMD", None):
+        monkeypatch.setattr(fastpath, "cpu_vendor", lambda v=vendor: v)
+        assert fastpath.small_rows() == SMALL_TRANSPOSED and fastpath.signature()["one_row"] == "padded to 2"
+    monkeypatch.setenv(SMALL_ROWS_ENV, SMALL_LINEAR)
+    assert fastpath.small_rows() == SMALL_LINEAR
+    monkeypatch.setenv(SMALL_ROWS_ENV, "fast")
+    with pytest.raises(ValueError, match="MARSCLI_CPU_SMALL_ROWS"):
+        fastpath.small_rows()
+
+
+def test_three_rows_and_more_run_on_the_packed_weights(small):
     """From PACKED_FROM rows on (verification, batched steps, prefill) the product runs on
     oneDNN's reordered copy of the weights; 1-2 rows keep the dense product (faster there).
     x86 builds of torch have oneDNN, so there the packed path must be on."""
     import platform
-
-    import pytest
 
     from marscli.models.fastpath import PACKED_FROM, packed_available
 
@@ -88,7 +129,7 @@ def test_three_rows_and_more_run_on_the_packed_weights():
     install_cpu_fastpath(m)
     assert PACKED_FROM == 3
     for rows in (1, 2):
-        assert _products(m, rows) == {"aten::mm"}, rows
+        assert _products(m, rows) == ({"aten::mm"} if small == SMALL_TRANSPOSED else {"aten::addmm"}), rows
     for rows in (3, 9, 40):
         assert _products(m, rows) == {"mkldnn::_linear_pointwise"}, rows
 
@@ -100,6 +141,7 @@ def test_packed_weights_can_be_switched_off(monkeypatch):
 
     torch.manual_seed(0)
     m = Toy()
+    monkeypatch.setenv(SMALL_ROWS_ENV, SMALL_TRANSPOSED)
     install_cpu_fastpath(m, packed=False)
     assert _products(m, 9) == {"aten::mm"}
     monkeypatch.setenv("MARSCLI_CPU_PACKED", "0")
