@@ -716,3 +716,37 @@ def test_the_first_token_comes_from_the_prefill(target, oracle, vcfg, batch_size
                 with torch.no_grad():
                     assert out[i].token_ids == [int(oracle(torch.tensor([p])).logits[0, -1].argmax())]
     assert engine.prefix_tokens_reused > 0
+
+
+def test_free_places_wait_a_step_for_rows_certain_to_end(target, monkeypatch):
+    """A row ending a step before its neighbour, which has one token left, leaves its place
+    empty one step: both places are then filled by one prefill pass (not two), and no text
+    changes. Never two steps in a row: a place waits at most one step."""
+    from marscli.engine.admission import Admission
+
+    prompts = PROMPTS[:4]
+    # First token from the prefill: record 0 ends after 2 steps, record 1 after 3, and so on.
+    samplings = [SamplingParams(max_tokens=n) for n in (3, 4, 3, 4)]
+    dcfg = DraftConfig(kind="none")
+
+    def run(hold):
+        monkeypatch.setattr(Admission, "hold", hold)
+        engine = engine_of(target, lambda: build_drafter(dcfg, target), STRICT, dcfg, 2)
+        groups = []
+        start = engine.start_rows
+
+        def counted(joiners):
+            groups.append(len(joiners))
+            return start(joiners)
+
+        engine.start_rows = counted
+        got = dict(engine.run(range(4), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
+        return [got[i].token_ids for i in range(4)], groups
+
+    waiting, groups = run(Admission.hold)
+    assert groups == [2, 2]
+    at_once, groups = run(lambda self, held: False)
+    assert groups == [2, 1, 1]
+    assert waiting == at_once
+    # Rows that keep having one token left never keep a place empty two steps running.
+    assert not Admission.hold(type("A", (), {"engine": None})(), True)
