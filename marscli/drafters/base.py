@@ -35,48 +35,16 @@ MIN_GAIN = 0.01
 MAX_ALPHA = 0.999
 
 
-#: A pool's estimate replaces the fixed prior once it holds this many observations' worth.
-POOL_MIN_EVIDENCE = 4.0
-
-
-class AcceptancePool:
-    """What a job's rows have accepted so far, per kind of offer (an n-gram drafter's match
-    length): a new row's estimate starts from it instead of from a fixed prior. A job of
-    short records (labelling: a few tokens each) gives no row the steps to learn its own
-    rate, so every row drafted on the prior's promise (0.6) while the job's text earned a
-    fraction of it. Counts decay per observation so the pool follows the job's recent text.
-    It sets draft lengths only, which never reach a record's text."""
-
-    def __init__(self, decay: float = 0.995):
-        self.decay = decay
-        self.counts: dict[Any, list[float]] = {}
-
-    def prior(self, key: Any, default: float) -> float:
-        s, f = self.counts.get(key, (0.0, 0.0))
-        return default if s + f < POOL_MIN_EVIDENCE else s / (s + f)
-
-    def update(self, key: Any, successes: float, failures: float) -> None:
-        c = self.counts.setdefault(key, [0.0, 0.0])
-        c[0] = self.decay * c[0] + successes
-        c[1] = self.decay * c[1] + failures
-
-
 class AcceptanceTracker:
     """Running estimate of one row's per-token acceptance probability alpha.
 
     Accepted drafts in a step follow a geometric law: each observation is n successes and,
     when n < k, one failure. Counts decay so the estimate follows the text as it changes.
-    ``idle`` counts the steps since the last observation (see PROBE_AFTER_STEPS). With a
-    ``pool`` (the job's AcceptancePool) the prior is the pool's estimate for ``key``, and
-    every observation also goes to the pool.
+    ``idle`` counts the steps since the last observation (see PROBE_AFTER_STEPS).
     """
 
-    def __init__(self, *, prior: float = 0.6, weight: float = 2.0, decay: float = 0.9,
-                 pool: AcceptancePool | None = None, key: Any = None):
+    def __init__(self, *, prior: float = 0.6, weight: float = 2.0, decay: float = 0.9):
         self.decay = decay
-        self.pool, self.key = pool, key
-        if pool is not None:
-            prior = pool.prior(key, prior)
         self.successes = prior * weight
         self.failures = (1.0 - prior) * weight
         self.idle = 0
@@ -100,11 +68,8 @@ class AcceptanceTracker:
             self.idle += 1
             return
         self.idle = 0
-        failed = 1.0 if accepted < proposed else 0.0
         self.successes = self.decay * self.successes + accepted
-        self.failures = self.decay * self.failures + failed
-        if self.pool is not None:
-            self.pool.update(self.key, accepted, failed)
+        self.failures = self.decay * self.failures + (1.0 if accepted < proposed else 0.0)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from marscli.config import DraftConfig
-from marscli.drafters.base import AcceptancePool, BatchedDrafter, Drafter, RowDrafters
+from marscli.drafters.base import BatchedDrafter, Drafter, RowDrafters
 from marscli.drafters.eagle3 import BatchedEagle3Drafter, Eagle3Drafter, TreeShape
 from marscli.drafters.hybrid import HybridDrafter
 from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM, NONE
@@ -24,10 +24,10 @@ def _tree_shape(draft_cfg: DraftConfig):
     return TreeShape(draft_cfg.tree_depth, draft_cfg.tree_top_k, draft_cfg.tree_tokens)
 
 
-def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None, pool=None) -> Drafter:
+def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None) -> Drafter:
     """One record's drafter for draft_cfg (draft_model: a LoadedModel for kind "model", an
     EAGLE-3 head for kind "eagle3"; corpus: the job's JobCorpus, for kind "ngram" and hybrid
-    drafting; pool: the job's AcceptancePool, likewise)."""
+    drafting)."""
 
     vocab = output_rows(target.model)
     if draft_cfg.kind == EAGLE3:
@@ -39,7 +39,7 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None,
         return NoDrafter()
     if draft_cfg.kind == NGRAM:
         return NgramDrafter(draft_cfg.num_draft_tokens, ngram_max=draft_cfg.ngram_max,
-                            ngram_min=draft_cfg.ngram_min, corpus=corpus, pool=pool)
+                            ngram_min=draft_cfg.ngram_min, corpus=corpus)
     if draft_model is None:
         raise ValueError("a model drafter needs a loaded draft model")
     if draft_model.device.type == "cpu":
@@ -51,7 +51,7 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None,
     if not draft_cfg.hybrid:
         return model
     ngram = NgramDrafter(draft_cfg.num_draft_tokens, ngram_max=draft_cfg.ngram_max,
-                         ngram_min=draft_cfg.ngram_min, corpus=corpus, pool=pool)
+                         ngram_min=draft_cfg.ngram_min, corpus=corpus)
     return HybridDrafter(ngram, model)
 
 
@@ -76,6 +76,5 @@ def build_drafters(draft_cfg: DraftConfig, target, draft_model=None, *, batch_si
     corpus = None
     if job_corpus and (draft_cfg.kind == NGRAM or draft_cfg.hybrid):
         corpus = JobCorpus(draft_cfg.ngram_max, draft_cfg.ngram_min)
-    pool = AcceptancePool()  # the job's n-gram acceptance: new rows' estimates start there
-    return RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model, corpus, pool),
+    return RowDrafters(lambda: build_drafter(draft_cfg, target, draft_model, corpus),
                        feature_layers=one.feature_layers, tree=_tree_shape(draft_cfg), corpus=corpus)

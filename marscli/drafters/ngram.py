@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from marscli.drafters.base import AcceptancePool, AcceptanceTracker, DrafterBase, DraftOffer, Proposal
+from marscli.drafters.base import AcceptanceTracker, DrafterBase, DraftOffer, Proposal
 from marscli.drafters.kinds import NGRAM, NONE
 
 #: Tokens (prompts and outputs) of the job's earlier records a JobCorpus keeps indexed; the
@@ -115,23 +115,21 @@ class NgramDrafter(DrafterBase):
 
     name = NGRAM
 
-    def __init__(self, k_max: int, *, ngram_max: int = 3, ngram_min: int = 1, corpus: JobCorpus | None = None,
-                 pool: AcceptancePool | None = None):
+    def __init__(self, k_max: int, *, ngram_max: int = 3, ngram_min: int = 1, corpus: JobCorpus | None = None):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.k_max = k_max
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
         self.corpus = corpus
-        self.pool = pool  # the job's rows' acceptance so far: a new record's estimates start there
         self.start([])
 
     def start(self, prompt_ids: list[int], sampling=None) -> None:
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
         self._indexed = 0  # n-grams ending before this position are indexed
         ns = range(self.ngram_min, self.ngram_max + 1)
-        self._trackers = {n: AcceptanceTracker(pool=self.pool, key=("own", n)) for n in ns}
-        self._corpus_trackers = {n: AcceptanceTracker(pool=self.pool, key=("corpus", n)) for n in ns}
+        self._trackers = {n: AcceptanceTracker() for n in ns}
+        self._corpus_trackers = {n: AcceptanceTracker() for n in ns}
         # The last offer: (len(seq), tracker, the proposals after seq made so far, the lookup
         # at seq: (n, position) for a match in the record's own text, None in the corpus)
         self._match: tuple[int, AcceptanceTracker, list[int], tuple[int, int] | None] | None = None

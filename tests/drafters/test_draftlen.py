@@ -10,9 +10,7 @@ from __future__ import annotations
 import pytest
 
 from marscli.drafters.base import (
-    POOL_MIN_EVIDENCE,
     PROBE_AFTER_STEPS,
-    AcceptancePool,
     AcceptanceTracker,
     DraftOffer,
     choose_draft_lengths,
@@ -146,29 +144,6 @@ def test_ngram_learns_from_shadow_drafts():
     # propose() returns what offer() matched, exactly k tokens.
     d.offer(seq, 4)
     assert d.propose(seq, 2).tokens == [7, 8]
-
-
-def test_a_new_record_starts_from_what_the_jobs_rows_accepted():
-    """Rows of one job share an AcceptancePool: a record that joins after others missed
-    offers their rate, not the fixed prior (short records never live long enough to learn
-    their own), per match length; a job with too little evidence keeps the prior."""
-    pool = AcceptancePool()
-    seq = [5, 6, 7, 8, 5, 6]  # suffix [5, 6] occurred before, followed by 7
-    first = NgramDrafter(4, ngram_max=2, ngram_min=1, pool=pool)
-    assert first.offer(seq, 4).alpha == pytest.approx(0.6)
-    assert NgramDrafter(4, ngram_max=2, ngram_min=1, pool=pool).offer(seq, 4).alpha == pytest.approx(0.6)
-    for _ in range(int(POOL_MIN_EVIDENCE) + 1):  # the first record misses every shadow draft
-        first.offer(seq, 4)
-        first.accepted(0, 0, seq + [9])
-    later = NgramDrafter(4, ngram_max=2, ngram_min=1, pool=pool)
-    assert later.offer(seq, 4).alpha == pytest.approx(0.0)
-    one_gram = NgramDrafter(4, ngram_max=2, ngram_min=1, pool=pool).offer([1, 2, 3, 1], 4)
-    assert one_gram.available and one_gram.alpha == pytest.approx(0.6)  # a 1-gram match: no evidence yet
-    # A hit moves the pool back up; drafters without the pool keep the prior.
-    later.offer(seq, 4)
-    later.accepted(2, 2, seq + [7, 8])
-    assert 0.0 < pool.prior(("own", 2), 0.6) < 0.6
-    assert NgramDrafter(4, ngram_max=2, ngram_min=1).offer(seq, 4).alpha == pytest.approx(0.6)
 
 
 def test_ngram_offers_nothing_without_a_match():
