@@ -160,7 +160,7 @@ class Admission:
         e = self.engine
         if held or e.batch_size <= 1 or not e.rows or len(e.rows) >= e.batch_size:
             return False
-        return any(r.seq.max_new - len(r.seq.out) <= 1 and not r.seq.done for r in e.rows)
+        return any(r.seq.left <= 1 and not r.seq.done for r in e.rows)
 
     def _leave(self, finished: list[int]) -> Iterator[tuple[Any, GenerationResult]]:
         """Rows that finished (in a step, or at their first token) leave at once."""

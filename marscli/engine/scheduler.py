@@ -474,7 +474,7 @@ class Engine:
         """Every row's draft length this step (marscli.engine.lengths)."""
         left = None
         if self.drained:  # the rows that may finish last: the most tokens left
-            left = [r.seq.max_new - len(r.seq.out) for r in self.rows]
+            left = [r.seq.left for r in self.rows]
         return step_lengths(offers, caps, self.costs, len(self.rows), adaptive=self.adaptive,
                             fixed=self.fixed_lengths, left=left, bonus_drafts=self.bonus_drafts)
 

@@ -316,9 +316,14 @@ class Sequence:
             return None
         return max(self.relax_budget - self.stats.relaxed, 0)
 
+    @property
+    def left(self) -> int:
+        """New tokens the record may still generate (max tokens less its output)."""
+        return self.max_new - len(self.out)
+
     def k_cap(self) -> int:
         """The most drafts the next step can use (the remaining budget less the bonus)."""
-        return min(self.settings.k_max, self.max_new - len(self.out) - 1)
+        return min(self.settings.k_max, self.left - 1)
 
     def commit(self, emitted: list[int], k: int, n: int, relaxed: list[int] | list[bool], relaxable: int,
                observation: ObservationFactory | None = None, refused: int = 0,
@@ -332,7 +337,7 @@ class Sequence:
         one refused because it lay in a strict span (counted there only). `origin`: the
         provenance of `emitted` (kinds, statistics; marscli.engine.provenance), when the
         record asks for it."""
-        remaining = self.max_new - len(self.out)
+        remaining = self.left
         # Stopping: EOS ends the sequence after it; max tokens cuts the step short.
         stop_at = None
         for i, t in enumerate(emitted):
