@@ -64,6 +64,23 @@ def _silent(_: str) -> None:
     pass
 
 
+def monotone_grid(grid: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+    """The measured grid [batch size][new tokens] made non-decreasing along both axes: each
+    figure becomes the least of itself and every figure of a larger shape (more rows, more new
+    tokens, or both). A forward over a larger shape does at least the work of a smaller one, and
+    a timing errs upward only (the fastest of a few rounds, slowed by whatever else ran), so a
+    figure above a larger shape's is an overstatement: t(32, 1) measured at 204 ms beside
+    t(32, 2) at 163 ms made one drafted token look cheaper than none. Fitting it to the larger
+    shape's figure keeps every comparison the policy makes (a longer draft never costs less)."""
+    rows = [list(r) for r in grid]
+    for r in rows:  # along new tokens, from the longest down
+        for j in range(len(r) - 2, -1, -1):
+            r[j] = min(r[j], r[j + 1])
+    for i in range(len(rows) - 2, -1, -1):  # along batch sizes, from the largest down
+        rows[i] = [min(a, b) for a, b in zip(rows[i], rows[i + 1])]
+    return tuple(tuple(r) for r in rows)
+
+
 def _interp(xs: tuple[int, ...], ys: list[float], x: float) -> float:
     """Piecewise linear through (xs, ys); linear beyond the ends from the nearest segment."""
     if len(xs) == 1:
@@ -81,7 +98,9 @@ class StepCosts:
     each. draft_s[i]: one drafter pass (one draft position) over batch_sizes[i] rows (0 for
     prompt lookup, whose per-step host work is microseconds against milliseconds). Between
     grid points t is interpolated linearly (in n, then in B); beyond the largest batch it
-    grows in proportion to B.
+    grows in proportion to B. target_s is what was measured (and what to_dict writes);
+    target() and draft() read it made monotone (monotone_grid), which for a synthetic curve
+    changes nothing.
     """
 
     batch_sizes: tuple[int, ...]
@@ -94,6 +113,8 @@ class StepCosts:
     #: timing (BUSY_OTHERS_SHARE); None for static costs, device measurements and systems
     #: without /proc/stat.
     others_share: float | None = None
+    _fit: tuple[tuple[float, ...], ...] = field(default=(), init=False, repr=False, compare=False)
+    _draft_fit: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.target_s) != len(self.batch_sizes) or any(len(r) != len(self.new_tokens) for r in self.target_s):
@@ -102,6 +123,8 @@ class StepCosts:
             raise ValueError("draft_s must have one entry per batch size")
         if any(not (v > 0) for r in self.target_s for v in r):
             raise ValueError("every measured target cost must be positive")
+        object.__setattr__(self, "_fit", monotone_grid(self.target_s))
+        object.__setattr__(self, "_draft_fit", monotone_grid((self.draft_s,))[0] if self.draft_s else ())
 
     def _over_b(self, values: list[float], B: int) -> float:
         bs = self.batch_sizes
@@ -113,12 +136,12 @@ class StepCosts:
 
     def target(self, B: int, n: int) -> float:
         """Seconds of one target forward over B rows of n new tokens."""
-        per_b = [max(_interp(self.new_tokens, list(row), n), 1e-9) for row in self.target_s]
+        per_b = [max(_interp(self.new_tokens, list(row), n), 1e-9) for row in self._fit]
         return self._over_b(per_b, max(B, 1))
 
     def draft(self, B: int, k: int) -> float:
         """Seconds of drafting k positions for B rows."""
-        return 0.0 if k <= 0 else k * self._over_b(list(self.draft_s), max(B, 1))
+        return 0.0 if k <= 0 else k * self._over_b(list(self._draft_fit), max(B, 1))
 
     def step(self, B: int, longest: int) -> float:
         """Seconds of a step whose longest row drafts `longest` tokens (0: a plain step)."""

@@ -196,3 +196,29 @@ def test_a_captured_step_is_timed_as_it_runs(target):
     eager = costs_mod.cost_key(target, (1, 2), "ngram", None)
     captured = costs_mod.cost_key(target, (1, 2), "ngram", None, step=StepPlan("graphs"))
     assert eager["step"] == "eager" and captured["step"] == "graphs" and eager != captured
+
+
+def test_a_noisy_grid_is_read_monotone_and_kept_as_measured():
+    """A figure above a larger shape's (t(32, 1) measured at 204 ms beside t(32, 2) at 163,
+    as on a busy VM) is read as the larger shape's: a longer draft or a larger batch never
+    costs less, while the file keeps what was measured."""
+    bs, ns = (1, 16, 32), (1, 2, 3, 5, 9)
+    measured = ((0.030, 0.031, 0.029, 0.033, 0.040),   # 3 tokens below 2: 2 -> 0.029
+                (0.110, 0.120, 0.125, 0.140, 0.220),
+                (0.204, 0.163, 0.180, 0.170, 0.300))   # 1 above 2, 3 above 5
+    c = StepCosts(bs, ns, measured, (0.0, 0.004, 0.003), source="measured")
+    assert c.target_s == measured and c.to_dict()["target_seconds"] == [list(r) for r in measured]
+    assert c.target(32, 1) == pytest.approx(0.163) and c.target(32, 3) == pytest.approx(0.170)
+    assert c.target(1, 2) == pytest.approx(0.029)
+    assert c.target(16, 1) == pytest.approx(0.110)  # already below every larger shape
+    assert c.step(32, 0) <= c.step(32, 1)  # measured as is, one drafted token looked cheaper than none
+    assert c.draft(16, 1) == pytest.approx(0.003)  # drafting 32 rows bounds drafting 16
+    for B in (1, 2, 8, 16, 24, 32, 48):
+        row = [c.target(B, n) for n in range(1, 12)]
+        assert row == sorted(row)
+        assert c.target(B, 3) <= c.target(B + 1, 3)
+    # A grid already monotone (the synthetic curve) reads exactly as written.
+    s = costs_mod.static_costs("cpu")
+    assert all(s.target(b, n) == pytest.approx(s.target_s[i][j])
+               for i, b in enumerate(s.batch_sizes) for j, n in enumerate(s.new_tokens))
+    assert StepCosts.from_dict(c.to_dict(), "f").target(32, 1) == pytest.approx(0.163)
