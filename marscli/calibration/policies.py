@@ -44,7 +44,7 @@ from marscli.calibration.collect import (
     Replay,
     significant,
 )
-from marscli.calibration.profiles import (
+from marscli.calibration.profile_schema import (
     POLICY_FIXED,
     POLICY_MAX_NLL,
     POLICY_RELAX_RATE,

@@ -11,12 +11,8 @@ import numpy as np
 from marscli._version import __version__
 from marscli.calibration.collect import MarginData
 from marscli.calibration.policies import Calibration
-from marscli.calibration.profiles import (
-    MAIN_KNOB,
-    RANK_KEYS,
-    SCHEMA_VERSION,
-    identity_for_profile,
-)
+from marscli.calibration.profile_schema import MAIN_KNOB, RANK_KEYS, SCHEMA_VERSION
+from marscli.calibration.profiles import identity_for_profile
 from marscli.drafters.kinds import NGRAM
 from marscli.errors import UsageError
 

@@ -31,10 +31,8 @@ from marscli.calibration.policies import (
     curve_values,
     walk,
 )
+from marscli.calibration.profile_schema import POLICY_FIXED, POLICY_MAX_NLL, POLICY_RELAX_RATE
 from marscli.calibration.profiles import (
-    POLICY_FIXED,
-    POLICY_MAX_NLL,
-    POLICY_RELAX_RATE,
     default_profile_name,
     dump_profile,
     identity_for_profile,
