@@ -173,7 +173,7 @@ def test_slot_and_contiguous_caches_give_the_same_records(target, vcfg, temperat
 @pytest.mark.parametrize("vcfg", [STRICT, MARS], ids=["strict", "mars"])
 def test_captured_step_shapes_give_the_same_records(target, draft, kind, vcfg):
     """The captured step's static shapes (rows, new tokens and span padded up to buckets, the
-    padding rows in free slots; marscli.models.captured.StaticSteps), run eagerly as a CPU can:
+    padding rows in free slots; marscli.models.slots.StaticSteps), run eagerly as a CPU can:
     at batch 1 and 4 with rows joining and leaving, every record decodes what it decodes on
     the eager engine alone, greedy and sampled (the draft model's steps static too)."""
     from marscli.models.slots import SlotCache
