@@ -743,8 +743,15 @@ def test_free_places_wait_a_step_for_rows_certain_to_end(target, monkeypatch):
         got = dict(engine.run(range(4), lambda i: (target.tokenizer(prompts[i]).input_ids, samplings[i])))
         return [got[i].token_ids for i in range(4)], groups
 
-    waiting, groups = run(Admission.hold)
+    real_hold, verdicts = Admission.hold, []
+
+    def recorded(self, held):
+        verdicts.append(real_hold(self, held))
+        return verdicts[-1]
+
+    waiting, groups = run(recorded)
     assert groups == [2, 2]
+    assert True in verdicts and (True, True) not in set(zip(verdicts, verdicts[1:]))
     at_once, groups = run(lambda self, held: False)
     assert groups == [2, 1, 1]
     assert waiting == at_once
