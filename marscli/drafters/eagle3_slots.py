@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 
 from marscli.drafters.eagle3_head import Eagle3Head
+from marscli.models.captured import CapturedShapes
 from marscli.models.kvcache import to_device
-from marscli.models.slots import ROW_BUCKETS, TOKEN_BUCKETS, CapturedShapes, bucket_of, span_bucket
+from marscli.models.slots import ROW_BUCKETS, TOKEN_BUCKETS, bucket_of, span_bucket
 
 #: A pass attends over HEAD_SPAN_BUCKET x a power of two columns (static shapes), and the
 #: buffers' capacity grows in these steps.
