@@ -178,7 +178,7 @@ def load_path(folder: Path, path: str, device: str, max_memory: str | None):
 
 def tiny_head(target):
     """A small random EAGLE-3 head for the target (its draft vocabulary: the first 4096 ids)."""
-    from marscli.drafters.eagle3_head import LoadedHead, random_head
+    from marscli.drafters.eagle3_files import LoadedHead, random_head
 
     V = target.model.get_output_embeddings().weight.shape[0]
     head = random_head(target.model, draft_vocab=list(range(min(V, 4096))))

@@ -32,7 +32,7 @@ def build_drafter(draft_cfg: DraftConfig, target, draft_model=None, corpus=None)
     vocab = output_rows(target.model)
     if draft_cfg.kind == EAGLE3:
         if draft_model is None:
-            raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.drafters.eagle3_head.load_head)")
+            raise ValueError("an EAGLE-3 drafter needs a loaded head (marscli.drafters.eagle3_files.load_head)")
         head = getattr(draft_model, "head", draft_model)
         return Eagle3Drafter(head, draft_cfg.num_draft_tokens, vocab_size=vocab, tree=_tree_shape(draft_cfg))
     if draft_cfg.kind == NONE:

@@ -45,7 +45,7 @@ from marscli.config import (
     VerifyConfig,
     VerifyRequest,
 )
-from marscli.drafters.eagle3_head import load_head
+from marscli.drafters.eagle3_files import load_head
 from marscli.drafters.kinds import EAGLE3, MODEL, NGRAM, NONE
 from marscli.engine import build_engine
 from marscli.errors import ModelLoadError, UsageError

@@ -33,14 +33,8 @@ from typing import Any
 
 import torch
 
-from marscli.drafters.eagle3_head import (
-    AUX_LAYERS_KEY,
-    Eagle3Head,
-    default_feature_layers,
-    random_head,
-    read_head,
-    save_head,
-)
+from marscli.drafters.eagle3_files import random_head, read_head, save_head
+from marscli.drafters.eagle3_head import AUX_LAYERS_KEY, Eagle3Head, default_feature_layers
 from marscli.errors import InputError, ModelLoadError
 from marscli.training.collect import Record
 from marscli.training.ttt import Batch, WalkStats, chain_matches, empty_walk, ttt_loss, walk

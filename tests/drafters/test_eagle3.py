@@ -1,6 +1,6 @@
 """EAGLE-3 drafting: checkpoint format and checks, chain and tree drafting, strict and MARS.
 
-Heads are written in the published format (marscli.drafters.eagle3_head.save_head) and loaded back through
+Heads are written in the published format (marscli.drafters.eagle3_files.save_head) and loaded back through
 the same loader a user's checkpoint goes through. Two heads: a random one (accepts almost
 nothing) and one fitted for a few hundred steps to the tiny target's own features on the
 target's greedy continuations of PROMPTS (accepts often; asserted). Strict greedy output must
@@ -20,14 +20,8 @@ from torch.utils._pytree import tree_flatten
 
 from marscli.config import DraftConfig, ModelConfig, SamplingParams, VerifyConfig
 from marscli.drafters.eagle3 import Eagle3Drafter
-from marscli.drafters.eagle3_head import (
-    AUX_LAYERS_KEY,
-    FeatureTap,
-    default_feature_layers,
-    load_head,
-    random_head,
-    save_head,
-)
+from marscli.drafters.eagle3_files import load_head, random_head, save_head
+from marscli.drafters.eagle3_head import AUX_LAYERS_KEY, FeatureTap, default_feature_layers
 from marscli.drafters.factory import build_drafter, build_drafters
 from marscli.engine import build_engine
 from marscli.engine.scheduler import Engine

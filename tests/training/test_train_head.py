@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from marscli.config import DraftConfig, SamplingParams, VerifyConfig
-from marscli.drafters.eagle3_head import FeatureTap, load_head, random_head
+from marscli.drafters.eagle3_files import load_head, random_head
+from marscli.drafters.eagle3_head import FeatureTap
 from marscli.engine import build_engine
 from marscli.heads import shipped_head_for
 from marscli.training.collect import CollectSettings, collect, read_records
