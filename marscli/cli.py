@@ -274,7 +274,7 @@ def generate(
         "3 profile written but some records failed; 130 interrupted."
     ),
 )
-@options("model", "placement", "drafting", "guard", "batch", "knobs", "sampling", "run")
+@options("model", "placement", "drafting", "guard", "spans", "batch", "knobs", "sampling", "run")
 def calibrate(
     input: Annotated[str, typer.Argument(help="JSONL calibration prompts (same formats as generate), or '-'.")],
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Profile file to write ('-': stdout). Default: NAME.yaml in the user profile dir, where generate finds it.", rich_help_panel=PANEL_OUTPUT)] = None,

@@ -161,6 +161,12 @@ class SpanConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"strict_in": list(self.strict_in), "strict_regex": self.strict_regex}
 
+    def label(self) -> str:
+        """'in code, answer; regex '...'' (for notes)."""
+        parts = ([f"in {', '.join(self.strict_in)}"] if self.strict_in else []) + (
+            [f"regex {self.strict_regex!r}"] if self.strict_regex is not None else [])
+        return "; ".join(parts) or "none"
+
 
 #: No strict span.
 SPANS_OFF = SpanConfig()
@@ -498,6 +504,9 @@ class ModelSetup:
     auto_profile: bool = True  # False (--no-profile): never pick a profile by itself
     batch_size: int = 1  # records decoded together (same outputs as 1)
     spans: SpanConfig = SPANS_OFF  # strict spans (marscli.verification.spans)
+    #: --strict-in or --strict-regex was given (--strict-in none: none); else the profile's
+    #: spans apply (Profile.spans).
+    spans_given: bool = False
     prefix_cache: float = DEFAULT_PREFIX_CACHE_MIB  # MiB of the prefix cache (same outputs at any size)
     compile: str = "auto"  # captured steps (COMPILE_MODES; same tokens in float32)
     relax_at: str = RELAX_EVERY  # where relaxed rules judge proposals (RELAX_AT)
@@ -538,6 +547,9 @@ class CalibrateConfig:
     #: The loop guard the replay applies (and the profile records): calibrate and generate
     #: must agree on which relaxations can happen.
     guard: GuardConfig = GuardConfig()
+    #: Strict spans (calibrate --strict-in / --strict-regex): collected, replayed and checked
+    #: with them, and recorded in the profile, whose spans generate then uses by default.
+    spans: SpanConfig = SPANS_OFF
     objective: str = "quality"  # quality: the policy's theta; speed: the fastest within its budget
     #: The rule whose main knob is fitted (a Rule; its other knobs kept); None: mars
     #: with ``margin``. ``alpha_given``: typical's alpha was given (else tied to sqrt(epsilon)).

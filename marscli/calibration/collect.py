@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from marscli.config import GUARD_OFF, GuardConfig
+from marscli.config import GUARD_OFF, SPANS_OFF, GuardConfig, SpanConfig
 from marscli.verification import rules
 from marscli.verification.chain import sampling_probs
 from marscli.verification.registry import (
@@ -224,9 +224,11 @@ class MarginCollector:
             self._tree_rows.append(t)
         self._rows += other._rows
 
-    def data(self, records: int, failed: int = 0, guard: GuardConfig = GUARD_OFF) -> MarginData:
+    def data(self, records: int, failed: int = 0, guard: GuardConfig = GUARD_OFF,
+             spans: SpanConfig = SPANS_OFF) -> MarginData:
         """The collected arrays; ``guard``: the loop guard the replay applies (the guard's
-        verdicts were recorded with the engine's n-gram size and window)."""
+        verdicts were recorded with the engine's n-gram size and window); ``spans``: the
+        strict spans the engine tracked."""
         rows = np.concatenate(self._rows) if self._rows else np.zeros((0, len(_COLS)))
         tree = np.concatenate(self._tree_rows) if self._tree_rows else np.zeros((0, len(TREE_COLS)))
         if self.record_max_tokens:
@@ -237,6 +239,7 @@ class MarginCollector:
             step_record=np.asarray(step_record, dtype=np.int64),
             record_max_tokens=np.asarray(record_max, dtype=np.int64),
             guard=guard,
+            spans=spans,
             tree_nodes=tree,
             step_k=np.asarray(self.step_k, dtype=np.int64),
             step_bonus=np.asarray(self.step_bonus, dtype=np.int64),
@@ -285,6 +288,9 @@ class MarginData:
     step_record: np.ndarray | None = None  # [S] the record of each step (0..R-1)
     record_max_tokens: np.ndarray | None = None  # [R] each record's max tokens (its budget's base)
     guard: GuardConfig = GUARD_OFF  # the guard the replay applies
+    #: Strict spans the collection tracked: their positions are in ``guarded`` (the engine
+    #: folds them into the guard it records), so the replay applies it with spans too.
+    spans: SpanConfig = SPANS_OFF
     # Tree steps only: one row per node on the accepted path or beside it ([T, len(TREE_COLS)]).
     tree_nodes: np.ndarray = field(default_factory=lambda: np.zeros((0, len(TREE_COLS))))
     # The per-token rules' facts (rules.PositionFacts), as the verifier computes them:
@@ -353,6 +359,7 @@ class MarginData:
             record_max_tokens=np.concatenate([p.record_max_tokens for p in parts])
             if parts else np.zeros(0, dtype=np.int64),
             guard=parts[0].guard if parts else GUARD_OFF,
+            spans=parts[0].spans if parts else SPANS_OFF,
             step_k=np.concatenate([p.step_k for p in parts]),
             step_bonus=np.concatenate([p.step_bonus for p in parts]),
             step_n=np.concatenate([p.step_n for p in parts]),
@@ -411,7 +418,7 @@ class MarginData:
         if rule.name == TYPICAL and np.isnan(g["entropy"][g["valid"]]).any():
             raise ValueError("the typical rule needs the entropy at each position, which these "
                              "data lack (collect them again with this marscli)")
-        guarded = g["guarded"] if self.guard.repeat_ngram else None
+        guarded = g["guarded"] if self.guard.repeat_ngram or self.spans.active else None
         if rule.name == MARS:
             return rules.PositionFacts({rule.margin: g[f"stat:{rule.margin}"]}, g["eligible"], g["strict_ok"], guarded)
         return rules.PositionFacts({}, None, g["strict_ok"], guarded, p_draft=g["p_draft"], p1=g["p1"],

@@ -23,6 +23,7 @@ from marscli.verification.registry import (
     RULEBOOK,
     Rule,
 )
+from marscli.verification.spans import SPAN_KINDS
 
 SCHEMA_VERSION = 1
 
@@ -177,6 +178,18 @@ def _mapping(fields: dict[str, Any], optional: tuple[str, ...] = ()):
 
 
 _share = _number(lo=0.0, hi=1.0)
+
+
+def _regex(v: Any, path: str) -> str:
+    """A Python regular expression that compiles."""
+    s = _string(v, path)
+    try:
+        re.compile(s)
+    except re.error as e:
+        raise _Invalid(path, f"not a regular expression ({e})") from None
+    return s
+
+
 #: Each rule's knobs in a profile (Rule.knobs(); a profile may hold any rule but strict,
 #: which has nothing to calibrate: registry.RELAXING_RULES).
 RULE_KNOB_KEYS = {r: RULEBOOK[r].profile_keys for r in RELAXING_RULES}
@@ -270,7 +283,13 @@ _SCHEMA = _mapping({
             # issue 62 (absent in older profiles: the default applies)
             "loop_rewind": _integer(lo=0),
         }, optional=("strict_first", "strict_stops", "loop_rewind")),
-    }, optional=("guard", "rule", "margin", *ALL_KNOBS)),
+        # strict spans the knob was calibrated with (calibrate --strict-in / --strict-regex;
+        # absent: none), generate's default when its command line names none
+        "spans": _mapping({
+            "strict_in": _list(_choice(*SPAN_KINDS)),
+            "strict_regex": _nullable(_regex),
+        }),
+    }, optional=("guard", "rule", "margin", "spans", *ALL_KNOBS)),
     "policy": _mapping({
         "name": _choice(*POLICIES),
         "value": _number(),

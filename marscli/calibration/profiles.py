@@ -29,7 +29,7 @@ from marscli.calibration.profile_schema import (
     ProfileError,
     validate_profile,
 )
-from marscli.config import GuardConfig
+from marscli.config import SPANS_OFF, GuardConfig, SpanConfig
 from marscli.drafters.kinds import DRAFTERS, EAGLE3, MODEL
 from marscli.io.results import atomic_write_text
 from marscli.verification.guard import DEFAULT_LOOP_REWIND, DEFAULT_STRICT_FIRST
@@ -152,6 +152,15 @@ class Profile:
                                g.get("loop_rewind", DEFAULT_LOOP_REWIND))
         except ValueError as e:
             raise ProfileError(f"{self.describe()}: verification.guard: {e}") from None
+
+    @property
+    def spans(self) -> SpanConfig:
+        """The strict spans the profile was calibrated with (SPANS_OFF: none, as in every
+        profile from before them): generate's default when its command line names none."""
+        s = self.data["verification"].get("spans")
+        if not s or (not s["strict_in"] and s.get("strict_regex") is None):
+            return SPANS_OFF
+        return SpanConfig(tuple(s["strict_in"]), s.get("strict_regex"))
 
     @property
     def target_source(self) -> str | None:

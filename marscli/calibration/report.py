@@ -132,9 +132,11 @@ def plot_profile(profile_data: dict[str, Any], path: str) -> None:
 
 
 def verification_section(cal: Calibration, data: MarginData) -> dict[str, Any]:
-    """The profile's verification: the rule, its knobs (Rule.knobs) and the guard."""
+    """The profile's verification: the rule, its knobs (Rule.knobs), the guard and the strict
+    spans (when the calibration had any)."""
     rule = cal.chosen_rule()
-    return {"rule": rule.name, **rule.knobs(), "guard": data.guard.to_dict()}
+    return {"rule": rule.name, **rule.knobs(), "guard": data.guard.to_dict(),
+            **({"spans": data.spans.to_dict()} if data.spans.active else {})}
 
 
 def build_profile(*, name: str, cal: Calibration, data: MarginData, target_identity: dict,

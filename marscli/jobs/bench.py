@@ -367,7 +367,7 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
         compile=compile_mode(compile),
         guard=resolved.guard,
         task=task,
-        spans=setup.spans,
+        spans=setup.spans if setup.spans_given or prof is None else prof.spans,
         match_relax_rate=match_relax_rate, calibrate_on=calibrate_on,
         **({"calibration_records": calibration_records} if calibration_records is not None else {}),
     )

@@ -163,7 +163,7 @@ def collect_calibration(cfg: BenchConfig, calibration: Sequence[tuple[Request, s
 
     # No job corpus: the relaxed methods whose knobs this fits draft from their own text only.
     engine = build_engine(target, draft, VerifyConfig(guard=cfg.guard), chain_or_tree(cfg.draft, False), 1,
-                         log, job_corpus=False, calibrating=True)
+                         log, job_corpus=False, calibrating=True, spans=cfg.spans)
     seen = set()
     for req, _ in measured:
         try:
@@ -189,7 +189,7 @@ def collect_calibration(cfg: BenchConfig, calibration: Sequence[tuple[Request, s
     share = "" if cfg.match_relax_rate is None else f" {cfg.match_relax_rate:g}"
     log(f"--match-relax-rate{share}: strict decoding of {len(prompts)} calibration prompts from {source}")
     collector, failed = collect_split(engine, prompts, cfg.sampling(cfg.seeds[0]))
-    data = collector.data(records=len(prompts) - failed, failed=failed, guard=cfg.guard)
+    data = collector.data(records=len(prompts) - failed, failed=failed, guard=cfg.guard, spans=cfg.spans)
     if data.positions == 0:
         raise InputError(f"{source}: the drafter proposed no tokens on the calibration prompts: nothing to "
                          "match (more or longer prompts, or another drafter)")
@@ -244,8 +244,7 @@ def fit_methods(cfg: BenchConfig, calibration: Sequence[tuple[Request, str | Non
         log(f"--match-relax-rate {s:g}: {m.name} -> {spec.name} ({relaxed:.4f} relaxed per position, relax "
             f"rate {fit['relax_rate_calibration']:.4f}, on {on.positions} calibration positions)" + (
                 "" if relaxed <= s else ": NOT matched, it relaxes more even at its strict end"))
-    notes = ["strict spans: the calibration replay relaxes inside them too, the measured run does not"
-             ] if cfg.spans.active else []
+    notes = []
     match = Match(s, split.source, data.records, data.positions, data.tokens, split.dropped, split.skipped,
                   notes=notes, methods=fitted)
     return dataclasses.replace(cfg, methods=tuple(methods)), match

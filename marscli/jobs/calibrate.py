@@ -141,7 +141,7 @@ def derailment_check(cfg: CalibrateConfig, target, draft_loaded, items, strict_l
 
     def check(rule: Rule) -> dict[str, int]:
         engine = build_engine(target, draft_loaded, VerifyConfig.from_rule(rule, cfg.guard), cfg.setup.draft,
-                              cfg.setup.batch_size, compile_mode=cfg.setup.compile)
+                              cfg.setup.batch_size, compile_mode=cfg.setup.compile, spans=cfg.spans)
         valid = [it for it in items if not isinstance(it, RecordError) and it.index in strict_loops]
         loops = rewinds = 0
         derailed = 0
@@ -226,7 +226,7 @@ def calibrate_config(input: str, o: GenerationOptions, sampling: SamplingParams,
     return CalibrateConfig(
         input=input, output=output, name=name, setup=setup, margin=margin, policy=policy,
         policy_value=value, sampling=sampling, limit=limit, plot=plot,
-        guard=resolve_guard(setup.verify, None), objective=objective, rule=template,
+        guard=resolve_guard(setup.verify, None), spans=setup.spans, objective=objective, rule=template,
         alpha_given=alpha_given,
     )
 
@@ -238,7 +238,7 @@ def margins_profile(collector, failed: int, records: int, seconds: float, cfg: C
     the engine's step costs, its predicted speed too: marscli.calibration.speed). derails:
     a derailment_check; the knob then moves towards strict while the rule derails."""
 
-    data = collector.data(records=records - failed, failed=failed, guard=cfg.guard)
+    data = collector.data(records=records - failed, failed=failed, guard=cfg.guard, spans=cfg.spans)
     if data.positions == 0:
         raise MarscliError(f"{cfg.input}: the drafter proposed no tokens on these prompts, so there "
                            "are no margins to calibrate on (try --fixed-k, more or longer prompts, or another drafter)")
@@ -322,7 +322,7 @@ def calibration_engine(cfg: CalibrateConfig, target, draft_loaded, note=None):
     drafts what it will draft for the relaxed rule, which gets none."""
     return build_engine(target, draft_loaded, VerifyConfig(guard=cfg.guard), cfg.setup.draft, cfg.setup.batch_size,
                        note or (lambda _: None), job_corpus=False, compile_mode=cfg.setup.compile,
-                       calibrating=True)
+                       calibrating=True, spans=cfg.spans)
 
 
 def collect_profile(cfg: CalibrateConfig, engine, items, target, draft_loaded, log: Log, *, input_name: str,

@@ -103,7 +103,7 @@ def run_fingerprint(
         fp["output"]["format"] = options.output_format
     if options.strict_keys:
         fp["output"]["strict_keys"] = True
-    if setup.spans.active:  # they decide which drafts may be relaxed
+    if setup.spans.active or setup.spans_given:  # they decide which drafts may be relaxed (given: over a profile's)
         fp["verify"]["spans"] = setup.spans.to_dict()
     if getattr(setup, "relax_at", RELAX_EVERY) != RELAX_EVERY:  # Algorithm 1: the text follows K
         fp["verify"]["relax_at"] = setup.relax_at

@@ -601,14 +601,15 @@ def build_generator(setup: ModelSetup, note: Note = _silent, group=None) -> Gene
     prof = choose_profile(target, draft_loaded, setup.draft, profile=setup.profile,
                           auto=setup.auto_profile, verify_mode=setup.verify.mode, note=note)
     verify = resolve_verification(setup.verify, prof, note)
-    engine = build_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=setup.spans,
+    spans = resolve_spans(setup, prof, note) if verify.rule.relaxes else setup.spans
+    engine = build_engine(target, draft_loaded, verify, setup.draft, setup.batch_size, note, spans=spans,
                           prefix_cache_mib=setup.prefix_cache, compile_mode=setup.compile,
                           relax_at=setup.relax_at)
     if setup.batch_size > 1:
         note(f"batch size {setup.batch_size}")
     if setup.spans.active and not verify.rule.relaxes:
         note("--strict-in / --strict-regex have no effect with strict verification")
-    return Generator(target, draft_loaded, setup.draft, verify, prof, engine, setup.batch_size, setup.spans)
+    return Generator(target, draft_loaded, setup.draft, verify, prof, engine, setup.batch_size, spans)
 
 
 def generation_setup(o: GenerationOptions, need_drafter: str | None = None) -> ModelSetup:
@@ -633,5 +634,15 @@ def generation_setup(o: GenerationOptions, need_drafter: str | None = None) -> M
     spans = span_config(o.strict_in, o.strict_regex)
     return ModelSetup(tcfg, dcfg, dmcfg, request,
                       str(prof.path) if prof is not None else None, o.auto_profile, o.batch_size, spans,
+                      o.strict_in is not None or o.strict_regex is not None,
                       o.prefix_cache, compile_mode(o.compile), relax_at(o.relax_at))
+
+
+def resolve_spans(setup: ModelSetup, profile, note: Note = _silent) -> SpanConfig:
+    """Command line > profile > none for strict spans: --strict-in / --strict-regex when given
+    (--strict-in none: none), else the spans the profile was calibrated with."""
+    if setup.spans_given or profile is None or not profile.spans.active:
+        return setup.spans
+    note(f"profile {profile.name}: strict spans {profile.spans.label()} (--strict-in none relaxes there too)")
+    return profile.spans
 

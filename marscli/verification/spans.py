@@ -54,8 +54,9 @@ Fence = tuple[str, int]  # (fence character, length of the opening run)
 
 
 def parse_strict_in(value: str | None) -> tuple[str, ...]:
-    """'code,answer' -> ('code', 'answer'); raises ValueError naming an unknown kind."""
-    if value is None:
+    """'code,answer' -> ('code', 'answer'); 'none' -> () (no strict span, not even a
+    profile's); raises ValueError naming an unknown kind."""
+    if value is None or value.strip().lower() == "none":
         return ()
     kinds = tuple(dict.fromkeys(k.strip() for k in value.split(",") if k.strip()))
     bad = [k for k in kinds if k not in SPAN_KINDS]

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from marscli.calibration.collect import MarginCollector
 from marscli.calibration.policies import (
@@ -405,3 +408,59 @@ def _approx(x):
     if isinstance(x, float):
         return pytest.approx(x, rel=1e-5, abs=1e-7)
     return x
+
+
+def test_a_calibration_with_strict_spans_records_them_and_generate_uses_them(runner, tiny_model_dir,
+                                                                            calib_prompts, tmp_path):
+    """calibrate --strict-regex: the positions in the span are strict in the collection's replay
+    (nothing relaxed where every position after the first character is in it), the profile
+    records the spans, and generate verifies in them by default; --strict-in none relaxes."""
+    from marscli.calibration.profiles import load_profile
+    from marscli.cli import app
+
+    def calibrate(name, *extra):
+        out = tmp_path / f"{name}.yaml"
+        r = runner.invoke(app, ["calibrate", str(calib_prompts), "--target", str(tiny_model_dir),
+                                "--relax-rate", "0.5", "--strict-first", "0", "--repeat-guard", "0",
+                                "--name", name, "-o", str(out), *extra])
+        assert r.exit_code == 0, r.stderr
+        return load_profile(out)
+
+    free = calibrate("free")
+    spans = calibrate("spans", "--strict-regex", "(?s).")
+    assert "spans" not in free.data["verification"] and not free.spans.active
+    assert spans.data["verification"]["spans"] == {"strict_in": [], "strict_regex": "(?s)."}
+    assert spans.spans.strict_regex == "(?s)." and spans.spans.strict_in == ()
+    assert free.data["summary"]["relaxed_share"] > 0  # the tiny model relaxes without the span
+    # Only an output's first position lies outside the span: relaxing there alone.
+    relaxed = spans.data["summary"]["relaxed_share"] * spans.data["calibration_data"]["tokens"]
+    assert relaxed <= spans.data["calibration_data"]["records"] + 1e-6
+    assert spans.data["summary"]["relaxed_share"] < free.data["summary"]["relaxed_share"]
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "g", "prompt": "one two three one two", "max_tokens": 8}) + "\n")
+    base = ["generate", str(src), "--profile", str(tmp_path / "spans.yaml"), "--verify", "mars", "--no-timing"]
+    g = runner.invoke(app, base)
+    assert g.exit_code == 0, g.stderr
+    assert json.loads(g.stdout)["spec"]["spans"] == {"strict_in": [], "strict_regex": "(?s)."}
+    assert "strict spans regex '(?s).'" in g.stderr
+    g = runner.invoke(app, [*base, "--strict-in", "none"])
+    assert g.exit_code == 0, g.stderr
+    assert "spans" not in json.loads(g.stdout)["spec"]
+    g = runner.invoke(app, [*base, "--strict-in", "code"])
+    assert json.loads(g.stdout)["spec"]["spans"] == {"strict_in": ["code"], "strict_regex": None}
+
+
+def test_a_profile_with_a_broken_span_names_the_key(tmp_path):
+    from marscli.calibration.profile_schema import ProfileError
+    from marscli.calibration.profiles import load_profile
+
+    src = next(p for p in sorted((Path(__file__).resolve().parents[2] / "profiles").glob("*.yaml")))
+    doc = yaml.safe_load(src.read_text())
+    for spans, fragment in (({"strict_in": ["prose"], "strict_regex": None}, "verification.spans.strict_in"),
+                            ({"strict_in": [], "strict_regex": "(oops"}, "verification.spans.strict_regex")):
+        doc["verification"]["spans"] = spans
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump(doc))
+        with pytest.raises(ProfileError, match=re.escape(fragment)):
+            load_profile(bad)
