@@ -59,6 +59,7 @@ from marscli.jobs.setup import (
     generation_setup,
     load_models,
     named_profile,
+    resolve_spans,
     resolve_verification,
 )
 from marscli.scoring import rouge
@@ -367,7 +368,7 @@ def bench_config(input: str, o: GenerationOptions = GenerationOptions(), *, meth
         compile=compile_mode(compile),
         guard=resolved.guard,
         task=task,
-        spans=setup.spans if setup.spans_given or prof is None else prof.spans,
+        spans=resolve_spans(setup, prof, note),
         match_relax_rate=match_relax_rate, calibrate_on=calibrate_on,
         **({"calibration_records": calibration_records} if calibration_records is not None else {}),
     )
