@@ -393,9 +393,9 @@ def rewinding_oracle(model, ids: list[int], max_new: int, theta: float, window: 
     the rule's words: emit the MixedDrafter's proposal where it is the top-1, or the top-2 at
     a close call (unless a rewind made the position strict), else the top-1; after each token,
     if the output ends in a loop (guard.loop_period) whose periodic tail begins at most
-    `window` tokens after a relaxed token, go back to the latest such token and decide its
-    position strictly; after MAX_REWINDS rewinds, relax no more, and a further loop goes back
-    to the earliest such token instead. Returns (the output, the rewinds)."""
+    `window` tokens after a relaxed token, go back to the earliest such token and decide its
+    position strictly; after MAX_REWINDS rewinds, relax no more (a later loop can still take
+    back an earlier relaxation). Returns (the output, the rewinds)."""
     from marscli.verification.guard import loop_period
 
     drafter = MixedDrafter(model, 1)
@@ -427,7 +427,7 @@ def rewinding_oracle(model, ids: list[int], max_new: int, theta: float, window: 
             onset -= 1
         back = [r for r in relaxed_at if r >= onset - window and r not in strict_at]
         if back:
-            r = max(back) if rewinds < MAX_REWINDS else min(back)
+            r = min(back)
             del out[r:]
             relaxed_at = [x for x in relaxed_at if x < r]
             strict_at.add(r)

@@ -304,7 +304,7 @@ class Sequence:
         return self.spans.tree_flags(tokens, parents)
 
     def rewinds_spent(self) -> bool:
-        """The record's relaxations derailed MAX_REWINDS times: it relaxes no more."""
+        """The record's relaxations derailed MAX_REWINDS times (once): it relaxes no more."""
         return self.loops is not None and self.stats.rewinds >= MAX_REWINDS
 
     def relax_left(self) -> int | None:
@@ -395,9 +395,9 @@ class Sequence:
         position at a time: at the first token after which the output ends in a loop whose
         periodic tail begins at most ``loop_rewind`` tokens after a relaxed token (one a
         rewind has not already decided strictly), the step's tokens end there and the
-        record will rewind to the most recent such relaxed token (the earliest, once
-        MAX_REWINDS rewinds have stopped its relaxations). Returns (the tokens to
-        commit, the position to rewind to or None)."""
+        record will rewind to the earliest such relaxed token: one rewind takes back every
+        relaxation in the window, and the record relaxes no more after MAX_REWINDS of them.
+        Returns (the tokens to commit, the position to rewind to or None)."""
         W = self.settings.loop_rewind
         base = len(self.out)
         for i, t in enumerate(emitted):
@@ -409,10 +409,10 @@ class Sequence:
             onset = self.loops.onset(p)  # the stream is the output: an output position
             back = [r for r in self.relaxed_at if r >= onset - W and r not in self.strict_at]
             if back:
-                # The latest relaxation is the likeliest cause; once the record relaxes no
-                # more (MAX_REWINDS), its strict continuation looped again, so go straight
-                # to the earliest one left in the window: one rewind, not one per relaxation.
-                return emitted[: i + 1], (min(back) if self.rewinds_spent() else max(back))
+                # Any relaxation in the window may have started the loop; walking back one at
+                # a time (the latest first) paid up to the window again per relaxation, and a
+                # record that relaxed several times in it mostly rewound them all in turn.
+                return emitted[: i + 1], min(back)
         return emitted, None
 
     def rewind(self, r: int) -> None:

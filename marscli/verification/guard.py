@@ -43,13 +43,15 @@ DEFAULT_STRICT_FIRST = 2
 #: Loop rewinds (GuardConfig.loop_rewind): a relaxed token at most this many tokens before
 #: the periodic tail of a loop the output falls into is taken back (docs/calibration.md, "Loops").
 DEFAULT_LOOP_REWIND = 64
-#: Rewinds a record may make: after its relaxations have derailed this many times, the
-#: record is decided strictly from the last rewound position on. A record that falls into a
-#: loop again after two relaxations were taken back is one whose strict continuation loops
-#: too, most often (held-out records at 256 tokens, 2026-11-28: 7 of 120 rewound 3-16 times,
-#: 68% of all the tokens rewinds took back, 3 of them looping all the same); each further
-#: rewind would cost up to the window again for little.
-MAX_REWINDS = 2
+#: Rewinds after which a record relaxes no more. A rewind goes back to the earliest relaxed
+#: token in the window (not yet made strict), so one rewind takes back every relaxation that
+#: could have started the loop, and the record is decided strictly from there on: a record
+#: whose relaxations derailed once is one to decode as the target would. On 120 held-out
+#: records at 256 tokens (2026-11-30) this ends as many records in a loop as walking back one
+#: relaxation at a time with a cap of 2 (11; plain decoding 17) with 27 rewinds and 11.2% of
+#: the kept tokens discarded instead of 45 and 15.1% (docs/calibration.md, "Loops"). Relaxations
+#: made before the rewound position can still be taken back by a later loop.
+MAX_REWINDS = 1
 
 #: A loop at the end of an output: a block of at most LOOP_MAX_PERIOD tokens repeated at least
 #: LOOP_MIN_REPEATS times, covering at least LOOP_MIN_SPAN tokens, up to the last token (the

@@ -60,20 +60,20 @@ def test_ends_in_loop_finds_periodic_tails_only():
     assert ends_in_loop([3] * 30)
 
 
-def test_rewinds_take_the_latest_relaxation_then_the_earliest_once_relaxing_stopped():
-    """A record's loop rewinds (Sequence.commit): each loop within the window after relaxed
-    tokens goes back to the latest of them, until MAX_REWINDS rewinds have stopped the
-    record's relaxations; a loop after that goes back to the earliest one left in the window
-    (one rewind for what would otherwise be one per relaxation)."""
+def test_a_rewind_takes_back_every_relaxation_in_the_window_and_the_record_relaxes_no_more():
+    """A record's loop rewinds (Sequence.commit): a loop within the window after relaxed
+    tokens goes back to the earliest of them (one rewind for all the relaxations that could
+    have started it), and after MAX_REWINDS (one) the record relaxes no more; a later loop
+    can still take back a relaxation made before the rewound position."""
     from marscli.engine.sequence import RowSettings, Sequence
     from marscli.verification.guard import MAX_REWINDS
 
-    assert MAX_REWINDS == 2  # the walk below is written for two
+    assert MAX_REWINDS == 1  # the walk below is written for one
     guard = GuardConfig(0, 64, 1.0, 0, False, loop_rewind=64)
     settings = RowSettings(None, frozenset(), 8, None, guard=guard, relaxing=True, loop_rewind=64)
     seq = Sequence(settings, [1, 2, 3], SamplingParams(max_tokens=400))
-    text = list(range(100, 140))  # 40 distinct tokens, relaxed at 5, 10, 20 and 30
-    seq.commit(text, 0, 0, [i in (5, 10, 20, 30) for i in range(40)], 0)
+    text = list(range(100, 200))  # 100 distinct tokens, relaxed at 5, 10, 60, 70 and 80
+    seq.commit(text, 0, 0, [i in (5, 10, 60, 70, 80) for i in range(100)], 0)
     loop = [900, 901, 902, 903, 904] * 4
 
     def loop_from_here():
@@ -81,18 +81,19 @@ def test_rewinds_take_the_latest_relaxation_then_the_earliest_once_relaxing_stop
         seq.commit(list(range(500 + base, 510 + base)) + loop, 0, 0, [], 0)
 
     assert seq.relax_left() is None
-    loop_from_here()  # the loop's onset is within 64 of all four: the latest, 30, goes
-    assert (len(seq.out), seq.stats.rewinds, seq.relaxed_at) == (30, 1, [5, 10, 20])
-    loop_from_here()  # 20 goes, and the record relaxes no more
-    assert (len(seq.out), seq.stats.rewinds, seq.relaxed_at) == (20, 2, [5, 10])
-    assert seq.relax_left() == 0
-    loop_from_here()  # relaxing stopped: straight to the earliest, 5, not 10
+    loop_from_here()  # onset 110: 60, 70 and 80 lie within 64 of it, 5 and 10 do not; to 60
+    assert (len(seq.out), seq.stats.rewinds, seq.relaxed_at) == (60, 1, [5, 10])
+    assert seq.relax_left() == 0 and seq.strict_at == {60}
+    assert seq.stats.relaxed == 2  # the three taken back are gone from the count
+    loop_from_here()  # onset 70: 10 lies within 64 of it (5 does not); it goes
+    assert (len(seq.out), seq.stats.rewinds, seq.relaxed_at) == (10, 2, [5])
+    assert seq.strict_at == {60, 10}
+    loop_from_here()  # onset 20: 5 is in the window too
     assert (len(seq.out), seq.stats.rewinds, seq.relaxed_at) == (5, 3, [])
-    assert seq.strict_at == {30, 20, 5}
     loop_from_here()  # nothing relaxed is left: the loop stays
     assert seq.stats.rewinds == 3 and ends_in_loop(seq.out)
     # each loop is caught at its 16th token (the test's shortest span), 10 tokens after the text
-    assert seq.stats.rewound_tokens == (66 - 30) + (56 - 20) + (46 - 5)
+    assert seq.stats.rewound_tokens == (126 - 60) + (86 - 10) + (36 - 5)
 
 
 def test_ngram_index_judges_drafts_against_the_output_and_the_drafts_ahead():
