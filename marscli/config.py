@@ -99,8 +99,9 @@ class GuardConfig:
     relaxes at a position whose target top-1 is a stop token (False: the paper's rule).
     loop_rewind: take back a relaxation that derails: when the output falls into a loop
     (guard.loop_period's test) whose periodic tail begins at most this many tokens after a
-    relaxed token, the record rewinds to that token and decides its position strictly (0:
-    never; the position-wise rules only: marscli.engine.sequence.Sequence.commit).
+    relaxed token, the record rewinds to the earliest such token, decides its position
+    strictly and relaxes no more (0: never; the position-wise rules only:
+    marscli.engine.sequence.Sequence.commit).
     None changes strict verification.
     """
 
@@ -382,7 +383,7 @@ class GenerationOptions:
     repeat_window: int | None = _opt(None, "guard", PANEL_VERIFY, "Tokens of recent output the loop guard looks back over. Default: the profile's, else 256.", min=1)
     max_relaxed_share: float | None = _opt(None, "guard", PANEL_VERIFY, "Relaxation budget: a record relaxes at most this share of its max tokens, then is verified strictly (1 = no budget). Default: the profile's, else 0.25.", min=0.0, max=1.0)
     strict_first: int | None = _opt(None, "guard", PANEL_VERIFY, "Relaxed rules verify the first N generated tokens of every output strictly, like a strict span (0 = off). Default: the profile's, else 2.", min=0)
-    loop_rewind: int | None = _opt(None, "guard", PANEL_VERIFY, "Take back a relaxation that derails: when the output falls into a loop within N tokens after a relaxed token, the record rewinds to that token and decides it strictly (0 = off). Default: the profile's, else 64.", min=0)
+    loop_rewind: int | None = _opt(None, "guard", PANEL_VERIFY, "Take back a relaxation that derails: when the output falls into a loop within N tokens after a relaxed token, the record rewinds to the earliest such token, decides it strictly and relaxes no more (0 = off). Default: the profile's, else 64.", min=0)
     no_guard: bool = _opt(False, "guard", PANEL_VERIFY, "No loop guard, no budget, no strict first tokens, no loop rewinds, and relaxed stops allowed: the paper's rule alone (--strict-first N still applies when given).", "--no-guard")
     # the rule and its knobs (marscli.verification.registry)
     verify: str | None = _opt(None, "rule", PANEL_VERIFY, verify_help(), "--verify", "--rule")

@@ -211,8 +211,8 @@ class RowSettings:
     #: rule relaxes or the record has an observer, as it keeps the n-gram index.
     spans: Any = None
     #: Loop rewinds (GuardConfig.loop_rewind; 0: off): when the output falls into a loop within
-    #: this many tokens after a relaxed token, the record rewinds to that token and decides its
-    #: position strictly (``Sequence.commit``). On only where every position is judged from
+    #: this many tokens after a relaxed token, the record rewinds to the earliest such token and
+    #: decides its position strictly (``Sequence.commit``). On only where every position is judged from
     #: the text (the engine's position-wise rows).
     loop_rewind: int = 0
 
